@@ -1,0 +1,129 @@
+// Per-group geometry of the Blackwell NVFP4 MoE grouped GEMM (SPEC §2, §3).
+//
+// Plain integer arithmetic, no CUTLASS types, callable on the host and on the
+// device: the host planner (tested on the CPU) and the device kernel that fills
+// CUTLASS's per-group argument arrays evaluate exactly this code, so what the
+// host tests check is what the GPU computes.
+//
+// Grouping. Group g = expert * parts + part. For w13 (parts = 2) group
+// (e, 0) is the gate GEMM and (e, 1) the up GEMM of expert e; they are separate
+// CUTLASS groups so that each carries its own alpha (gate and up
+// weight_scale_2 differ per expert, FIELD_BUGS 10), and they write the two
+// column halves of one [rows, 2 * n_part] output (ldd = 2 * n_part).
+// For w2 (parts = 1) there is one group per expert.
+//
+// Memory the groups point into (byte offsets from the base pointers):
+//   A    fp4 activations [rows, k/2], expert e's rows start at row_offset(e),
+//        a multiple of 128 (SPEC §2: row_offset_e = sum_{j<e} round_up(tokens_j, 128)).
+//   SFA  SPEC §2 swizzled scales of A, swizzled as one [rows, k/16] matrix; as
+//        every expert block starts on a 128-row tile, expert e's scales are the
+//        standalone SPEC §2 layout of a [tokens_e, k/16] matrix starting at byte
+//        row_offset(e) * sf_k_tiles(k) * 4.
+//   B    fp4 weights [E, parts * n_part, k/2] (the checkpoint layout, gate rows
+//        then up rows for w13).
+//   SFB  weight scales swizzled per (expert, part): [E, parts, round_up(n_part, 128) * sf_k_tiles(k) * 4]
+//        bytes. Gate and up are swizzled separately because n_part = I need not
+//        be a multiple of 128 (I = 464): a 128-row tile would straddle gate and up.
+//   D    bf16 [rows, parts * n_part], row-major.
+// Empty experts (0 tokens) get the problem shape (0, 0, 0): CUTLASS's grouped
+// tile scheduler then reserves no tiles for them and builds no TMA descriptor.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MEGAMOE_HOST_DEVICE __host__ __device__
+#else
+#define MEGAMOE_HOST_DEVICE
+#endif
+
+namespace megamoe::sm100 {
+
+constexpr int kExpertRowAlign = 128;  // SPEC §2 per-expert row padding
+constexpr int kSfVecSize = 16;        // NVFP4: one e4m3 scale per 16 elements along K
+constexpr int kSfTileRows = 128;      // rows of one SPEC §2 tile
+constexpr int kSfTileBlocks = 4;      // scale columns of one SPEC §2 tile (512 bytes)
+
+struct MoeGemmGeometry {
+  int num_experts = 0;
+  int parts = 1;          // 2: gate/up groups writing two column halves of D; 1: one group per expert
+  int n_part = 0;         // N of each group (I for w13 parts, H for w2)
+  int k = 0;              // K of every group, in fp4 elements (a multiple of 32 for TMA)
+  int a_scale_count = 1;  // 1: one activation global scale; num_experts: one per expert (static input_scale)
+};
+
+struct GroupGeometry {
+  int expert = 0;
+  int part = 0;
+  int m = 0, n = 0, k = 0;        // problem shape given to CUTLASS ((0,0,0) for an empty expert)
+  int tokens = 0;                 // tokens routed to the expert (m before zeroing)
+  int64_t row_offset = 0;         // first row of the expert's block in A and D
+  int64_t a_offset_bytes = 0;
+  int64_t sfa_offset_bytes = 0;
+  int64_t b_offset_bytes = 0;
+  int64_t sfb_offset_bytes = 0;
+  int64_t d_offset_elems = 0;
+  int64_t ldd = 0;                // row stride of D in elements
+  int a_scale_index = 0;          // index into the activation global scales
+  int b_scale_index = 0;          // index into the weight global scales [E * parts]
+};
+
+MEGAMOE_HOST_DEVICE inline int64_t round_up_i64(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Number of 4-column SF tiles along K (SPEC §2 KT).
+MEGAMOE_HOST_DEVICE inline int64_t sf_k_tiles(int k) {
+  return (k / kSfVecSize + kSfTileBlocks - 1) / kSfTileBlocks;
+}
+
+// Bytes of a SPEC §2 swizzled scale buffer for a [rows, k/16] scale matrix (padding included).
+MEGAMOE_HOST_DEVICE inline int64_t sf_padded_bytes(int64_t rows, int k) {
+  return round_up_i64(rows, kSfTileRows) * sf_k_tiles(k) * kSfTileBlocks;
+}
+
+MEGAMOE_HOST_DEVICE inline int num_groups(MoeGemmGeometry const& geo) { return geo.num_experts * geo.parts; }
+
+// Padded first row of expert e: sum_{j<e} round_up(tokens_j, 128).
+MEGAMOE_HOST_DEVICE inline int64_t expert_row_offset(int32_t const* token_counts, int expert) {
+  int64_t offset = 0;
+  for (int j = 0; j < expert; ++j) {
+    offset += round_up_i64(token_counts[j], kExpertRowAlign);
+  }
+  return offset;
+}
+
+// Rows of A / D the whole grouped problem spans (sum of padded expert blocks).
+MEGAMOE_HOST_DEVICE inline int64_t total_padded_rows(int32_t const* token_counts, int num_experts) {
+  return expert_row_offset(token_counts, num_experts);
+}
+
+MEGAMOE_HOST_DEVICE inline GroupGeometry group_geometry(MoeGemmGeometry const& geo, int32_t const* token_counts,
+                                                       int group) {
+  GroupGeometry out;
+  out.expert = group / geo.parts;
+  out.part = group % geo.parts;
+  out.tokens = token_counts[out.expert];
+  bool const empty = out.tokens <= 0;
+  out.m = empty ? 0 : out.tokens;
+  out.n = empty ? 0 : geo.n_part;
+  out.k = empty ? 0 : geo.k;
+  out.row_offset = expert_row_offset(token_counts, out.expert);
+  int64_t const part_index = int64_t(out.expert) * geo.parts + out.part;
+  int64_t const sf_row_bytes = sf_k_tiles(geo.k) * kSfTileBlocks;
+  out.a_offset_bytes = out.row_offset * (geo.k / 2);
+  out.sfa_offset_bytes = out.row_offset * sf_row_bytes;
+  out.b_offset_bytes = part_index * geo.n_part * (geo.k / 2);
+  out.sfb_offset_bytes = part_index * round_up_i64(geo.n_part, kSfTileRows) * sf_row_bytes;
+  out.ldd = int64_t(geo.parts) * geo.n_part;
+  out.d_offset_elems = out.row_offset * out.ldd + int64_t(out.part) * geo.n_part;
+  out.a_scale_index = geo.a_scale_count == 1 ? 0 : out.expert;
+  out.b_scale_index = int(part_index);
+  return out;
+}
+
+// Epilogue alpha of a group: activation global scale x weight global scale (SPEC §1: both multiply on decode).
+MEGAMOE_HOST_DEVICE inline float group_alpha(GroupGeometry const& gg, float const* a_global_scale,
+                                             float const* b_global_scale) {
+  return a_global_scale[gg.a_scale_index] * b_global_scale[gg.b_scale_index];
+}
+
+}  // namespace megamoe::sm100

@@ -1,0 +1,493 @@
+// NVFP4 x NVFP4 -> bf16 grouped GEMM for the MoE experts on Blackwell (sm_100a),
+// through CUTLASS's block-scaled ptr-array grouped kernel.
+//
+// One kernel configuration only (compile time: this TU is the costliest of the
+// build): 1-SM tcgen05 MMA, tile 128x128x256, cluster 1x1, per-group alpha
+// through a pointer array, no source C. See sm100_moe_groups.hpp for what a
+// group is and where its operands live.
+#include "megamoe/sm100_grouped_gemm.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace megamoe::sm100 {
+namespace {
+
+using namespace cute;
+
+using UnderlyingShape = Shape<int, int, int>;  // (M, N, K) of one group
+using ProblemShape = cutlass::gemm::GroupProblemShape<UnderlyingShape>;
+
+using ElementA = cutlass::nv_float4_t<cutlass::float_e2m1_t>;  // activations [M, K], K-major
+using ElementB = cutlass::nv_float4_t<cutlass::float_e2m1_t>;  // weights [N, K], K-major
+using ElementD = cutlass::bfloat16_t;
+using ElementAccumulator = float;
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::ColumnMajor;
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignmentA = 32;  // 16 bytes of fp4: TMA needs 16-byte aligned rows
+constexpr int kAlignmentB = 32;
+constexpr int kAlignmentD = 8;   // 16 bytes of bf16
+
+using MmaTileShape = Shape<_128, _128, _256>;
+using ClusterShape = Shape<_1, _1, _1>;
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;
+constexpr char const* kScheduleName = "KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100 + PtrArrayTmaWarpSpecialized1Sm";
+
+// ElementC = void: D = alpha * acc, no source read.
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, MmaTileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void, LayoutD*,
+    kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpilogueSchedule>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, ElementA, LayoutA*, kAlignmentA, ElementB,
+    LayoutB*, kAlignmentB, ElementAccumulator, MmaTileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+using StrideA = typename GemmKernel::InternalStrideA;
+using StrideB = typename GemmKernel::InternalStrideB;
+using StrideD = typename GemmKernel::InternalStrideD;
+using LayoutSFA = typename CollectiveMainloop::InternalLayoutSFA;
+using LayoutSFB = typename CollectiveMainloop::InternalLayoutSFB;
+using BlockScaledConfig = typename CollectiveMainloop::Sm1xxBlkScaledConfig;
+using ArrayElementA = typename CollectiveMainloop::ArrayElementA;
+using ArrayElementB = typename CollectiveMainloop::ArrayElementB;
+using ElementSF = typename CollectiveMainloop::ElementSF;
+using FusionArguments = decltype(typename Gemm::Arguments{}.epilogue.thread);
+
+static_assert(BlockScaledConfig::SFVecSize == kSfVecSize, "NVFP4 scales cover 16 elements");
+static_assert(sizeof(ElementSF) == 1, "e4m3 scales are one byte");
+
+// Typed views of the per-group arrays inside one device (or host) buffer.
+struct GroupArrays {
+  UnderlyingShape* problem_shapes;
+  ArrayElementA const** ptr_a;
+  ArrayElementB const** ptr_b;
+  ElementSF const** ptr_sfa;
+  ElementSF const** ptr_sfb;
+  ElementD** ptr_d;
+  float* alpha;
+  float const** ptr_alpha;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+};
+
+// Base addresses of the operands (integers so the host planner can use base 0
+// and read the pointer arrays back as byte offsets).
+struct OperandBases {
+  uintptr_t a, a_sf, b, b_sf, d;
+};
+
+constexpr int64_t kArgsSectionAlign = 256;
+
+ArgsLayout make_args_layout(int groups) {
+  ArgsLayout out;
+  int64_t cursor = 0;
+  auto section = [&](int64_t& field, size_t element_bytes) {
+    field = cursor;
+    cursor = round_up_i64(cursor + int64_t(element_bytes) * groups, kArgsSectionAlign);
+  };
+  section(out.problem_shapes, sizeof(UnderlyingShape));
+  section(out.ptr_a, sizeof(void*));
+  section(out.ptr_b, sizeof(void*));
+  section(out.ptr_sfa, sizeof(void*));
+  section(out.ptr_sfb, sizeof(void*));
+  section(out.ptr_d, sizeof(void*));
+  section(out.alpha, sizeof(float));
+  section(out.ptr_alpha, sizeof(void*));
+  section(out.stride_a, sizeof(StrideA));
+  section(out.stride_b, sizeof(StrideB));
+  section(out.stride_d, sizeof(StrideD));
+  section(out.layout_sfa, sizeof(LayoutSFA));
+  section(out.layout_sfb, sizeof(LayoutSFB));
+  out.total_bytes = cursor;
+  return out;
+}
+
+GroupArrays view_group_arrays(void* buffer, ArgsLayout const& layout) {
+  auto at = [&](int64_t offset) { return static_cast<void*>(static_cast<char*>(buffer) + offset); };
+  GroupArrays out;
+  out.problem_shapes = static_cast<UnderlyingShape*>(at(layout.problem_shapes));
+  out.ptr_a = static_cast<ArrayElementA const**>(at(layout.ptr_a));
+  out.ptr_b = static_cast<ArrayElementB const**>(at(layout.ptr_b));
+  out.ptr_sfa = static_cast<ElementSF const**>(at(layout.ptr_sfa));
+  out.ptr_sfb = static_cast<ElementSF const**>(at(layout.ptr_sfb));
+  out.ptr_d = static_cast<ElementD**>(at(layout.ptr_d));
+  out.alpha = static_cast<float*>(at(layout.alpha));
+  out.ptr_alpha = static_cast<float const**>(at(layout.ptr_alpha));
+  out.stride_a = static_cast<StrideA*>(at(layout.stride_a));
+  out.stride_b = static_cast<StrideB*>(at(layout.stride_b));
+  out.stride_d = static_cast<StrideD*>(at(layout.stride_d));
+  out.layout_sfa = static_cast<LayoutSFA*>(at(layout.layout_sfa));
+  out.layout_sfb = static_cast<LayoutSFB*>(at(layout.layout_sfb));
+  return out;
+}
+
+// The SF layouts CUTLASS reads, for an (m, n, k) problem. The one constructor
+// used by the planner, the device argument builder and sf_layout_offsets.
+CUTLASS_HOST_DEVICE LayoutSFA make_layout_sfa(int m, int n, int k) {
+  return BlockScaledConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+}
+CUTLASS_HOST_DEVICE LayoutSFB make_layout_sfb(int m, int n, int k) {
+  return BlockScaledConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+}
+
+// Fills group g of the arrays; the same code runs on the host (planner) and on the device (launch).
+CUTLASS_HOST_DEVICE void fill_group(MoeGemmGeometry const& geo, OperandBases const& bases,
+                                    int32_t const* token_counts, float const* a_global_scale,
+                                    float const* b_global_scale, int g, GroupArrays const& out) {
+  GroupGeometry const gg = group_geometry(geo, token_counts, g);
+  out.problem_shapes[g] = UnderlyingShape{gg.m, gg.n, gg.k};
+  out.ptr_a[g] = reinterpret_cast<ArrayElementA const*>(bases.a + uintptr_t(gg.a_offset_bytes));
+  out.ptr_b[g] = reinterpret_cast<ArrayElementB const*>(bases.b + uintptr_t(gg.b_offset_bytes));
+  out.ptr_sfa[g] = reinterpret_cast<ElementSF const*>(bases.a_sf + uintptr_t(gg.sfa_offset_bytes));
+  out.ptr_sfb[g] = reinterpret_cast<ElementSF const*>(bases.b_sf + uintptr_t(gg.sfb_offset_bytes));
+  out.ptr_d[g] = reinterpret_cast<ElementD*>(bases.d + uintptr_t(gg.d_offset_elems) * sizeof(ElementD));
+  out.alpha[g] = group_alpha(gg, a_global_scale, b_global_scale);
+  out.ptr_alpha[g] = out.alpha + g;
+  // Strides and SF layouts use the real extents even for an empty expert (its
+  // problem shape is (0,0,0), so CUTLASS never reads them).
+  int const m = gg.tokens > 0 ? gg.tokens : 0;
+  out.stride_a[g] = cutlass::make_cute_packed_stride(StrideA{}, make_shape(m, geo.k, 1));
+  out.stride_b[g] = cutlass::make_cute_packed_stride(StrideB{}, make_shape(geo.n_part, geo.k, 1));
+  StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(m, geo.n_part, 1));
+  get<0>(stride_d) = gg.ldd;  // gate and up share D's rows: the row stride is parts * n_part
+  out.stride_d[g] = stride_d;
+  out.layout_sfa[g] = make_layout_sfa(m, geo.n_part, geo.k);
+  out.layout_sfb[g] = make_layout_sfb(m, geo.n_part, geo.k);
+}
+
+__global__ void build_group_arrays_kernel(MoeGemmGeometry geo, OperandBases bases, int32_t const* token_counts,
+                                          float const* a_global_scale, float const* b_global_scale,
+                                          GroupArrays out) {
+  int const g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g < num_groups(geo)) {
+    fill_group(geo, bases, token_counts, a_global_scale, b_global_scale, g, out);
+  }
+}
+
+typename Gemm::Arguments make_gemm_arguments(int groups, GroupArrays const& arrays,
+                                             UnderlyingShape const* host_problem_shapes, int sm_count,
+                                             int device_id) {
+  FusionArguments fusion{};
+  fusion.alpha = 0.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = arrays.ptr_alpha;  // one alpha per group: alpha_ptr_array[group]
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 1};
+
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = device_id;
+  hw_info.sm_count = sm_count;
+
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, arrays.problem_shapes, host_problem_shapes},
+      {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b, arrays.ptr_sfa, arrays.layout_sfa,
+       arrays.ptr_sfb, arrays.layout_sfb},
+      {fusion, nullptr, nullptr, arrays.ptr_d, arrays.stride_d},
+      hw_info};
+  return args;
+}
+
+std::vector<std::string> check_geometry(MoeGemmGeometry const& geo) {
+  std::vector<std::string> problems;
+  auto add = [&](std::string const& what) { problems.push_back(what); };
+  if (geo.num_experts <= 0) add("num_experts must be positive, got " + std::to_string(geo.num_experts));
+  if (geo.parts != 1 && geo.parts != 2) add("parts must be 1 or 2, got " + std::to_string(geo.parts));
+  if (geo.n_part <= 0) add("n_part must be positive, got " + std::to_string(geo.n_part));
+  if (geo.k <= 0 || geo.k % kAlignmentA != 0) {
+    add("k = " + std::to_string(geo.k) + " must be a positive multiple of " + std::to_string(kAlignmentA) +
+        " (16-byte fp4 rows for TMA); pad K with zero codes and zero scales");
+  }
+  if (geo.n_part % kAlignmentD != 0) {
+    add("n_part = " + std::to_string(geo.n_part) + " must be a multiple of " + std::to_string(kAlignmentD) +
+        " (16-byte bf16 output rows and part offsets for TMA)");
+  }
+  if (geo.a_scale_count != 1 && geo.a_scale_count != geo.num_experts) {
+    add("a_scale_count must be 1 or num_experts, got " + std::to_string(geo.a_scale_count));
+  }
+  return problems;
+}
+
+template <class Stride>
+std::vector<int64_t> flatten_stride(Stride const& stride) {
+  std::vector<int64_t> out;
+  for_each(flatten(stride), [&](auto s) { out.push_back(int64_t(s)); });
+  return out;
+}
+
+template <class Layout>
+std::string layout_string(Layout const& layout) {
+  std::ostringstream os;
+  os << layout;
+  return os.str();
+}
+
+template <class Layout>
+std::vector<SfSample> sample_sf_layout(Layout const& layout, int rows, int k) {
+  int const kb_count = k / kSfVecSize;
+  std::set<int> ms = {0, 1, 2, 7, 31, 32, 33, 63, 64, 95, 96, 127, 128, 129, 255, 256, 257, rows - 2, rows - 1};
+  std::set<int> kbs = {0, 1, 2, 3, 4, 5, 7, 8, kb_count - 2, kb_count - 1};
+  std::vector<SfSample> out;
+  for (int m : ms) {
+    if (m < 0 || m >= rows) continue;
+    for (int kb : kbs) {
+      if (kb < 0 || kb >= kb_count) continue;
+      out.push_back({m, kb, int64_t(layout(make_coord(m, kb * kSfVecSize, 0)))});
+    }
+  }
+  return out;
+}
+
+std::string status_string(cutlass::Status status) { return cutlass::cutlassGetStatusString(status); }
+
+}  // namespace
+
+KernelInfo kernel_info() {
+  KernelInfo info;
+  info.tile_m = size<0>(MmaTileShape{});
+  info.tile_n = size<1>(MmaTileShape{});
+  info.tile_k = size<2>(MmaTileShape{});
+  info.cluster_m = size<0>(ClusterShape{});
+  info.cluster_n = size<1>(ClusterShape{});
+  info.stages = CollectiveMainloop::DispatchPolicy::Stages;
+  info.alignment_a_elems = kAlignmentA;
+  info.alignment_b_elems = kAlignmentB;
+  info.alignment_d_elems = kAlignmentD;
+  info.sf_vec_size = BlockScaledConfig::SFVecSize;
+  info.schedule = kScheduleName;
+  info.element_a = "nv_float4_t<float_e2m1_t>";
+  info.element_b = "nv_float4_t<float_e2m1_t>";
+  info.element_sf = "float_ue4m3_t";
+  info.element_d = "bfloat16_t";
+  return info;
+}
+
+ArgsLayout args_layout(int groups) { return make_args_layout(groups); }
+
+int64_t workspace_bytes(int groups, int sm_count) {
+  // The launch passes no host problem shapes, so size the workspace the same way.
+  std::vector<char> host_arrays(size_t(make_args_layout(groups).total_bytes));
+  GroupArrays arrays = view_group_arrays(host_arrays.data(), make_args_layout(groups));
+  return int64_t(Gemm::get_workspace_size(make_gemm_arguments(groups, arrays, nullptr, sm_count, 0)));
+}
+
+std::vector<int64_t> sf_layout_offsets(int rows, int k, char which) {
+  if (rows < 0 || k <= 0 || k % kSfVecSize != 0) {
+    throw std::invalid_argument("sf_layout_offsets: need rows >= 0 and k a positive multiple of 16, got rows=" +
+                                std::to_string(rows) + " k=" + std::to_string(k));
+  }
+  if (which != 'A' && which != 'B') {
+    throw std::invalid_argument(std::string("sf_layout_offsets: operand must be 'A' or 'B', got '") + which + "'");
+  }
+  int const kb_count = k / kSfVecSize;
+  std::vector<int64_t> out;
+  out.reserve(size_t(rows) * kb_count);
+  auto fill = [&](auto const& layout) {
+    for (int m = 0; m < rows; ++m) {
+      for (int kb = 0; kb < kb_count; ++kb) {
+        out.push_back(int64_t(layout(make_coord(m, kb * kSfVecSize, 0))));
+      }
+    }
+  };
+  if (which == 'A') {
+    fill(make_layout_sfa(rows, 1, k));
+  } else {
+    fill(make_layout_sfb(1, rows, k));
+  }
+  return out;
+}
+
+MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const& token_counts,
+                          std::vector<float> const& a_global_scale, std::vector<float> const& b_global_scale,
+                          int sm_count) {
+  MoeGemmPlan plan;
+  plan.geo = geo;
+  plan.sm_count = sm_count;
+  plan.problems = check_geometry(geo);
+  // Problems that leave nothing to plan raise; alignment problems are reported (and make can_implement false).
+  if (geo.num_experts <= 0 || (geo.parts != 1 && geo.parts != 2) || geo.n_part <= 0 || geo.k <= 0 ||
+      geo.k % kSfVecSize != 0 || (geo.a_scale_count != 1 && geo.a_scale_count != geo.num_experts)) {
+    std::string all;
+    for (auto const& p : plan.problems) all += (all.empty() ? "" : "; ") + p;
+    if (geo.k % kSfVecSize != 0) all += (all.empty() ? "" : "; ") + std::string("k must be a multiple of 16");
+    throw std::invalid_argument("plan_moe_gemm: " + all);
+  }
+  if (int(token_counts.size()) != geo.num_experts) {
+    throw std::invalid_argument("plan_moe_gemm: token_counts has " + std::to_string(token_counts.size()) +
+                                " entries, num_experts = " + std::to_string(geo.num_experts));
+  }
+  if (int(a_global_scale.size()) != geo.a_scale_count) {
+    throw std::invalid_argument("plan_moe_gemm: a_global_scale has " + std::to_string(a_global_scale.size()) +
+                                " entries, a_scale_count = " + std::to_string(geo.a_scale_count));
+  }
+  int const groups = num_groups(geo);
+  if (int(b_global_scale.size()) != groups) {
+    throw std::invalid_argument("plan_moe_gemm: b_global_scale has " + std::to_string(b_global_scale.size()) +
+                                " entries, num_experts * parts = " + std::to_string(groups));
+  }
+  if (sm_count <= 0) throw std::invalid_argument("plan_moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  for (int32_t c : token_counts) {
+    if (c < 0) throw std::invalid_argument("plan_moe_gemm: negative token count " + std::to_string(c));
+  }
+
+  plan.args = make_args_layout(groups);
+  std::vector<char> host_arrays(size_t(plan.args.total_bytes));
+  GroupArrays arrays = view_group_arrays(host_arrays.data(), plan.args);
+  OperandBases const zero_bases{0, 0, 0, 0, 0};
+  for (int g = 0; g < groups; ++g) {
+    fill_group(geo, zero_bases, token_counts.data(), a_global_scale.data(), b_global_scale.data(), g, arrays);
+  }
+
+  plan.total_rows = total_padded_rows(token_counts.data(), geo.num_experts);
+  plan.a_bytes = plan.total_rows * (geo.k / 2);
+  plan.sfa_bytes = sf_padded_bytes(plan.total_rows, geo.k);
+  plan.b_bytes = int64_t(groups) * geo.n_part * (geo.k / 2);
+  plan.sfb_bytes = int64_t(groups) * sf_padded_bytes(geo.n_part, geo.k);
+  plan.d_elems = plan.total_rows * geo.parts * geo.n_part;
+
+  for (int g = 0; g < groups; ++g) {
+    GroupPlan gp;
+    gp.geo = group_geometry(geo, token_counts.data(), g);
+    gp.alpha = arrays.alpha[g];
+    gp.stride_a = flatten_stride(arrays.stride_a[g]);
+    gp.stride_b = flatten_stride(arrays.stride_b[g]);
+    gp.stride_d = flatten_stride(arrays.stride_d[g]);
+    LayoutSFA const& sfa = arrays.layout_sfa[g];
+    LayoutSFB const& sfb = arrays.layout_sfb[g];
+    gp.layout_sfa = layout_string(sfa);
+    gp.layout_sfb = layout_string(sfb);
+    gp.sfa_bytes = int64_t(size(filter_zeros(sfa)));
+    gp.sfb_bytes = int64_t(size(filter_zeros(sfb)));
+    gp.sfa_cosize = int64_t(cosize(sfa));
+    gp.sfb_cosize = int64_t(cosize(sfb));
+    gp.sfa_samples = sample_sf_layout(sfa, gp.geo.tokens, geo.k);
+    gp.sfb_samples = sample_sf_layout(sfb, geo.n_part, geo.k);
+    gp.ptr_a = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_a[g]));
+    gp.ptr_b = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_b[g]));
+    gp.ptr_sfa = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_sfa[g]));
+    gp.ptr_sfb = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_sfb[g]));
+    gp.ptr_d = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_d[g]));
+    gp.ptr_alpha_index = int64_t(arrays.ptr_alpha[g] - arrays.alpha);
+    UnderlyingShape const one_shape = arrays.problem_shapes[g];
+    GroupArrays one = arrays;  // the same arrays, seen from group g on
+    one.problem_shapes += g;
+    gp.can_implement =
+        Gemm::can_implement(make_gemm_arguments(1, one, &one_shape, sm_count, 0)) == cutlass::Status::kSuccess;
+    plan.groups.push_back(std::move(gp));
+  }
+
+  std::vector<UnderlyingShape> host_shapes(arrays.problem_shapes, arrays.problem_shapes + groups);
+  auto const args = make_gemm_arguments(groups, arrays, host_shapes.data(), sm_count, 0);
+  cutlass::Status const status = Gemm::can_implement(args);
+  plan.can_implement = status == cutlass::Status::kSuccess;
+  plan.can_implement_status = status_string(status);
+  plan.workspace_bytes = workspace_bytes(groups, sm_count);
+  return plan;
+}
+
+void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs, int32_t const* host_token_counts,
+                  int sm_count, void* stream_handle) {
+  std::vector<std::string> const problems = check_geometry(geo);
+  if (!problems.empty()) throw std::invalid_argument("sm100 moe_gemm: " + problems.front());
+  if (sm_count <= 0) throw std::invalid_argument("sm100 moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  auto check_aligned = [](void const* p, char const* name) {
+    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+      std::ostringstream os;
+      os << "sm100 moe_gemm: " << name << " = " << p << " must be a non-null 16-byte aligned device pointer";
+      throw std::invalid_argument(os.str());
+    }
+  };
+  check_aligned(ptrs.a, "a");
+  check_aligned(ptrs.a_sf, "a_sf");
+  check_aligned(ptrs.b, "b");
+  check_aligned(ptrs.b_sf, "b_sf");
+  check_aligned(ptrs.d, "d");
+  check_aligned(ptrs.args, "args");
+  check_aligned(ptrs.token_counts, "token_counts");
+  check_aligned(ptrs.a_global_scale, "a_global_scale");
+  check_aligned(ptrs.b_global_scale, "b_global_scale");
+
+  int const groups = num_groups(geo);
+  ArgsLayout const layout = make_args_layout(groups);
+  if (ptrs.args_bytes < layout.total_bytes) {
+    throw std::invalid_argument("sm100 moe_gemm: args buffer has " + std::to_string(ptrs.args_bytes) +
+                                " bytes, needs " + std::to_string(layout.total_bytes));
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  int device_id = 0;
+  if (cudaGetDevice(&device_id) != cudaSuccess) throw std::runtime_error("sm100 moe_gemm: cudaGetDevice failed");
+
+  GroupArrays const arrays = view_group_arrays(ptrs.args, layout);
+  OperandBases const bases{reinterpret_cast<uintptr_t>(ptrs.a), reinterpret_cast<uintptr_t>(ptrs.a_sf),
+                           reinterpret_cast<uintptr_t>(ptrs.b), reinterpret_cast<uintptr_t>(ptrs.b_sf),
+                           reinterpret_cast<uintptr_t>(ptrs.d)};
+  constexpr int kThreads = 128;
+  build_group_arrays_kernel<<<(groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      geo, bases, ptrs.token_counts, ptrs.a_global_scale, ptrs.b_global_scale, arrays);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("sm100 moe_gemm: argument builder launch failed: ") + cudaGetErrorString(err));
+  }
+
+  std::vector<UnderlyingShape> host_shapes;
+  if (host_token_counts != nullptr) {
+    for (int g = 0; g < groups; ++g) {
+      GroupGeometry const gg = group_geometry(geo, host_token_counts, g);
+      host_shapes.push_back(UnderlyingShape{gg.m, gg.n, gg.k});
+    }
+  }
+  auto const args = make_gemm_arguments(groups, arrays, host_shapes.empty() ? nullptr : host_shapes.data(),
+                                        sm_count, device_id);
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::runtime_error("sm100 moe_gemm: CUTLASS can_implement: " + status_string(status));
+  }
+  int64_t const needed = int64_t(Gemm::get_workspace_size(args));
+  if (ptrs.workspace_bytes < needed || (needed > 0 && ptrs.workspace == nullptr)) {
+    throw std::invalid_argument("sm100 moe_gemm: workspace has " + std::to_string(ptrs.workspace_bytes) +
+                                " bytes, CUTLASS needs " + std::to_string(needed));
+  }
+  status = gemm.initialize(args, ptrs.workspace, stream);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::runtime_error("sm100 moe_gemm: CUTLASS run: " + status_string(status));
+  }
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("sm100 moe_gemm: kernel launch failed: ") + cudaGetErrorString(err));
+  }
+}
+
+}  // namespace megamoe::sm100
