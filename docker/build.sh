@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The megamoe image's build steps. The Dockerfile runs them; CI runs them too (`ci`,
+# CPU mode), so what the image does is tested where no Docker engine runs.
+#
+#   docker/build.sh wheel   SRC_DIR OUT_DIR    build the megamoe wheel into OUT_DIR
+#   docker/build.sh install WHEEL_DIR VENV     fresh venv with torch and the wheel (+ service extra)
+#   docker/build.sh smoke   VENV               `megamoe serve` on 127.0.0.1: ready, one infer, SIGTERM, clean exit
+#   docker/build.sh ci      [WORK_DIR]         wheel + install + smoke in CPU mode (what CI runs)
+#
+# Environment:
+#   MEGAMOE_BUILD_MODE   gpu (default; the image) or cpu (CI: no CUDA compile, the system torch)
+#   MEGAMOE_CUDA_ARCHS   CUDA targets in gpu mode, default "90a;100a"
+#   TORCH_INDEX_URL      where `install` gets torch in gpu mode (the image passes the CUDA 12.8 index)
+#   TORCH_VERSION        torch version spec for `install`, default ">=2.8"
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+mode="${MEGAMOE_BUILD_MODE:-gpu}"
+python="${PYTHON:-python3}"
+
+log() { printf '[docker/build.sh %s] %s\n' "$mode" "$*" >&2; }
+
+build_wheel() {
+  local src="$1" out="$2"
+  mkdir -p "$out"
+  local tools
+  tools="$(mktemp -d)"
+  "$python" -m venv "$tools/venv"
+  "$tools/venv/bin/pip" install --quiet --upgrade pip
+  if [[ "$mode" == cpu ]]; then
+    # No CUDA compile on CPU machines (it would also take hours on two cores): an
+    # empty CUDA compiler makes CMake build the torch-backend-only extension.
+    log "building the wheel without CUDA"
+    "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$out" \
+      --config-settings=build-dir="$tools/build" \
+      --config-settings=cmake.define.CMAKE_CUDA_COMPILER= \
+      --config-settings=cmake.define.MEGAMOE_REQUIRE_CUDA=OFF "$src"
+  else
+    log "building the wheel for CUDA archs ${MEGAMOE_CUDA_ARCHS:-90a;100a}"
+    MEGAMOE_REQUIRE_CUDA=ON MEGAMOE_CUDA_ARCHS="${MEGAMOE_CUDA_ARCHS:-90a;100a}" \
+      "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$out" --config-settings=build-dir="$tools/build" "$src"
+  fi
+  rm -rf "$tools"
+  ls -l "$out"/megamoe-*.whl >&2
+}
+
+install_wheel() {
+  local wheels="$1" venv="$2"
+  local wheel
+  wheel="$(ls "$wheels"/megamoe-*.whl | head -n 1)"
+  if [[ "$mode" == cpu ]]; then
+    # CI reuses the machine's CPU torch (no second multi-GB download); everything
+    # else comes from the wheel's own requirements, as in the image.
+    "$python" -m venv --system-site-packages "$venv"
+  else
+    "$python" -m venv "$venv"
+    "$venv/bin/pip" install --no-cache-dir --upgrade pip
+    "$venv/bin/pip" install --no-cache-dir --index-url "${TORCH_INDEX_URL:?gpu mode needs TORCH_INDEX_URL}" \
+      "torch${TORCH_VERSION:->=2.8}"
+  fi
+  log "installing $(basename "$wheel") into $venv"
+  "$venv/bin/pip" install --no-cache-dir "${wheel}[service]"
+  # the installed package, not a source tree, must be what runs
+  (cd / && "$venv/bin/python" - <<'PY'
+import sys, megamoe, service
+for module in (megamoe, service):
+    assert module.__file__.startswith(sys.prefix), f"{module.__name__} imported from {module.__file__}, not the venv"
+print("installed:", megamoe.__file__)
+PY
+  )
+  "$venv/bin/megamoe" serve --help >/dev/null
+}
+
+smoke() {
+  local venv="$1"
+  local port workdir pid rc
+  port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  workdir="$(mktemp -d)"
+  log "starting megamoe serve on 127.0.0.1:$port"
+  (cd "$workdir" && MEGAMOE_HOST=127.0.0.1 MEGAMOE_PORT="$port" MEGAMOE_PRESET=tiny MEGAMOE_BACKEND="${MEGAMOE_BACKEND:-torch}" \
+    exec "$venv/bin/megamoe" serve) >"$workdir/server.log" 2>&1 &
+  pid=$!
+  local ready=0
+  for _ in $(seq 1 240); do
+    if MEGAMOE_PORT="$port" "$venv/bin/python" "$here/healthcheck.py" 2>/dev/null; then ready=1; break; fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  if [[ "$ready" != 1 ]]; then
+    log "server never became ready; its log:"; cat "$workdir/server.log" >&2
+    kill "$pid" 2>/dev/null || true
+    return 1
+  fi
+  MEGAMOE_PORT="$port" "$venv/bin/python" - <<'PY'
+import json, os, random, urllib.request
+port = os.environ["MEGAMOE_PORT"]
+meta = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/tiny", timeout=10))
+hidden, top_k, experts = (meta["parameters"][k] for k in ("hidden_size", "top_k", "num_experts"))
+rng = random.Random(0)
+tokens = 3
+body = {"inputs": [
+    {"name": "hidden_states", "datatype": "FP32", "shape": [tokens, hidden], "data": [rng.gauss(0, 1) for _ in range(tokens * hidden)]},
+    {"name": "topk_ids", "datatype": "INT32", "shape": [tokens, top_k], "data": [rng.randrange(experts) for _ in range(tokens * top_k)]},
+    {"name": "topk_weights", "datatype": "FP32", "shape": [tokens, top_k], "data": [rng.random() for _ in range(tokens * top_k)]},
+]}
+request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/tiny/infer", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+reply = json.load(urllib.request.urlopen(request, timeout=60))
+out = reply["outputs"][0]
+assert out["shape"] == [tokens, hidden] and len(out["data"]) == tokens * hidden, out["shape"]
+assert any(v != 0 for v in out["data"]), "all-zero output"
+print("smoke infer ok:", out["name"], out["datatype"], out["shape"])
+PY
+  kill -TERM "$pid"
+  rc=0; wait "$pid" || rc=$?
+  if [[ "$rc" != 0 ]]; then
+    log "server exited $rc after SIGTERM; its log:"; cat "$workdir/server.log" >&2
+    return 1
+  fi
+  log "server stopped cleanly on SIGTERM"
+  rm -rf "$workdir"
+}
+
+case "${1:-}" in
+  wheel) build_wheel "${2:?SRC_DIR}" "${3:?OUT_DIR}" ;;
+  install) install_wheel "${2:?WHEEL_DIR}" "${3:?VENV}" ;;
+  smoke) smoke "${2:?VENV}" ;;
+  ci)
+    mode=cpu
+    work="${2:-$(mktemp -d)}"
+    src="$(cd "$here/.." && pwd)"
+    build_wheel "$src" "$work/dist"
+    install_wheel "$work/dist" "$work/venv"
+    smoke "$work/venv"
+    log "ok: wheel built, installed into a fresh venv, served, probed ready, stopped"
+    ;;
+  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+esac

@@ -1,0 +1,32 @@
+"""megamoe HTTP service: the MoE layer over the Open Inference Protocol (KServe v2).
+
+Entry point: :func:`main` (``megamoe serve`` and ``python -m service`` call it).
+"""
+
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse settings (env ``MEGAMOE_*``, then flags in ``argv``), serve until SIGTERM/SIGINT."""
+    import logging
+
+    import uvicorn
+
+    from .app import create_app
+    from .settings import parse_settings
+
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        access_log=False,
+    )
+    return 0
+
+
+__all__ = ["main"]

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one service instance (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_BATCH_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+CHECK_STATUS_VALUE = {"pass": 1.0, "fail": 0.0, "skip": -1.0}
+
+
+class ServiceMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "megamoe_requests", "HTTP requests answered, by route and status code",
+            ["route", "code"], registry=r)
+        self.failures = Counter(
+            "megamoe_request_failures", "requests answered with an error, by route and reason",
+            ["route", "reason"], registry=r)
+        self.request_latency = Histogram(
+            "megamoe_request_latency_seconds", "infer latency, body received to response built",
+            ["model"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.queue_latency = Histogram(
+            "megamoe_queue_latency_seconds", "time an infer request waited in the batcher",
+            ["model"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.compute_latency = Histogram(
+            "megamoe_compute_latency_seconds", "time of one batched forward on the device",
+            ["model"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.batch_requests = Histogram(
+            "megamoe_batch_size_requests", "requests per batched forward",
+            ["model"], buckets=_BATCH_REQUEST_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "megamoe_batch_size_tokens", "tokens (rows) per batched forward",
+            ["model"], buckets=_BATCH_TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter(
+            "megamoe_tokens_processed", "tokens (rows) run through the MoE layer",
+            ["model"], registry=r)
+        self.ready = Gauge("megamoe_ready", "1 when the server reports ready", registry=r)
+        self.selftest_runs = Counter(
+            "megamoe_selftest_runs", "kernel self-test runs, by level and outcome",
+            ["level", "status"], registry=r)
+        self.selftest_check = Gauge(
+            "megamoe_selftest_check_status", "last result of each self-test check (1 pass, 0 fail, -1 skip)",
+            ["level", "check"], registry=r)
+        self.selftest_metric = Gauge(
+            "megamoe_selftest_check_metric", "last metric of each self-test check (see its threshold in the report)",
+            ["level", "check"], registry=r)
+        self.selftest_timestamp = Gauge(
+            "megamoe_selftest_last_run_timestamp_seconds", "when each self-test level last ran",
+            ["level"], registry=r)
+
+    def record_batch(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
+        self.batch_requests.labels(model).observe(requests)
+        self.batch_tokens.labels(model).observe(tokens)
+        self.compute_latency.labels(model).observe(compute_s)
+        self.tokens.labels(model).inc(tokens)
+
+    def record_selftest(self, level: str, report: dict, when_s: float) -> None:
+        self.selftest_runs.labels(level, report.get("status", "fail")).inc()
+        self.selftest_timestamp.labels(level).set(when_s)
+        for check in report.get("checks", []):
+            name = str(check.get("name"))
+            self.selftest_check.labels(level, name).set(CHECK_STATUS_VALUE.get(check.get("status"), 0.0))
+            metric = check.get("metric")
+            if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+                self.selftest_metric.labels(level, name).set(float(metric))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

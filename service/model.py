@@ -1,0 +1,231 @@
+"""The served MoE model: loading, v2 metadata, and validation of one request's tensors.
+
+Validation happens here, before a request joins a batch, so a bad request is
+answered 400 and never reaches the device or anyone else's batch.
+
+NaN/Inf policy: rejected with 400. Activation quantization (SPEC §1) takes an
+amax over the whole batch, so one caller's NaN would decide the scales of every
+other caller batched with it (FIELD_BUGS #6); propagating is not an option for
+a batching server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .protocol import ProtocolError
+from .settings import ServiceSettings
+
+FLOAT_TYPES = ("BF16", "FP16", "FP32")
+INT_TYPES = ("INT32", "INT64")
+INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits")
+OUTPUT_NAME = "output"
+
+
+@dataclass
+class ModelRequest:
+    """One caller's validated tensors (CPU). ``mode``: 'topk', 'logits' or 'router'."""
+
+    hidden_states: torch.Tensor
+    mode: str
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    router_logits: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden_states.shape[0]
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests batch together only when one forward call can serve them all."""
+        return (self.hidden_states.dtype, self.mode)
+
+
+def resolve_backend(spec: str):
+    """A registered backend name (passed through), or an instance of 'package.module:Class'."""
+    if ":" not in spec:
+        return spec
+    module_name, _, class_name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"backend {spec!r} cannot be imported: {exc}") from exc
+    return cls()
+
+
+def load_layer(settings: ServiceSettings):
+    """The MoELayer the settings name (checkpoint or synthetic preset)."""
+    from megamoe.moe import MoELayer
+
+    backend = resolve_backend(settings.backend)
+    if settings.checkpoint:
+        return MoELayer.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device)
+    return MoELayer.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device)
+
+
+def default_model_name(settings: ServiceSettings) -> str:
+    if settings.model_name:
+        return settings.model_name
+    if settings.checkpoint:
+        return Path(settings.checkpoint).resolve().name or "megamoe"
+    return settings.preset
+
+
+def layer_device(layer) -> torch.device:
+    """Where the layer's weights live (inputs are moved there before forward)."""
+    device = getattr(layer, "device", None)
+    if device is not None:
+        return torch.device(device)
+    weights = getattr(layer, "weights", None)
+    w13 = getattr(weights, "w13", None)
+    data = getattr(w13, "data", None)
+    if isinstance(data, torch.Tensor):
+        return data.device
+    return torch.device("cpu")
+
+
+class ServedModel:
+    """A loaded MoELayer under a name, with the checks that guard its forward."""
+
+    version = "1"
+
+    def __init__(self, name: str, layer, max_tokens_per_request: int):
+        self.name = name
+        self.layer = layer
+        self.config = layer.config
+        self.device = layer_device(layer)
+        self.max_tokens_per_request = max_tokens_per_request
+
+    @property
+    def has_router(self) -> bool:
+        if hasattr(self.config, "has_router"):
+            return bool(self.config.has_router)
+        return getattr(getattr(self.layer, "weights", None), "router_weight", None) is not None
+
+    @property
+    def backend_name(self) -> str:
+        backend = self.layer.backend
+        return getattr(backend, "name", str(backend))
+
+    def metadata(self) -> dict:
+        cfg = self.config
+        hidden, experts, top_k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": "megamoe",
+            "inputs": [
+                {"name": "hidden_states", "datatype": "BF16", "shape": [-1, hidden],
+                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
+                {"name": "topk_ids", "datatype": "INT32", "shape": [-1, top_k], "optional": True,
+                 "parameters": {"datatypes": list(INT_TYPES)}},
+                {"name": "topk_weights", "datatype": "FP32", "shape": [-1, top_k], "optional": True,
+                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
+                {"name": "router_logits", "datatype": "FP32", "shape": [-1, experts], "optional": True,
+                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
+            ],
+            "outputs": [
+                {"name": OUTPUT_NAME, "datatype": "BF16", "shape": [-1, hidden],
+                 "parameters": {"datatype": "same as hidden_states"}},
+            ],
+            "parameters": {
+                "backend": self.backend_name,
+                "device": str(self.device),
+                "hidden_size": hidden,
+                "intermediate_size": cfg.intermediate_size,
+                "num_experts": experts,
+                "top_k": top_k,
+                "has_router": self.has_router,
+                "max_tokens_per_request": self.max_tokens_per_request,
+            },
+        }
+
+    def validate(self, inputs: dict[str, torch.Tensor], datatypes: dict[str, str]) -> ModelRequest:
+        """Check one request against the model; raises ProtocolError(400) with the offending value."""
+        unknown = sorted(set(inputs) - set(INPUT_NAMES))
+        if unknown:
+            raise ProtocolError(f"unknown input(s) {unknown}; this model takes {list(INPUT_NAMES)}")
+        if "hidden_states" not in inputs:
+            raise ProtocolError("input 'hidden_states' is required")
+        cfg = self.config
+        hidden = inputs["hidden_states"]
+        _expect_dtype("hidden_states", datatypes["hidden_states"], FLOAT_TYPES)
+        if hidden.dim() != 2:
+            raise ProtocolError(f"hidden_states must be 2-D [T, {cfg.hidden_size}], got shape {list(hidden.shape)}")
+        tokens, width = hidden.shape
+        if width != cfg.hidden_size:
+            raise ProtocolError(f"hidden size mismatch: hidden_states has {width} columns, the model's hidden_size is {cfg.hidden_size}")
+        if tokens == 0:
+            raise ProtocolError("hidden_states has no rows (T = 0)")
+        if tokens > self.max_tokens_per_request:
+            raise ProtocolError(f"hidden_states has {tokens} rows; this server takes at most {self.max_tokens_per_request} per request")
+        _expect_finite("hidden_states", hidden)
+
+        has_ids, has_weights, has_logits = ("topk_ids" in inputs), ("topk_weights" in inputs), ("router_logits" in inputs)
+        if has_ids != has_weights:
+            raise ProtocolError("topk_ids and topk_weights go together: send both or neither")
+        if has_ids and has_logits:
+            raise ProtocolError("send either topk_ids/topk_weights or router_logits, not both")
+
+        if has_ids:
+            ids, weights = inputs["topk_ids"], inputs["topk_weights"]
+            _expect_dtype("topk_ids", datatypes["topk_ids"], INT_TYPES)
+            _expect_dtype("topk_weights", datatypes["topk_weights"], FLOAT_TYPES)
+            want = [tokens, cfg.top_k]
+            if list(ids.shape) != want:
+                raise ProtocolError(f"topk_ids must have shape {want}, got {list(ids.shape)}")
+            if list(weights.shape) != want:
+                raise ProtocolError(f"topk_weights must have shape {want}, got {list(weights.shape)}")
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= cfg.num_experts:
+                bad = low if low < 0 else high
+                raise ProtocolError(f"topk_ids out of range: {bad} (experts are 0..{cfg.num_experts - 1})")
+            _expect_finite("topk_weights", weights)
+            return ModelRequest(hidden, "topk", topk_ids=ids.to(torch.int32), topk_weights=weights.float())
+        if has_logits:
+            logits = inputs["router_logits"]
+            _expect_dtype("router_logits", datatypes["router_logits"], FLOAT_TYPES)
+            want = [tokens, cfg.num_experts]
+            if list(logits.shape) != want:
+                raise ProtocolError(f"router_logits must have shape {want}, got {list(logits.shape)}")
+            _expect_finite("router_logits", logits)
+            return ModelRequest(hidden, "logits", router_logits=logits.float())
+        if not self.has_router:
+            raise ProtocolError("this model has no router: send topk_ids and topk_weights, or router_logits")
+        return ModelRequest(hidden, "router")
+
+    def forward_batch(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
+        """One forward over the requests' rows stacked; each caller gets back exactly its own rows (CPU)."""
+        def stacked(attr):
+            parts = [getattr(r, attr) for r in requests]
+            if parts[0] is None:
+                return None
+            joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return joined.to(self.device, non_blocking=True)
+
+        with torch.inference_mode():
+            out = self.layer.forward(
+                stacked("hidden_states"),
+                topk_ids=stacked("topk_ids"),
+                topk_weights=stacked("topk_weights"),
+                router_logits=stacked("router_logits"),
+            )
+            out = out.cpu()
+        return list(out.split([r.tokens for r in requests]))
+
+
+def _expect_dtype(name: str, datatype: str, allowed: tuple[str, ...]) -> None:
+    if datatype not in allowed:
+        raise ProtocolError(f"{name} must be one of {list(allowed)}, got {datatype}")
+
+
+def _expect_finite(name: str, tensor: torch.Tensor) -> None:
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        where = (~finite).nonzero()[0].tolist()
+        raise ProtocolError(f"{name} contains NaN or Inf (first at {where}); this server rejects non-finite inputs")
