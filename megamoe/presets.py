@@ -1,0 +1,76 @@
+"""The reference MoE shapes of SPEC §3."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and semantics of one MoE layer (SPEC §3).
+
+    Attributes:
+        hidden_size: H.  intermediate_size: I (per expert).  num_experts: E.  top_k: k.
+        scoring: "softmax" or "sigmoid" router scores.
+        n_group / topk_group: group-limited routing (None: off).
+        renormalize: renormalise the chosen weights.  routed_scaling_factor: final weight scale.
+        n_shared_experts / shared_intermediate_size: dense SwiGLU expert added to every token.
+        act_mode: "w4a4" (activations quantized to NVFP4) or "w4a16" (bf16 activations).
+        dynamic_act_scale: compute each activation row's global scale from the row
+            (amax/2688) instead of the static per-expert input scales.
+        swiglu_limit: optional clamp of gate (max) and up (±limit) before SiLU·up.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    n_group: int | None = None
+    topk_group: int | None = None
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    shared_intermediate_size: int | None = None
+    act_mode: str = "w4a4"
+    dynamic_act_scale: bool = False
+    swiglu_limit: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size"):
+            v = getattr(self, name)
+            if v <= 0 or v % 16:
+                raise ValueError(f"{name}={v} must be a positive multiple of 16 (NVFP4 blocks)")
+        if self.num_experts <= 0 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
+        if self.act_mode not in ("w4a4", "w4a16"):
+            raise ValueError(f"act_mode={self.act_mode!r}: expected 'w4a4' or 'w4a16'")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring={self.scoring!r}: expected 'softmax' or 'sigmoid'")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def with_(self, **kw) -> "MoEConfig":
+        return replace(self, **kw)
+
+
+PRESETS: dict[str, MoEConfig] = {
+    "tiny": MoEConfig(256, 128, 8, 2),
+    "small": MoEConfig(1024, 512, 32, 4),
+    # DeepSeek-V4-Flash MoE shape: sigmoid scores with a correction bias.
+    "v4-flash": MoEConfig(4096, 2048, 256, 6, scoring="sigmoid", routed_scaling_factor=1.5),
+    "v3": MoEConfig(7168, 2048, 256, 8, scoring="sigmoid", n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5, n_shared_experts=1, shared_intermediate_size=2048),
+}
+
+
+def get_preset(name: str) -> MoEConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
