@@ -86,7 +86,7 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
     Gaussian weights with 0.1% outliers (5-20x), per-expert global scales from each
     tensor's amax, gate and up of an expert scaled differently (up/gate magnitude ratio
     between 0.1 and 10, so their ``weight_scale_2`` differ), static input scales calibrated
-    on 64 random tokens per expert, a router (and correction bias for sigmoid scoring), and
+    on 64-512 random tokens per expert (more for small shapes), a router (and correction bias for sigmoid scoring), and
     the shared expert in bf16. Deterministic for a given ``seed`` and device type.
     """
     device = torch.device(device or "cpu")
@@ -100,6 +100,7 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
     w2_gs = torch.empty((e,), dtype=torch.float32, device=device)
     in1 = torch.empty((e,), dtype=torch.float32, device=device)
     in2 = torch.empty((e,), dtype=torch.float32, device=device)
+    calib_tokens = max(64, min(512, 2**27 // (h * i)))
     ratio = 10 ** (2 * torch.rand((e,), generator=gen, device=device) - 1)  # up/gate in [0.1, 10]
 
     it = range(e)
@@ -116,8 +117,8 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
         q2 = nvfp4.quantize(down, _amax_scale(down))
         w13_data[ex], w13_scale[ex], w13_gs[ex] = q13.data, q13.scale, q13.global_scale
         w2_data[ex], w2_scale[ex], w2_gs[ex] = q2.data, q2.scale, q2.global_scale
-        # calibration: amax of this expert's inputs on 64 tokens, as ModelOpt would record
-        xc = _with_outliers((64, h), 1.0, gen, device, frac=1e-3, lo=3.0, hi=8.0)
+        # calibration: amax of this expert's inputs over a few hundred tokens, as ModelOpt records
+        xc = _with_outliers((calib_tokens, h), 1.0, gen, device, frac=1e-3, lo=3.0, hi=8.0)
         in1[ex] = _amax_scale(xc)
         gu = nvfp4.dequantize(nvfp4.quantize(xc, in1[ex])) @ nvfp4.dequantize(q13).T
         hmid = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]

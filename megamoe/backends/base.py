@@ -37,6 +37,10 @@ class Backend:
     def unswizzle_scales(self, buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return nvfp4.unswizzle_scales(buf, rows, cols)
 
+    def swizzle_scales_grouped(self, scale: torch.Tensor, group_sizes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-expert activation scales -> grouped SF buffer (each group at a 128-row boundary)."""
+        return nvfp4.swizzle_scales_grouped(scale, group_sizes, out=out)
+
     def verify_sf_roundtrip(self, scale: torch.Tensor) -> dict:
         """SPEC §2 verifier run against this backend's swizzle and unswizzle."""
         return nvfp4.verify_sf_roundtrip(scale, self.swizzle_scales, self.unswizzle_scales)

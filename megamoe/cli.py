@@ -1,0 +1,137 @@
+"""The ``megamoe`` command line.
+
+    megamoe info                       what is built and which backends this machine can run
+    megamoe selftest [--backend ...]   SPEC §5 kernel health checks; exit status 1 on failure
+    megamoe synth --preset tiny --out ckpt.safetensors
+                                       write a synthetic NVFP4 checkpoint (progress bar)
+    megamoe serve [...]                the HTTP service (KServe v2); `megamoe serve --help`
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_info(args) -> int:
+    import torch
+
+    from megamoe import health
+    from megamoe.backends import auto_backend_name, available_backends
+
+    print(f"megamoe {health.versions()['megamoe']}, torch {torch.__version__}")
+    v = health.versions()
+    print(f"extension: parts {v['extension_parts'] or 'none'}, archs {v['extension_archs'] or '-'}"
+          + (f" ({v['extension_error']})" if v["extension_error"] else ""))
+    if torch.cuda.is_available():
+        print(f"GPU: {v['gpu']} (compute capability {v['compute_capability']})")
+    else:
+        print("GPU: none visible to torch")
+    for name, (ok, why) in available_backends().items():
+        print(f"  {name:11s} {'available' if ok else 'unavailable'}{'' if ok else ': ' + why}")
+    print(f"auto -> {auto_backend_name()}")
+    return 0
+
+
+def _cmd_selftest(args) -> int:
+    from megamoe import faults, health
+    from megamoe.backends import available_backends, get_backend
+
+    if args.all_backends:
+        names = [n for n, (ok, _) in available_backends().items() if ok]
+    else:
+        names = [args.backend]
+    reports, failed = [], False
+    for name in names:
+        try:
+            be = get_backend(name, device=args.device)
+        except (RuntimeError, ValueError) as exc:
+            print(f"selftest: {exc}", file=sys.stderr)
+            return 2
+        if args.inject_fault:
+            be = faults.inject(be, args.inject_fault)
+        report = health.run_checks(args.level, backend=be, seed=args.seed)
+        if args.inject_fault:
+            report["injected_fault"] = args.inject_fault
+        reports.append(report)
+        failed |= report["status"] != "pass"
+        if not args.json:
+            print(health.format_table(report))
+            print()
+    if args.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+    return 1 if failed else 0
+
+
+def _cmd_synth(args) -> int:
+    from megamoe import checkpoint
+    from megamoe.presets import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"synth: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}", file=sys.stderr)
+        return 2
+    cfg = PRESETS[args.preset]
+    print(f"writing preset {args.preset} (H={cfg.hidden_size}, I={cfg.intermediate_size}, E={cfg.num_experts}, "
+          f"k={cfg.top_k}) seed {args.seed} -> {args.out}", file=sys.stderr)
+    path = checkpoint.write_synthetic(args.out, args.preset, seed=args.seed, progress=not args.quiet,
+                                      device=args.device)
+    loaded = checkpoint.load(path)
+    print(loaded.report.summary())
+    return 0
+
+
+def _cmd_serve(argv: list[str]) -> int:
+    try:
+        import service
+    except ImportError as exc:
+        print(f"serve: the service needs its extras: pip install 'megamoe[service]' ({exc})", file=sys.stderr)
+        return 2
+    return service.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megamoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    sub.add_parser("info", help="show the build, the GPU and the backends available here")
+
+    st = sub.add_parser("selftest", help="run the kernel health checks (SPEC §5); exit 1 on failure",
+                        description="Run the SPEC §5 checks (SF round trip, GEMM cosine on uniform and random "
+                                    "data, MoE vs the BF16 reference, backend vs the torch reference) and print "
+                                    "a table. Exit status: 0 all passed, 1 a check failed, 2 bad usage.")
+    st.add_argument("--backend", default="auto", help="torch, cuda-sm90, cuda-sm100 or auto (default: auto)")
+    st.add_argument("--all-backends", action="store_true", help="run on every backend available here")
+    st.add_argument("--level", choices=("quick", "full"), default="quick", help="quick (seconds) or full")
+    st.add_argument("--seed", type=int, default=None, help="random seed (default: fresh; printed in the report)")
+    st.add_argument("--device", default=None, help="torch device for the torch backend (default: cuda if present)")
+    st.add_argument("--json", action="store_true", help="print the report as JSON")
+    st.add_argument("--inject-fault", choices=("swapped-sf",), default=None,
+                    help="run against a deliberately broken scale layout, to see the checks catch it")
+
+    sy = sub.add_parser("synth", help="write a synthetic NVFP4 checkpoint of a preset",
+                        description="Write a ModelOpt-format NVFP4 MoE checkpoint with random weights "
+                                    "(outliers, per-expert global scales, gate/up scales that differ).")
+    sy.add_argument("--preset", default="tiny", help="tiny, small, v4-flash or v3 (default: tiny)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--out", required=True, help="output .safetensors path")
+    sy.add_argument("--device", default=None, help="device to generate on (cuda is much faster for v3)")
+    sy.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub.add_parser("serve", help="run the HTTP service (see `megamoe serve --help`)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":
+        return _cmd_serve(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 2
+    return {"info": _cmd_info, "selftest": _cmd_selftest, "synth": _cmd_synth}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
