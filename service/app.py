@@ -144,6 +144,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                 on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
             )
             state.batcher.start()
+            metrics.queued.set_function(lambda: state.batcher.queued_requests)
         finally:
             state.loading = False
             state.refresh_ready_gauge()

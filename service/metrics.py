@@ -42,6 +42,8 @@ class ServiceMetrics:
         self.tokens = Counter(
             "megamoe_tokens_processed", "tokens (rows) run through the MoE layer",
             ["model"], registry=r)
+        self.queued = Gauge(
+            "megamoe_batcher_queued_requests", "infer requests waiting for a batch", registry=r)
         self.ready = Gauge("megamoe_ready", "1 when the server reports ready", registry=r)
         self.selftest_runs = Counter(
             "megamoe_selftest_runs", "kernel self-test runs, by level and outcome",

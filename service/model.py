@@ -47,7 +47,8 @@ class ModelRequest:
 
 
 def resolve_backend(spec: str):
-    """A registered backend name (passed through), or an instance of 'package.module:Class'."""
+    """A registered backend name (passed through), or 'package.module:attr' called to make a Backend
+    (a Backend subclass, or a factory such as one wrapping a backend with megamoe.faults)."""
     if ":" not in spec:
         return spec
     module_name, _, class_name = spec.partition(":")

@@ -29,7 +29,7 @@ class ServiceSettings(BaseSettings):
     )
     backend: str = Field(
         "auto",
-        description="kernel backend: auto, torch, cuda-sm90, cuda-sm100, or 'package.module:Class' for a Backend subclass",
+        description="kernel backend: auto, torch, cuda-sm90, cuda-sm100, or 'package.module:attr' (a Backend subclass or factory)",
     )
     device: str | None = Field(None, description="torch device for the weights (default: the backend's)")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")

@@ -1,0 +1,43 @@
+"""Backends with faults, for the service tests (the server loads them as ``--backend module:factory``).
+
+The broken swizzle is the library's own fault injection (megamoe.faults), so the test
+exercises the same bug that ``megamoe selftest --inject-fault swapped-sf`` shows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from megamoe import faults
+from megamoe.backends.torch_ref import TorchBackend
+
+
+def swapped_swizzle_backend():
+    """The torch backend whose SF swizzle swaps M and K (FIELD_BUGS #2)."""
+    return faults.inject(TorchBackend(), "swapped-sf")
+
+
+class ControlledTorchBackend(TorchBackend):
+    """The torch backend steered by files, so a test can drive the server through its life:
+
+    - ``$MEGAMOE_TEST_GATE``: loading waits (at most 120 s) until this file exists;
+    - ``$MEGAMOE_TEST_BREAK``: while this file exists, the SF swizzle is the broken one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._broken = faults.inject(TorchBackend(), "swapped-sf")
+
+    def prepare_weights(self, weights):
+        gate = os.environ.get("MEGAMOE_TEST_GATE")
+        deadline = time.monotonic() + 120
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().prepare_weights(weights)
+
+    def swizzle_scales(self, scale, out=None):
+        broken = os.environ.get("MEGAMOE_TEST_BREAK")
+        if broken and os.path.exists(broken):
+            return self._broken.swizzle_scales(scale, out)
+        return super().swizzle_scales(scale, out)

@@ -1,0 +1,105 @@
+"""Helpers for the service tests: a real ``python -m service`` process on 127.0.0.1
+(free port, bounded waits), and random inputs. Imported by conftest and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+if str(REPO) not in sys.path:  # the service and megamoe packages, when not installed
+    sys.path.insert(0, str(REPO))
+
+TOKEN = "test-token-3f9a"
+PRESET = "tiny"
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m service`` in a child process, with its log kept for failure messages."""
+
+    def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, args: list[str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
+        child_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), child_env.get("PYTHONPATH", "")])
+        child_env.update(env or {})
+        cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+               "--preset", PRESET, "--log-level", "warning", *(args or [])]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def get(self, path: str, token: str | None = None, timeout: float = 10.0) -> tuple[int, dict | str]:
+        request = urllib.request.Request(self.url + path)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return reply.status, _decode(reply.read(), reply.headers.get("content-type", ""))
+        except urllib.error.HTTPError as exc:
+            return exc.code, _decode(exc.read(), exc.headers.get("content-type", ""))
+
+    def wait_for(self, path: str, status: int = 200, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                last = self.get(path, timeout=2.0)
+                if last[0] == status:
+                    return
+            except OSError as exc:
+                last = exc
+            time.sleep(0.1)
+        raise AssertionError(f"{path} never answered {status} within {timeout_s}s (last: {last}):\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _decode(raw: bytes, content_type: str):
+    if "json" in content_type:
+        return json.loads(raw)
+    return raw.decode(errors="replace")
+
+
+def random_inputs(layer, tokens: int, seed: int, dtype=torch.float32):
+    """Random hidden states (with a few large values) and routing for ``layer``."""
+    cfg = layer.config
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, cfg.hidden_size, generator=gen) * (1 + 4 * torch.rand(tokens, 1, generator=gen))
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
+    return hidden.to(dtype), ids, weights / weights.sum(-1, keepdim=True)
