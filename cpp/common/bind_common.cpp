@@ -1,0 +1,128 @@
+// Python bindings of the shared CUDA kernels (quantize, SF swizzle / verifier).
+// Allocation, poisoning and shape policy live in megamoe/backends/cuda_common.py.
+#include "megamoe/bind_util.h"
+#include "megamoe/common_kernels.h"
+
+namespace nb = nanobind;
+using namespace megamoe;
+using namespace megamoe::bind;
+
+void register_common(nb::module_& m) {
+  m.def(
+      "quantize_nvfp4",
+      [](const Array& src, const Array& global_scale, bool gs_per_expert, OptArray src_rows, OptArray expert_offsets,
+         OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
+         uintptr_t stream) {
+        if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
+        QuantizeArgs a;
+        a.src = src.data();
+        a.src_type = elem_type(src, "src");
+        a.src_row_stride = src.stride(0);
+        if (src.stride(1) != 1) throw std::invalid_argument("quantize_nvfp4: src rows must be contiguous");
+        a.cols = int64_t(src.shape(1));
+        a.rows = src_rows ? numel(*src_rows) : int64_t(src.shape(0));
+        if (a.cols % 16 != 0) throw std::invalid_argument("quantize_nvfp4: cols must be a multiple of 16, got " +
+                                                          std::to_string(a.cols));
+        a.src_rows = opt_ptr<const int32_t>(src_rows, "src_rows", 4);
+        a.global_scale = ptr<const float>(global_scale, "global_scale", 4);
+        a.gs_mode = gs_per_expert ? GlobalScaleMode::kPerExpert : GlobalScaleMode::kSingle;
+        if (expert_offsets) {
+          a.num_experts = int(numel(*expert_offsets)) - 1;
+          a.expert_offsets = ptr<const int32_t>(*expert_offsets, "expert_offsets", 4);
+          a.dst_offsets = dst_offsets ? ptr<const int32_t>(*dst_offsets, "dst_offsets", 4) : a.expert_offsets;
+        }
+        a.data = opt_ptr<uint8_t>(data, "data", 1);
+        a.scale = opt_ptr<uint8_t>(scale, "scale", 1);
+        a.scale_swz = opt_ptr<uint8_t>(scale_swz, "scale_swz", 1);
+        a.sf_rows = sf_rows;
+        a.dequant = opt_ptr<uint16_t>(dequant, "dequant", 2);
+        check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
+      },
+      nb::arg("src"), nb::arg("global_scale"), nb::arg("gs_per_expert"), nb::arg("src_rows").none(),
+      nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
+      nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
+      nb::arg("stream"),
+      "NVFP4-quantize rows of src [rows, cols] (SPEC §1) into the given outputs (see common_kernels.h).");
+
+  m.def(
+      "dynamic_global_scale",
+      [](const Array& src, const Array& scratch, const Array& out, uintptr_t stream) {
+        if (src.ndim() != 2 || src.stride(1) != 1) throw std::invalid_argument("dynamic_global_scale: src [rows, cols]");
+        check(launch_dynamic_global_scale(src.data(), elem_type(src, "src"), int64_t(src.shape(0)),
+                                          int64_t(src.shape(1)), src.stride(0), ptr<uint32_t>(scratch, "scratch", 4),
+                                          ptr<float>(out, "out", 4), stream_of(stream)),
+              "dynamic_global_scale");
+      },
+      nb::arg("src"), nb::arg("scratch"), nb::arg("out"), nb::arg("stream"));
+
+  m.def(
+      "swizzle_scales",
+      [](const Array& linear, const Array& out, uintptr_t stream) {
+        const int64_t batches = linear.ndim() == 3 ? int64_t(linear.shape(0)) : 1;
+        const int64_t rows = int64_t(linear.shape(linear.ndim() - 2)), cols = int64_t(linear.shape(linear.ndim() - 1));
+        check(launch_swizzle_scales(ptr<const uint8_t>(linear, "linear", 1), batches, rows, cols,
+                                    ptr<uint8_t>(out, "out", 1), stream_of(stream)),
+              "swizzle_scales");
+      },
+      nb::arg("linear"), nb::arg("out"), nb::arg("stream"));
+  m.def(
+      "unswizzle_scales",
+      [](const Array& swizzled, const Array& out, uintptr_t stream) {
+        const int64_t batches = out.ndim() == 3 ? int64_t(out.shape(0)) : 1;
+        const int64_t rows = int64_t(out.shape(out.ndim() - 2)), cols = int64_t(out.shape(out.ndim() - 1));
+        check(launch_unswizzle_scales(ptr<const uint8_t>(swizzled, "swizzled", 1), batches, rows, cols,
+                                      ptr<uint8_t>(out, "out", 1), stream_of(stream)),
+              "unswizzle_scales");
+      },
+      nb::arg("swizzled"), nb::arg("out"), nb::arg("stream"));
+  m.def(
+      "swizzle_scales_grouped",
+      [](const Array& linear, const Array& src_offsets, const Array& dst_row_offsets, int64_t total_rows,
+         const Array& out, uintptr_t stream) {
+        check(launch_swizzle_scales_grouped(ptr<const uint8_t>(linear, "linear", 1), int(numel(dst_row_offsets)),
+                                            ptr<const int32_t>(src_offsets, "src_offsets", 4),
+                                            ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows,
+                                            int64_t(linear.shape(1)), ptr<uint8_t>(out, "out", 1), stream_of(stream)),
+              "swizzle_scales_grouped");
+      },
+      nb::arg("linear"), nb::arg("src_offsets"), nb::arg("dst_row_offsets"), nb::arg("total_rows"), nb::arg("out"),
+      nb::arg("stream"));
+  m.def(
+      "unswizzle_scales_grouped",
+      [](const Array& swizzled, const Array& src_offsets, const Array& dst_row_offsets, int64_t total_rows,
+         const Array& out, uintptr_t stream) {
+        check(launch_unswizzle_scales_grouped(ptr<const uint8_t>(swizzled, "swizzled", 1), int(numel(dst_row_offsets)),
+                                              ptr<const int32_t>(src_offsets, "src_offsets", 4),
+                                              ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows,
+                                              int64_t(out.shape(1)), ptr<uint8_t>(out, "out", 1), stream_of(stream)),
+              "unswizzle_scales_grouped");
+      },
+      nb::arg("swizzled"), nb::arg("src_offsets"), nb::arg("dst_row_offsets"), nb::arg("total_rows"), nb::arg("out"),
+      nb::arg("stream"));
+  m.def(
+      "verify_swizzled",
+      [](const Array& linear, const Array& swizzled, const Array& result, uintptr_t stream) {
+        const int64_t batches = linear.ndim() == 3 ? int64_t(linear.shape(0)) : 1;
+        const int64_t rows = int64_t(linear.shape(linear.ndim() - 2)), cols = int64_t(linear.shape(linear.ndim() - 1));
+        const int max_records = int((numel(result) - 1) / 3);
+        check(launch_verify_swizzled(ptr<const uint8_t>(linear, "linear", 1), ptr<const uint8_t>(swizzled, "swizzled", 1),
+                                     batches, rows, cols, ptr<int64_t>(result, "result", 8), max_records,
+                                     stream_of(stream)),
+              "verify_swizzled");
+      },
+      nb::arg("linear"), nb::arg("swizzled"), nb::arg("result"), nb::arg("stream"));
+  m.def(
+      "verify_swizzled_grouped",
+      [](const Array& linear, const Array& swizzled, const Array& src_offsets, const Array& dst_row_offsets,
+         int64_t total_rows, const Array& result, uintptr_t stream) {
+        const int max_records = int((numel(result) - 1) / 3);
+        check(launch_verify_swizzled_grouped(
+                  ptr<const uint8_t>(linear, "linear", 1), ptr<const uint8_t>(swizzled, "swizzled", 1),
+                  int(numel(dst_row_offsets)), ptr<const int32_t>(src_offsets, "src_offsets", 4),
+                  ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows, int64_t(linear.shape(1)),
+                  ptr<int64_t>(result, "result", 8), max_records, stream_of(stream)),
+              "verify_swizzled_grouped");
+      },
+      nb::arg("linear"), nb::arg("swizzled"), nb::arg("src_offsets"), nb::arg("dst_row_offsets"),
+      nb::arg("total_rows"), nb::arg("result"), nb::arg("stream"));
+}

@@ -1,0 +1,199 @@
+// NVFP4 activation quantization (SPEC §1), plain and grouped per expert (SPEC §2 row
+// offsets), and the dynamic global scale. One thread quantizes one 16-element block.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "megamoe/common_kernels.h"
+#include "megamoe/nvfp4_device.cuh"
+#include "megamoe/sf_layout.hpp"
+
+namespace megamoe {
+namespace {
+
+template <ElemType T>
+struct Elem;
+template <>
+struct Elem<ElemType::kFloat32> {
+  using type = float;
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+};
+template <>
+struct Elem<ElemType::kFloat16> {
+  using type = __half;
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+};
+template <>
+struct Elem<ElemType::kBFloat16> {
+  using type = __nv_bfloat16;
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+};
+
+// Loads 16 consecutive elements as fp32 (16-byte loads when `vec`).
+template <ElemType T>
+__device__ __forceinline__ void load_block(const typename Elem<T>::type* p, bool vec, float (&x)[16]) {
+  using E = typename Elem<T>::type;
+  constexpr int kPerVec = 16 / sizeof(E);
+  if (vec) {
+#pragma unroll
+    for (int v = 0; v < 16 / kPerVec; ++v) {
+      uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + v);
+      const E* e = reinterpret_cast<const E*>(&u);
+#pragma unroll
+      for (int i = 0; i < kPerVec; ++i) x[v * kPerVec + i] = Elem<T>::to_float(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = Elem<T>::to_float(p[i]);
+  }
+}
+
+// Expert owning input row r: the last e with expert_offsets[e] <= r.
+__device__ __forceinline__ int find_expert(const int32_t* offsets, int num_experts, int64_t r) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (offsets[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <ElemType T>
+__global__ void quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
+  using E = typename Elem<T>::type;
+  const int64_t blocks_per_row = a.cols / 16;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= a.rows * blocks_per_row) return;
+  const int64_t r = idx / blocks_per_row;
+  const int64_t kb = idx - r * blocks_per_row;
+
+  int64_t dst_row = r;
+  int expert = 0;
+  if (a.num_experts > 0) {
+    if (r >= a.expert_offsets[a.num_experts]) return;
+    expert = find_expert(a.expert_offsets, a.num_experts, r);
+    dst_row = int64_t(a.dst_offsets[expert]) + (r - a.expert_offsets[expert]);
+  }
+  const float gs = a.global_scale[a.gs_mode == GlobalScaleMode::kPerExpert ? expert : 0];
+
+  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
+  const E* src = static_cast<const E*>(a.src) + src_row * a.src_row_stride + kb * 16;
+  float x[16];
+  load_block<T>(src, vec, x);
+
+  // SPEC §1, in the reference's fp32 operation order.
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  const uint8_t scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
+  const float scale = e4m3_to_float(scale_byte);
+  const float denom = __fmul_rn(scale, gs);
+
+  uint32_t code[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) code[i] = scale == 0.f ? 0u : e2m1_rne_satfinite(__fdiv_rn(x[i], denom));
+
+  if (a.data) {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      lo |= code[i] << (4 * i);
+      hi |= code[8 + i] << (4 * i);
+    }
+    *reinterpret_cast<uint2*>(a.data + dst_row * (a.cols / 2) + kb * 8) = make_uint2(lo, hi);
+  }
+  if (a.scale) a.scale[dst_row * blocks_per_row + kb] = scale_byte;
+  if (a.scale_swz) a.scale_swz[sf_offset(dst_row, kb, (blocks_per_row + 3) / 4)] = scale_byte;
+  if (a.dequant) {
+    uint32_t w[8];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+#pragma unroll
+      for (int p = 0; p < 8; p += 2) {
+        const float v0 = e2m1_to_float(code[g * 8 + operand_order(p)]) * scale;  // exact
+        const float v1 = e2m1_to_float(code[g * 8 + operand_order(p + 1)]) * scale;
+        __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+        w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
+      }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(a.dequant + dst_row * a.cols + kb * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+template <ElemType T>
+__global__ void amax_kernel(const void* src_v, int64_t rows, int64_t cols, int64_t stride, uint32_t* out) {
+  using E = typename Elem<T>::type;
+  const E* src = static_cast<const E*>(src_v);
+  float m = 0.f;
+  const int64_t n = rows * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t at = i;
+    if (stride != cols) {
+      const int64_t r = i / cols;
+      at = r * stride + (i - r * cols);
+    }
+    m = fmaxf(m, fabsf(Elem<T>::to_float(src[at])));  // fmaxf drops NaN
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  // Non-negative floats order like their bit patterns.
+  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
+}
+
+__global__ void finish_global_scale_kernel(const uint32_t* amax_bits, float* out) {
+  const float amax = __uint_as_float(*amax_bits);
+  *out = amax == 0.f ? 1.0f : __fdiv_rn(amax, 6.0f * 448.0f);
+}
+
+template <typename F>
+cudaError_t dispatch_type(ElemType t, F&& f) {
+  switch (t) {
+    case ElemType::kFloat32: return f(std::integral_constant<ElemType, ElemType::kFloat32>{});
+    case ElemType::kFloat16: return f(std::integral_constant<ElemType, ElemType::kFloat16>{});
+    case ElemType::kBFloat16: return f(std::integral_constant<ElemType, ElemType::kBFloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+int elem_bytes(ElemType t) { return t == ElemType::kFloat32 ? 4 : 2; }
+
+}  // namespace
+
+cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream) {
+  if (args.cols % 16 != 0 || args.rows < 0 || !args.src || !args.global_scale) return cudaErrorInvalidValue;
+  if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
+  if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
+  const int64_t total = args.rows * (args.cols / 16);
+  if (total == 0) return cudaSuccess;
+  const int eb = elem_bytes(args.src_type);
+  const bool vec = (reinterpret_cast<uintptr_t>(args.src) % 16 == 0) && ((args.src_row_stride * eb) % 16 == 0);
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  return dispatch_type(args.src_type, [&](auto t) {
+    quantize_nvfp4_kernel<decltype(t)::value><<<unsigned(blocks), threads, 0, stream>>>(args, vec);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_dynamic_global_scale(const void* src, ElemType src_type, int64_t rows, int64_t cols,
+                                        int64_t row_stride, uint32_t* scratch, float* out, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(scratch, 0, sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t n = rows * cols;
+  if (n > 0) {
+    const int threads = 256;
+    int64_t blocks = (n + threads * 8 - 1) / (threads * 8);
+    if (blocks > 1024) blocks = 1024;
+    err = dispatch_type(src_type, [&](auto t) {
+      amax_kernel<decltype(t)::value><<<unsigned(blocks), threads, 0, stream>>>(src, rows, cols, row_stride, scratch);
+      return cudaGetLastError();
+    });
+    if (err != cudaSuccess) return err;
+  }
+  finish_global_scale_kernel<<<1, 1, 0, stream>>>(scratch, out);
+  return cudaGetLastError();
+}
+
+}  // namespace megamoe

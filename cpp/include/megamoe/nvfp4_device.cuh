@@ -1,0 +1,49 @@
+// Device helpers for the NVFP4 number format (SPEC §1), shared by the quantizer and the
+// GEMM epilogues. Every function here reproduces megamoe/nvfp4.py bit for bit: plain
+// IEEE fp32 operations in the reference's order, no fast-math.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace megamoe {
+
+// e4m3 (fn) of a non-negative fp32, round to nearest even, saturating at 448.
+__device__ __forceinline__ uint8_t e4m3_rne_satfinite(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// E2M1 code of v, round to nearest even on |v|, saturating at 6; NaN and any value that
+// rounds to zero encode as code 0 (no negative zero).
+__device__ __forceinline__ uint32_t e2m1_rne_satfinite(float v) {
+  const float a = fabsf(v);
+  uint32_t m;
+  if (!(a > 0.25f)) m = 0;  // also NaN
+  else if (a < 0.75f) m = 1;
+  else if (a <= 1.25f) m = 2;
+  else if (a < 1.75f) m = 3;
+  else if (a <= 2.5f) m = 4;
+  else if (a < 3.5f) m = 5;
+  else if (a <= 5.0f) m = 6;
+  else m = 7;
+  return (m != 0 && signbit(v)) ? (m | 8u) : m;
+}
+
+__device__ __forceinline__ float e2m1_to_float(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const float a = m < 4u ? 0.5f * float(m) : (m < 6u ? float(m - 2u) : (m == 6u ? 4.f : 6.f));
+  return (code & 8u) ? -a : a;
+}
+
+// Stored position p of an 8-element group holds element kOperandOrder[p]: the order in
+// which the sm90 GEMMs' weight dequantization produces bf16 pairs (see cpp/sm90/gemm_common.cuh).
+__device__ __forceinline__ int operand_order(int p) { return (p >> 1) + ((p & 1) << 2); }
+
+}  // namespace megamoe

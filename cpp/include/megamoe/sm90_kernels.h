@@ -1,0 +1,73 @@
+// Launchers of the Hopper (sm_90a) MoE kernels in cpp/sm90/. Plain C++ (no device
+// code); every launcher is asynchronous on `stream`, never synchronizes with the host
+// (so a forward of fixed T can be captured in a CUDA graph) and returns the launch error.
+//
+// Row layout used between the kernels ("compact grouped"): the T*k (token, expert)
+// pairs are sorted by expert; expert e owns rows [expert_offsets[e], expert_offsets[e+1]).
+// Activations handed to the GEMMs are bf16 [rows, K] with each 8-element group stored
+// in the order 0,4,1,5,2,6,3,7 ("operand order", see cpp/sm90/gemm_common.cuh); for
+// W4A4 they hold e2m1 * e4m3 of the NVFP4 activation (exact), the global scale going
+// into the GEMM alpha.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/common_kernels.h"
+
+namespace megamoe::sm90 {
+
+// Routing results -> grouped rows. topk_ids [T, k] (int32 or int64, ids outside
+// [0, E) are dropped). Outputs (device):
+//   expert_offsets [E+1], active_experts [E] (experts with tokens, ascending; entries
+//   past num_active[0] undefined), num_active [1], row_token [T*k] (token of each
+//   grouped row), entry_row [T*k] (grouped row of entry t*k+j, -1 when dropped).
+// One block; the order of rows inside an expert is not fixed (results do not depend on it).
+cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
+                             int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active,
+                             int32_t* row_token, int32_t* entry_row, cudaStream_t stream);
+
+// dst[r] = bf16(src[src_rows ? src_rows[r] : r]) in operand order, for r < *num_rows
+// (device count; rows past it are not touched). cols % 16 == 0.
+cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
+                              const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
+                              cudaStream_t stream);
+
+// amax(|x|) over rows [0, *num_rows) of a [max_rows, cols] fp32 tensor -> SPEC §1 default
+// global scale in out[0] (NaN ignored; 1.0 when all zero). scratch: one uint32.
+cudaError_t launch_dynamic_global_scale_rows(const float* src, const int32_t* num_rows, int64_t max_rows,
+                                             int64_t cols, uint32_t* scratch, float* out, cudaStream_t stream);
+
+enum class Epilogue : int {
+  kStore = 0,    // out[row, n] = alpha * acc  (fp32, ldo = N)
+  kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
+};
+
+struct GroupedGemmArgs {
+  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order
+  const int32_t* expert_offsets = nullptr;  // [E+1]
+  const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
+  const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
+  int num_experts = 0;
+  int grid_experts = 0;  // grid.y: upper bound of active experts (min(E, T*k))
+  const uint8_t* w_data = nullptr;   // [E, N, K/2]
+  const uint8_t* w_scale = nullptr;  // [E, N, K/16] e4m3
+  const float* w_global_scale = nullptr;  // [E * w_gs_per_expert] (kSiluMul: 2 per expert, gate then up)
+  int w_gs_per_expert = 1;
+  const float* a_global_scale = nullptr;  // null: 1.0
+  bool a_gs_per_expert = false;           // a_global_scale[e] instead of a_global_scale[0]
+  int64_t N = 0, K = 0;
+  Epilogue epilogue = Epilogue::kStore;
+  float* out = nullptr;
+  int64_t max_tokens_per_expert = 0;  // host bound on any expert's rows (picks the kernel)
+  int64_t max_total_rows = 0;         // host bound on expert_offsets[E] (sizes the tiled grid)
+  int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill)
+};
+cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
+// dropped entries skipped), cast to out_type. y fp32 [rows, H].
+cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
+                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream);
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,111 @@
+// Python bindings of the Hopper MoE kernels. Buffer allocation and the pipeline order
+// live in megamoe/backends/cuda_sm90.py.
+#include "megamoe/bind_util.h"
+#include "megamoe/sm90_kernels.h"
+
+namespace nb = nanobind;
+using namespace megamoe;
+using namespace megamoe::bind;
+
+void register_sm90(nb::module_& m) {
+  m.def(
+      "sm90_moe_align",
+      [](const Array& topk_ids, int num_experts, const Array& expert_offsets, const Array& active_experts,
+         const Array& num_active, const Array& row_token, const Array& entry_row, uintptr_t stream) {
+        if (topk_ids.ndim() != 2) throw std::invalid_argument("moe_align: topk_ids must be [T, k]");
+        const int bits = topk_ids.dtype().bits;
+        if (topk_ids.dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
+          throw std::invalid_argument("moe_align: topk_ids must be int32 or int64, got " + dtype_name(topk_ids.dtype()));
+        if (!is_contiguous(topk_ids)) throw std::invalid_argument("moe_align: topk_ids must be contiguous");
+        if (numel(expert_offsets) != num_experts + 1) throw std::invalid_argument("moe_align: expert_offsets must be [E+1]");
+        const int64_t entries = numel(topk_ids);
+        if (numel(row_token) < entries || numel(entry_row) < entries)
+          throw std::invalid_argument("moe_align: row_token / entry_row need T*k entries");
+        check(sm90::launch_moe_align(topk_ids.data(), bits == 64, int64_t(topk_ids.shape(0)), int(topk_ids.shape(1)),
+                                     num_experts, ptr<int32_t>(expert_offsets, "expert_offsets", 4),
+                                     ptr<int32_t>(active_experts, "active_experts", 4),
+                                     ptr<int32_t>(num_active, "num_active", 4), ptr<int32_t>(row_token, "row_token", 4),
+                                     ptr<int32_t>(entry_row, "entry_row", 4), stream_of(stream)),
+              "moe_align");
+      },
+      nb::arg("topk_ids"), nb::arg("num_experts"), nb::arg("expert_offsets"), nb::arg("active_experts"),
+      nb::arg("num_active"), nb::arg("row_token"), nb::arg("entry_row"), nb::arg("stream"));
+
+  m.def(
+      "sm90_stage_bf16",
+      [](const Array& src, OptArray src_rows, OptArray num_rows, const Array& dst, uintptr_t stream) {
+        if (src.ndim() != 2 || src.stride(1) != 1 || dst.ndim() != 2) throw std::invalid_argument("stage_bf16: 2-D arrays");
+        if (dst.shape(1) != src.shape(1)) throw std::invalid_argument("stage_bf16: column mismatch");
+        check(sm90::launch_stage_bf16(src.data(), elem_type(src, "src"), src.stride(0),
+                                      opt_ptr<const int32_t>(src_rows, "src_rows", 4),
+                                      opt_ptr<const int32_t>(num_rows, "num_rows", 4), int64_t(dst.shape(0)),
+                                      int64_t(dst.shape(1)), ptr<uint16_t>(dst, "dst", 2), stream_of(stream)),
+              "stage_bf16");
+      },
+      nb::arg("src"), nb::arg("src_rows").none(), nb::arg("num_rows").none(), nb::arg("dst"), nb::arg("stream"));
+
+  m.def(
+      "sm90_dynamic_global_scale_rows",
+      [](const Array& src, OptArray num_rows, const Array& scratch, const Array& out, uintptr_t stream) {
+        if (src.ndim() != 2) throw std::invalid_argument("dynamic_global_scale_rows: src must be 2-D");
+        check(sm90::launch_dynamic_global_scale_rows(ptr<const float>(src, "src", 4),
+                                                     opt_ptr<const int32_t>(num_rows, "num_rows", 4),
+                                                     int64_t(src.shape(0)), int64_t(src.shape(1)),
+                                                     ptr<uint32_t>(scratch, "scratch", 4), ptr<float>(out, "out", 4),
+                                                     stream_of(stream)),
+              "dynamic_global_scale_rows");
+      },
+      nb::arg("src"), nb::arg("num_rows").none(), nb::arg("scratch"), nb::arg("out"), nb::arg("stream"));
+
+  m.def(
+      "sm90_grouped_gemm",
+      [](const Array& act, const Array& expert_offsets, OptArray active_experts, OptArray num_active, int grid_experts,
+         const Array& w_data, const Array& w_scale, const Array& w_global_scale, OptArray a_global_scale,
+         bool a_gs_per_expert, int epilogue, const Array& out, int64_t max_tokens_per_expert, int64_t max_total_rows,
+         int force_kernel, uintptr_t stream) {
+        if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
+        sm90::GroupedGemmArgs a;
+        a.act = ptr<const uint16_t>(act, "act", 2);
+        a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);
+        a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
+        a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
+        a.num_experts = int(w_data.shape(0));
+        if (numel(expert_offsets) != a.num_experts + 1)
+          throw std::invalid_argument("grouped_gemm: expert_offsets must have E+1 entries");
+        a.grid_experts = grid_experts;
+        a.w_data = ptr<const uint8_t>(w_data, "w_data", 1);
+        a.w_scale = ptr<const uint8_t>(w_scale, "w_scale", 1);
+        a.N = int64_t(w_data.shape(1));
+        a.K = int64_t(w_data.shape(2)) * 2;
+        if (int64_t(w_scale.shape(1)) != a.N || int64_t(w_scale.shape(2)) * 16 != a.K)
+          throw std::invalid_argument("grouped_gemm: w_scale must be [E, N, K/16]");
+        if (act.ndim() != 2 || int64_t(act.shape(1)) != a.K)
+          throw std::invalid_argument("grouped_gemm: act must be [rows, K] with K = " + std::to_string(a.K));
+        a.w_global_scale = ptr<const float>(w_global_scale, "w_global_scale", 4);
+        a.w_gs_per_expert = int(numel(w_global_scale) / a.num_experts);
+        a.a_global_scale = opt_ptr<const float>(a_global_scale, "a_global_scale", 4);
+        a.a_gs_per_expert = a_gs_per_expert;
+        a.epilogue = static_cast<sm90::Epilogue>(epilogue);
+        a.out = ptr<float>(out, "out", 4);
+        a.max_tokens_per_expert = max_tokens_per_expert;
+        a.max_total_rows = max_total_rows;
+        a.force_kernel = force_kernel;
+        check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
+      },
+      nb::arg("act"), nb::arg("expert_offsets"), nb::arg("active_experts").none(), nb::arg("num_active").none(),
+      nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
+      nb::arg("a_global_scale").none(), nb::arg("a_gs_per_expert"), nb::arg("epilogue"), nb::arg("out"),
+      nb::arg("max_tokens_per_expert"), nb::arg("max_total_rows"), nb::arg("force_kernel"), nb::arg("stream"));
+
+  m.def(
+      "sm90_moe_combine",
+      [](const Array& y, const Array& entry_row, const Array& topk_weights, const Array& out, uintptr_t stream) {
+        if (topk_weights.ndim() != 2 || out.ndim() != 2) throw std::invalid_argument("moe_combine: 2-D arrays");
+        check(sm90::launch_moe_combine(ptr<const float>(y, "y", 4), ptr<const int32_t>(entry_row, "entry_row", 4),
+                                       ptr<const float>(topk_weights, "topk_weights", 4), int64_t(out.shape(0)),
+                                       int(topk_weights.shape(1)), int64_t(out.shape(1)), out.data(),
+                                       elem_type(out, "out"), stream_of(stream)),
+              "moe_combine");
+      },
+      nb::arg("y"), nb::arg("entry_row"), nb::arg("topk_weights"), nb::arg("out"), nb::arg("stream"));
+}

@@ -1,0 +1,80 @@
+// Pieces shared by the sm90 NVFP4 GEMMs: exact NVFP4 -> bf16 dequantization in
+// registers, the bf16 tensor-core MMA, the epilogue.
+//
+// Operand order. A 32-bit word of packed weights holds 8 consecutive elements
+// n0..n7 (n0 in the low nibble). dequant_word() turns it into four bf16x2 registers
+// P0..P3 with Pj = (n_j, n_{j+4}) -- the pairs that fall out of cheap bit arithmetic.
+// A dot product does not care about the order of its terms as long as both operands use
+// the same one, so activations are stored with each 8-element group in the order
+// 0,4,1,5,2,6,3,7: their 32-bit words are then exactly the partners of P0..P3.
+//
+// Exactness. Pj holds sign and magnitude bits at bf16 positions such that its value is
+// e2m1 * 2^-126 (the 0.5 code is a bf16 subnormal). Multiplying by the bf16 value
+// scale * 2^119 (exact: 4 significant bits, within range for every e4m3 scale) gives
+// e2m1 * scale * 2^-7, exact in bf16 (at most 6 significant bits, >= 2^-17). The 2^7 goes
+// into the epilogue alpha (kDequantAlpha).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+constexpr float kDequantAlpha = 128.0f;  // 2^7, see above
+
+// bf16x2 (both halves) of e4m3 scale * 2^119.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint8_t e4m3) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(e4m3), __NV_E4M3);
+  const float s = __half2float(__half(h)) * 0x1p119f;
+  __nv_bfloat16 b = __float2bfloat16_rn(s);
+  const uint32_t u = *reinterpret_cast<uint16_t*>(&b);
+  return u | (u << 16);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Nibble pair at bits [0,4) and [16,20) of q -> bf16x2 bits e2m1 * 2^-126 (sign to bit 15,
+// magnitude to bits 6..8 of each half): q*(2^6 + 2^12) puts a copy of the nibble at bits
+// 6..9 and one at 12..15 without overlap; the mask keeps magnitude from the first and
+// sign from the second. A pair at bits [4,8) / [20,24) uses the multiplier 2^2 + 2^8.
+__device__ __forceinline__ uint32_t nibble_pair_bits(uint32_t q, uint32_t mul) { return (q * mul) & 0x81C081C0u; }
+
+// w: 8 packed e2m1 codes; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
+__device__ __forceinline__ void dequant_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
+  const uint32_t u = w >> 8;
+  p[0] = bf16x2_mul(nibble_pair_bits(w & 0x000F000Fu, 0x1040u), s2);
+  p[1] = bf16x2_mul(nibble_pair_bits(w & 0x00F000F0u, 0x0104u), s2);
+  p[2] = bf16x2_mul(nibble_pair_bits(u & 0x000F000Fu, 0x1040u), s2);
+  p[3] = bf16x2_mul(nibble_pair_bits(u & 0x00F000F0u, 0x0104u), s2);
+}
+
+// D += A * B, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Expert slot -> expert and its row range; false when the slot is unused.
+__device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, const int32_t* num_active,
+                                               const int32_t* expert_offsets, int slot, int& expert,
+                                               int& row_begin, int& rows) {
+  if (num_active && slot >= *num_active) return false;
+  expert = active_experts ? active_experts[slot] : slot;
+  row_begin = expert_offsets[expert];
+  rows = expert_offsets[expert + 1] - row_begin;
+  return rows > 0;
+}
+
+}  // namespace megamoe::sm90

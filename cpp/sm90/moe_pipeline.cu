@@ -1,0 +1,238 @@
+// The MoE pipeline around the grouped GEMMs (SPEC §3): routing results -> grouped
+// rows, activation staging, dynamic global scale over the valid rows, weighted combine.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "megamoe/nvfp4_device.cuh"
+#include "megamoe/sm90_kernels.h"
+
+namespace megamoe::sm90 {
+namespace {
+
+constexpr int kAlignThreads = 1024;
+
+// One block: count per expert, exclusive scan, then place every (token, expert) entry.
+template <typename Id>
+__global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids, int64_t entries, int top_k, int E,
+                                                                  int32_t* expert_offsets, int32_t* active_experts,
+                                                                  int32_t* num_active, int32_t* row_token,
+                                                                  int32_t* entry_row) {
+  extern __shared__ int32_t sh[];
+  int32_t* count = sh;       // [E]
+  int32_t* fill = sh + E;    // [E]
+  __shared__ int32_t warp_tot[kAlignThreads / 32];
+  __shared__ int32_t warp_act[kAlignThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < E; e += kAlignThreads) count[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < entries; i += kAlignThreads) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  // Exclusive scan of counts (and of "has tokens") in chunks of kAlignThreads experts.
+  int32_t carry = 0, carry_act = 0;
+  for (int base = 0; base < E; base += kAlignThreads) {
+    const int e = base + tid;
+    const int32_t c = e < E ? count[e] : 0;
+    int32_t v = c, act = c > 0 ? 1 : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t t = __shfl_up_sync(0xffffffffu, v, o);
+      const int32_t ta = __shfl_up_sync(0xffffffffu, act, o);
+      if (lane >= o) { v += t; act += ta; }
+    }
+    if (lane == 31) { warp_tot[warp] = v; warp_act[warp] = act; }
+    __syncthreads();
+    int32_t pre = carry, pre_a = carry_act, tot = carry, tot_a = carry_act;
+    for (int w = 0; w < kAlignThreads / 32; ++w) {
+      if (w < warp) { pre += warp_tot[w]; pre_a += warp_act[w]; }
+      tot += warp_tot[w];
+      tot_a += warp_act[w];
+    }
+    if (e < E) {
+      const int32_t excl = pre + v - c;
+      expert_offsets[e] = excl;
+      fill[e] = excl;
+      if (c > 0) active_experts[pre_a + act - 1] = e;
+    }
+    carry = tot;
+    carry_act = tot_a;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    expert_offsets[E] = carry;
+    *num_active = carry_act;
+  }
+  __syncthreads();
+  for (int64_t i = tid; i < entries; i += kAlignThreads) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    int32_t row = -1;
+    if (e >= 0 && e < E) {
+      row = atomicAdd(&fill[e], 1);
+      row_token[row] = int32_t(i / top_k);
+    }
+    entry_row[i] = row;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// One thread per 8-element group: gather, convert, store in operand order.
+template <typename T>
+__global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
+                                  int64_t max_rows, int64_t cols, uint16_t* dst) {
+  const int64_t groups = cols / 8;
+  const int64_t rows = num_rows ? *num_rows : max_rows;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * groups;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / groups, gi = idx - r * groups;
+    const int64_t sr = src_rows ? src_rows[r] : r;
+    const T* p = src + sr * stride + gi * 8;
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_float(p[i]);
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      __nv_bfloat162 b = __floats2bfloat162_rn(x[operand_order(2 * q)], x[operand_order(2 * q + 1)]);
+      w[q] = *reinterpret_cast<uint32_t*>(&b);
+    }
+    *reinterpret_cast<uint4*>(dst + r * cols + gi * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+__global__ void amax_rows_kernel(const float* src, const int32_t* num_rows, int64_t max_rows, int64_t cols,
+                                 uint32_t* out) {
+  const int64_t rows = num_rows ? min(int64_t(*num_rows), max_rows) : max_rows;
+  const int64_t n = rows * cols;
+  float m = 0.f;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    m = fmaxf(m, fabsf(src[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
+}
+
+__global__ void finish_scale_kernel(const uint32_t* amax_bits, float* out) {
+  const float amax = __uint_as_float(*amax_bits);
+  *out = amax == 0.f ? 1.0f : __fdiv_rn(amax, 6.0f * 448.0f);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T>
+__global__ void combine_kernel(const float* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
+                               int64_t hidden, T* out) {
+  const int64_t n = tokens * hidden;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / hidden, c = idx - t * hidden;
+    float acc = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = entry_row[t * top_k + j];
+      if (r >= 0) acc += w[t * top_k + j] * y[int64_t(r) * hidden + c];
+    }
+    out[idx] = from_float<T>(acc);
+  }
+}
+
+unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return unsigned(b > cap ? cap : b);
+}
+
+}  // namespace
+
+cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
+                             int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active,
+                             int32_t* row_token, int32_t* entry_row, cudaStream_t stream) {
+  if (num_experts <= 0 || top_k <= 0) return cudaErrorInvalidValue;
+  const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
+  const int64_t entries = tokens * top_k;
+  if (ids_int64)
+    moe_align_kernel<int64_t><<<1, kAlignThreads, smem, stream>>>(static_cast<const int64_t*>(topk_ids), entries,
+                                                                  top_k, num_experts, expert_offsets, active_experts,
+                                                                  num_active, row_token, entry_row);
+  else
+    moe_align_kernel<int32_t><<<1, kAlignThreads, smem, stream>>>(static_cast<const int32_t*>(topk_ids), entries,
+                                                                  top_k, num_experts, expert_offsets, active_experts,
+                                                                  num_active, row_token, entry_row);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
+                              const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
+                              cudaStream_t stream) {
+  if (cols % 16 != 0) return cudaErrorInvalidValue;
+  if (max_rows == 0) return cudaSuccess;
+  const unsigned grid = grid_of(max_rows * (cols / 8), 256);
+  switch (src_type) {
+    case ElemType::kFloat32:
+      stage_bf16_kernel<float><<<grid, 256, 0, stream>>>(static_cast<const float*>(src), src_row_stride, src_rows,
+                                                         num_rows, max_rows, cols, dst);
+      break;
+    case ElemType::kFloat16:
+      stage_bf16_kernel<__half><<<grid, 256, 0, stream>>>(static_cast<const __half*>(src), src_row_stride, src_rows,
+                                                          num_rows, max_rows, cols, dst);
+      break;
+    case ElemType::kBFloat16:
+      stage_bf16_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                                 src_row_stride, src_rows, num_rows, max_rows, cols,
+                                                                 dst);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dynamic_global_scale_rows(const float* src, const int32_t* num_rows, int64_t max_rows,
+                                             int64_t cols, uint32_t* scratch, float* out, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(scratch, 0, sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  if (max_rows * cols > 0) {
+    amax_rows_kernel<<<grid_of(max_rows * cols / 8, 256, 1024), 256, 0, stream>>>(src, num_rows, max_rows, cols,
+                                                                                  scratch);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  finish_scale_kernel<<<1, 1, 0, stream>>>(scratch, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
+                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream) {
+  const int64_t n = tokens * hidden;
+  if (n == 0) return cudaSuccess;
+  const unsigned grid = grid_of(n, 256);
+  switch (out_type) {
+    case ElemType::kFloat32:
+      combine_kernel<float><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
+                                                      static_cast<float*>(out));
+      break;
+    case ElemType::kFloat16:
+      combine_kernel<__half><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
+                                                       static_cast<__half*>(out));
+      break;
+    case ElemType::kBFloat16:
+      combine_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
+                                                              static_cast<__nv_bfloat16*>(out));
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace megamoe::sm90
