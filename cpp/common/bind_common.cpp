@@ -10,9 +10,9 @@ using namespace megamoe::bind;
 void register_common(nb::module_& m) {
   m.def(
       "quantize_nvfp4",
-      [](const Array& src, const Array& global_scale, bool gs_per_expert, OptArray src_rows, OptArray expert_offsets,
+      [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
-         uintptr_t stream) {
+         OptArray row_scale_out, uintptr_t stream) {
         if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
         QuantizeArgs a;
         a.src = src.data();
@@ -24,8 +24,13 @@ void register_common(nb::module_& m) {
         if (a.cols % 16 != 0) throw std::invalid_argument("quantize_nvfp4: cols must be a multiple of 16, got " +
                                                           std::to_string(a.cols));
         a.src_rows = opt_ptr<const int32_t>(src_rows, "src_rows", 4);
-        a.global_scale = ptr<const float>(global_scale, "global_scale", 4);
-        a.gs_mode = gs_per_expert ? GlobalScaleMode::kPerExpert : GlobalScaleMode::kSingle;
+        a.global_scale = opt_ptr<const float>(global_scale, "global_scale", 4);
+        if (gs_mode < 0 || gs_mode > 3) throw std::invalid_argument("quantize_nvfp4: gs_mode must be 0..3");
+        a.gs_mode = static_cast<GlobalScaleMode>(gs_mode);
+        if (a.gs_mode != GlobalScaleMode::kPerRowDynamic && !a.global_scale)
+          throw std::invalid_argument("quantize_nvfp4: global_scale is required unless gs_mode is per-row dynamic");
+        if (a.gs_mode == GlobalScaleMode::kPerRow && numel(*global_scale) < a.rows)
+          throw std::invalid_argument("quantize_nvfp4: per-row global_scale needs one value per row");
         if (expert_offsets) {
           a.num_experts = int(numel(*expert_offsets)) - 1;
           a.expert_offsets = ptr<const int32_t>(*expert_offsets, "expert_offsets", 4);
@@ -36,12 +41,13 @@ void register_common(nb::module_& m) {
         a.scale_swz = opt_ptr<uint8_t>(scale_swz, "scale_swz", 1);
         a.sf_rows = sf_rows;
         a.dequant = opt_ptr<uint16_t>(dequant, "dequant", 2);
+        a.row_scale_out = opt_ptr<float>(row_scale_out, "row_scale_out", 4);
         check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
       },
-      nb::arg("src"), nb::arg("global_scale"), nb::arg("gs_per_expert"), nb::arg("src_rows").none(),
+      nb::arg("src"), nb::arg("global_scale").none(), nb::arg("gs_mode"), nb::arg("src_rows").none(),
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
-      nb::arg("stream"),
+      nb::arg("row_scale_out").none(), nb::arg("stream"),
       "NVFP4-quantize rows of src [rows, cols] (SPEC §1) into the given outputs (see common_kernels.h).");
 
   m.def(

@@ -58,40 +58,39 @@ __device__ __forceinline__ int find_expert(const int32_t* offsets, int num_exper
   return lo;
 }
 
-template <ElemType T>
-__global__ void quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
-  using E = typename Elem<T>::type;
-  const int64_t blocks_per_row = a.cols / 16;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= a.rows * blocks_per_row) return;
-  const int64_t r = idx / blocks_per_row;
-  const int64_t kb = idx - r * blocks_per_row;
+struct RowPlace {
+  int64_t dst_row;
+  int expert;
+  bool valid;
+};
 
-  int64_t dst_row = r;
-  int expert = 0;
+__device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) {
+  RowPlace p{r, 0, true};
   if (a.num_experts > 0) {
-    if (r >= a.expert_offsets[a.num_experts]) return;
-    expert = find_expert(a.expert_offsets, a.num_experts, r);
-    dst_row = int64_t(a.dst_offsets[expert]) + (r - a.expert_offsets[expert]);
+    if (r >= a.expert_offsets[a.num_experts]) {
+      p.valid = false;
+      return p;
+    }
+    p.expert = find_expert(a.expert_offsets, a.num_experts, r);
+    p.dst_row = int64_t(a.dst_offsets[p.expert]) + (r - a.expert_offsets[p.expert]);
   }
-  const float gs = a.global_scale[a.gs_mode == GlobalScaleMode::kPerExpert ? expert : 0];
+  return p;
+}
 
-  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
-  const E* src = static_cast<const E*>(a.src) + src_row * a.src_row_stride + kb * 16;
-  float x[16];
-  load_block<T>(src, vec, x);
-
-  // SPEC §1, in the reference's fp32 operation order.
+// Quantizes block kb of a row already placed; SPEC §1 in the reference's fp32 operation order.
+__device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
+                                               int64_t kb) {
+  const int64_t blocks_per_row = a.cols / 16;
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));  // fmaxf drops NaN
   const uint8_t scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
   const float scale = e4m3_to_float(scale_byte);
   const float denom = __fmul_rn(scale, gs);
 
   uint32_t code[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) code[i] = scale == 0.f ? 0u : e2m1_rne_satfinite(__fdiv_rn(x[i], denom));
+  for (int i = 0; i < 16; ++i) code[i] = denom == 0.f ? 0u : e2m1_rne_satfinite(__fdiv_rn(x[i], denom));
 
   if (a.data) {
     uint32_t lo = 0, hi = 0;
@@ -119,6 +118,63 @@ __global__ void quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
     uint4* dst = reinterpret_cast<uint4*>(a.dequant + dst_row * a.cols + kb * 16);
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+// One thread per 16-element block (global scale known up front).
+template <ElemType T>
+__global__ void quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
+  using E = typename Elem<T>::type;
+  const int64_t blocks_per_row = a.cols / 16;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= a.rows * blocks_per_row) return;
+  const int64_t r = idx / blocks_per_row;
+  const int64_t kb = idx - r * blocks_per_row;
+  const RowPlace p = place_row(a, r);
+  if (!p.valid) return;
+  const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(p.expert)
+                     : a.gs_mode == GlobalScaleMode::kPerRow  ? r
+                                                              : int64_t(0);
+  const float gs = a.global_scale[gi];
+  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
+  float x[16];
+  load_block<T>(static_cast<const E*>(a.src) + src_row * a.src_row_stride + kb * 16, vec, x);
+  quantize_block(a, x, gs, p.dst_row, kb);
+}
+
+// One block of kRowThreads per row: the row's amax first (dynamic per-row global scale),
+// then its blocks.
+constexpr int kRowThreads = 128;
+template <ElemType T>
+__global__ void __launch_bounds__(kRowThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
+  using E = typename Elem<T>::type;
+  __shared__ float warp_max[kRowThreads / 32];
+  const int64_t r = blockIdx.x;
+  const RowPlace p = place_row(a, r);
+  if (!p.valid) return;
+  const int64_t blocks_per_row = a.cols / 16;
+  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
+  const E* row = static_cast<const E*>(a.src) + src_row * a.src_row_stride;
+  float m = 0.f;
+  for (int64_t kb = threadIdx.x; kb < blocks_per_row; kb += kRowThreads) {
+    float x[16];
+    load_block<T>(row + kb * 16, vec, x);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  float amax = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  const float gs = amax > 0.f ? __fdiv_rn(amax, 6.0f * 448.0f) : 1.0f;
+  if (threadIdx.x == 0 && a.row_scale_out) a.row_scale_out[p.dst_row] = gs;
+  for (int64_t kb = threadIdx.x; kb < blocks_per_row; kb += kRowThreads) {
+    float x[16];
+    load_block<T>(row + kb * 16, vec, x);
+    quantize_block(a, x, gs, p.dst_row, kb);
   }
 }
 
@@ -162,7 +218,9 @@ int elem_bytes(ElemType t) { return t == ElemType::kFloat32 ? 4 : 2; }
 }  // namespace
 
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream) {
-  if (args.cols % 16 != 0 || args.rows < 0 || !args.src || !args.global_scale) return cudaErrorInvalidValue;
+  const bool rowwise = args.gs_mode == GlobalScaleMode::kPerRowDynamic;
+  if (args.cols % 16 != 0 || args.rows < 0 || !args.src || (!rowwise && !args.global_scale))
+    return cudaErrorInvalidValue;
   if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
   if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
   const int64_t total = args.rows * (args.cols / 16);
@@ -172,7 +230,12 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   return dispatch_type(args.src_type, [&](auto t) {
-    quantize_nvfp4_kernel<decltype(t)::value><<<unsigned(blocks), threads, 0, stream>>>(args, vec);
+    if (rowwise) {
+      if (args.rows > 0x7fffffff) return cudaErrorInvalidValue;
+      quantize_nvfp4_rowwise_kernel<decltype(t)::value><<<unsigned(args.rows), kRowThreads, 0, stream>>>(args, vec);
+    } else {
+      quantize_nvfp4_kernel<decltype(t)::value><<<unsigned(blocks), threads, 0, stream>>>(args, vec);
+    }
     return cudaGetLastError();
   });
 }

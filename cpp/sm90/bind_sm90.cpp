@@ -61,8 +61,8 @@ void register_sm90(nb::module_& m) {
       "sm90_grouped_gemm",
       [](const Array& act, const Array& expert_offsets, OptArray active_experts, OptArray num_active, int grid_experts,
          const Array& w_data, const Array& w_scale, const Array& w_global_scale, OptArray a_global_scale,
-         bool a_gs_per_expert, int epilogue, const Array& out, int64_t max_tokens_per_expert, int64_t max_total_rows,
-         int force_kernel, uintptr_t stream) {
+         bool a_gs_per_expert, OptArray a_row_scale, int epilogue, std::optional<float> swiglu_limit, const Array& out,
+         int64_t max_tokens_per_expert, int64_t max_total_rows, int force_kernel, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
@@ -85,6 +85,9 @@ void register_sm90(nb::module_& m) {
         a.w_gs_per_expert = int(numel(w_global_scale) / a.num_experts);
         a.a_global_scale = opt_ptr<const float>(a_global_scale, "a_global_scale", 4);
         a.a_gs_per_expert = a_gs_per_expert;
+        a.a_row_scale = opt_ptr<const float>(a_row_scale, "a_row_scale", 4);
+        a.swiglu_clamp = swiglu_limit.has_value();
+        a.swiglu_limit = swiglu_limit.value_or(0.f);
         a.epilogue = static_cast<sm90::Epilogue>(epilogue);
         a.out = ptr<float>(out, "out", 4);
         a.max_tokens_per_expert = max_tokens_per_expert;
@@ -94,7 +97,8 @@ void register_sm90(nb::module_& m) {
       },
       nb::arg("act"), nb::arg("expert_offsets"), nb::arg("active_experts").none(), nb::arg("num_active").none(),
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
-      nb::arg("a_global_scale").none(), nb::arg("a_gs_per_expert"), nb::arg("epilogue"), nb::arg("out"),
+      nb::arg("a_global_scale").none(), nb::arg("a_gs_per_expert"), nb::arg("a_row_scale").none(), nb::arg("epilogue"),
+      nb::arg("swiglu_limit").none(), nb::arg("out"),
       nb::arg("max_tokens_per_expert"), nb::arg("max_total_rows"), nb::arg("force_kernel"), nb::arg("stream"));
 
   m.def(

@@ -66,6 +66,20 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+// Epilogue value of one accumulator: undo the dequant's 2^-7, then the global scales.
+__device__ __forceinline__ float scaled(float acc, float alpha, float row_scale) {
+  return ((acc * kDequantAlpha) * alpha) * row_scale;
+}
+
+// SiLU(gate) * up with the optional clamp of megamoe.backends.torch_ref.swiglu.
+__device__ __forceinline__ float swiglu(float gate, float up, bool clamp, float limit) {
+  if (clamp) {
+    gate = fminf(gate, limit);
+    up = fminf(fmaxf(up, -limit), limit);
+  }
+  return silu(gate) * up;
+}
+
 // Expert slot -> expert and its row range; false when the slot is unused.
 __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, const int32_t* num_active,
                                                const int32_t* expert_offsets, int slot, int& expert,

@@ -171,17 +171,18 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
           const int tok = tok0 + 2 * tig + t;
           if (tok >= rows) continue;
           const int64_t out_row = row_begin + tok;
+          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
           if (silu_mul) {
             if (!rvalid[0][hh]) continue;
-            const float gate = (sum[0][2 * hh + t] * kDequantAlpha) * alpha0;
-            const float up = (sum[1][2 * hh + t] * kDequantAlpha) * alpha1;
-            a.out[out_row * I + int64_t(blockIdx.x) * 16 + g + 8 * hh] = silu(gate) * up;
+            const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
+            const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
+            a.out[out_row * I + int64_t(blockIdx.x) * 16 + g + 8 * hh] = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
           } else {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
               if (!rvalid[mt][hh]) continue;
               const int64_t n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + g + 8 * hh;
-              a.out[out_row * N + n] = (sum[mt][2 * hh + t] * kDequantAlpha) * alpha0;
+              a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
             }
           }
         }

@@ -209,15 +209,17 @@ __global__ void __launch_bounds__(kTiledThreads, 1) tiled_gemm_kernel(GroupedGem
       const int tok = m0 + wm * 64 + mt * 16 + g + 8 * hh;
       if (tok >= rows) continue;
       const int64_t out_row = int64_t(row_begin) + tok;
+      const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
       if (silu_mul) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int64_t col = int64_t(blockIdx.x) * 64 + wn * 16 + nt * 8 + 2 * tig;
           if (col >= I) continue;
           float2 h;
-          h.x = silu((acc[mt][nt][2 * hh] * kDequantAlpha) * alpha0) * ((acc[mt][nt + 2][2 * hh] * kDequantAlpha) * alpha1);
-          h.y = silu((acc[mt][nt][2 * hh + 1] * kDequantAlpha) * alpha0) *
-                ((acc[mt][nt + 2][2 * hh + 1] * kDequantAlpha) * alpha1);
+          h.x = swiglu(scaled(acc[mt][nt][2 * hh], alpha0, rs), scaled(acc[mt][nt + 2][2 * hh], alpha1, rs),
+                       a.swiglu_clamp, a.swiglu_limit);
+          h.y = swiglu(scaled(acc[mt][nt][2 * hh + 1], alpha0, rs), scaled(acc[mt][nt + 2][2 * hh + 1], alpha1, rs),
+                       a.swiglu_clamp, a.swiglu_limit);
           *reinterpret_cast<float2*>(a.out + out_row * I + col) = h;
         }
       } else {
@@ -226,8 +228,8 @@ __global__ void __launch_bounds__(kTiledThreads, 1) tiled_gemm_kernel(GroupedGem
           const int64_t n = int64_t(blockIdx.x) * kTileN + wn * 32 + nt * 8 + 2 * tig;
           if (n >= N) continue;
           float2 v;
-          v.x = (acc[mt][nt][2 * hh] * kDequantAlpha) * alpha0;
-          v.y = (acc[mt][nt][2 * hh + 1] * kDequantAlpha) * alpha0;
+          v.x = scaled(acc[mt][nt][2 * hh], alpha0, rs);
+          v.y = scaled(acc[mt][nt][2 * hh + 1], alpha0, rs);
           *reinterpret_cast<float2*>(a.out + out_row * N + n) = v;
         }
       }

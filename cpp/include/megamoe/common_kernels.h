@@ -16,6 +16,9 @@ enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class GlobalScaleMode : int {
   kSingle = 0,     // global_scale[0] for every row
   kPerExpert = 1,  // global_scale[expert of the row] (static per-expert input_scale)
+  kPerRow = 2,     // global_scale[r] (r = input row index)
+  kPerRowDynamic = 3,  // computed from the row: amax(|row|) / (6*448), 1.0 for a zero row, NaN ignored
+                       // (megamoe.backends.torch_ref.row_global_scales); written to row_scale_out[dst row]
 };
 
 // NVFP4 quantization of rows of a [*, cols] tensor (SPEC §1), bit-identical to
@@ -53,6 +56,7 @@ struct QuantizeArgs {
   uint8_t* scale_swz = nullptr;
   int64_t sf_rows = 0;  // rows of the swizzled matrix (for its tile count)
   uint16_t* dequant = nullptr;
+  float* row_scale_out = nullptr;  // kPerRowDynamic: the global scale of each destination row
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 

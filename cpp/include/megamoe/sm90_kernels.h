@@ -56,6 +56,9 @@ struct GroupedGemmArgs {
   int w_gs_per_expert = 1;
   const float* a_global_scale = nullptr;  // null: 1.0
   bool a_gs_per_expert = false;           // a_global_scale[e] instead of a_global_scale[0]
+  const float* a_row_scale = nullptr;     // per grouped row activation global scale (dynamic W4A4), multiplies too
+  bool swiglu_clamp = false;              // kSiluMul: gate = min(gate, limit), up = clamp(up, -limit, limit)
+  float swiglu_limit = 0.f;
   int64_t N = 0, K = 0;
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
