@@ -9,6 +9,7 @@ from __future__ import annotations
 def main(argv: list[str] | None = None) -> int:
     """Parse settings (env ``MEGAMOE_*``, then flags in ``argv``), serve until SIGTERM/SIGINT."""
     import logging
+    import signal
 
     import uvicorn
 
@@ -16,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     from .settings import parse_settings
 
     settings = parse_settings(argv)
+    # uvicorn drains on SIGTERM, then re-raises it under the handler it found installed:
+    # make that one a clean exit, so a stop by the orchestrator reads as success (0), not 143.
+    signal.signal(signal.SIGTERM, _exit_after_drain)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
     uvicorn.run(
@@ -27,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
     )
     return 0
+
+
+def _exit_after_drain(signum, frame):
+    raise SystemExit(0)
 
 
 __all__ = ["main"]
