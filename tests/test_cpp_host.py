@@ -1,0 +1,51 @@
+"""Compile and run the C++ host test: SPEC §2 closed form vs CuTe's Sm1xxBlockScaledConfig."""
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cutlass_include():
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None:
+        return None
+    inc = Path(spec.origin).parent / "source" / "include"
+    return inc if (inc / "cute" / "tensor.hpp").exists() else None
+
+
+def cuda_includes():
+    nvcc = shutil.which("nvcc")
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    if nvcc:
+        roots.append(str(Path(os.path.realpath(nvcc)).parents[1]))
+    for r in roots:
+        if r and (Path(r) / "include" / "cuda_runtime_api.h").exists():
+            inc = [Path(r) / "include"]
+            if (Path(r) / "include" / "cccl").exists():  # CUDA 13 keeps libcu++ there
+                inc.append(Path(r) / "include" / "cccl")
+            return inc
+    return None
+
+
+def test_sf_layout_closed_form_equals_cute(tmp_path):
+    inc = cutlass_include()
+    cuda = cuda_includes()
+    if inc is None or cuda is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the CuTe host test: CUTLASS headers {inc}, CUDA headers {cuda}")
+        pytest.skip("needs the nvidia-cutlass headers and the CUDA toolkit headers")
+    cxx = shutil.which("c++") or shutil.which("g++")
+    exe = tmp_path / "test_sf_layout"
+    cmd = [cxx, "-std=c++17", "-O1", "-w", f"-I{ROOT / 'cpp' / 'include'}", f"-I{inc}",
+           *[f"-I{c}" for c in cuda], str(ROOT / "cpp" / "tests" / "test_sf_layout.cpp"), "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert " 0 failed" in run.stdout

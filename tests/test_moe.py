@@ -1,0 +1,164 @@
+"""SPEC §3: the MoE layer against an independent float64 loop over tokens."""
+import pytest
+import torch
+import torch.nn.functional as Fn
+
+from megamoe import nvfp4 as F
+from megamoe.checkpoint import synthetic_weights
+from megamoe.moe import MoELayer
+from megamoe.presets import MoEConfig, get_preset
+
+from conftest import cosine, rel_err
+
+
+def loop_reference(layer, x, ids, w):
+    """Token by token, expert by expert, in float64 (activation quantization as SPEC §3)."""
+    cfg, W = layer.config, layer.weights
+    i = cfg.intermediate_size
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            xt = x[t:t + 1].float()
+            if cfg.act_mode == "w4a4":
+                gs1 = W.w13_input_scale[e] if not cfg.dynamic_act_scale else F.default_global_scale(xt)
+                a = F.dequantize(F.quantize(xt, gs1), torch.float64)
+            else:
+                a = xt.to(torch.bfloat16).double()
+            gu = a @ F.dequantize(W.w13[e], torch.float64).T
+            h = Fn.silu(gu[:, :i]) * gu[:, i:]
+            if cfg.act_mode == "w4a4":
+                hf = h.float()
+                gs2 = W.w2_input_scale[e] if not cfg.dynamic_act_scale else F.default_global_scale(hf)
+                h = F.dequantize(F.quantize(hf, gs2), torch.float64)
+            else:
+                h = h.float().to(torch.bfloat16).double()
+            out[t] += float(w[t, j]) * (h @ F.dequantize(W.w2[e], torch.float64).T)[0]
+    if cfg.n_shared_experts:
+        gu = x.double() @ W.shared_gate_up.double().T
+        s = W.shared_down.shape[1]
+        out += (Fn.silu(gu[:, :s]) * gu[:, s:]) @ W.shared_down.double().T
+    return out
+
+
+def make_layer(cfg, seed=0):
+    return MoELayer(synthetic_weights(cfg, seed=seed), cfg, backend="torch")
+
+
+SMALL = MoEConfig(64, 48, 6, 2)
+
+
+@pytest.mark.parametrize("mode,dynamic", [("w4a4", False), ("w4a4", True), ("w4a16", False)])
+def test_forward_matches_float64_loop(gen, mode, dynamic):
+    layer = make_layer(SMALL.with_(act_mode=mode, dynamic_act_scale=dynamic))
+    x = torch.randn(13, 64, generator=gen).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    out = layer(x, ids, w)
+    ref = loop_reference(layer, x, ids, w)
+    # float32 vs float64 accumulation can flip an activation code at a rounding tie;
+    # a wrong expert, scale or layout would be orders of magnitude further off.
+    assert rel_err(out.float(), ref) < 2e-2
+    assert cosine(out.float(), ref) > 0.999
+
+
+def test_intermediate_464_shared_expert_grouped_routing(gen):
+    # FIELD_BUGS 8 (I = 464, K/16 = 29 not a multiple of 4), 10 (gate/up scales differ)
+    cfg = MoEConfig(128, 464, 8, 3, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    n_shared_experts=1, shared_intermediate_size=64)
+    layer = make_layer(cfg, seed=3)
+    gs = layer.weights.w13.global_scale
+    assert float((gs[:, 1] / gs[:, 0]).max() / (gs[:, 1] / gs[:, 0]).min()) > 2
+    x = torch.randn(7, 128, generator=gen)
+    w, ids = layer.route(x)
+    out = layer(x)
+    ref = loop_reference(layer, x, ids, w)
+    assert out.dtype == torch.float32
+    assert cosine(out, ref) > 0.999
+
+
+def test_gate_and_up_global_scales_are_both_used(gen):
+    layer = make_layer(SMALL.with_(act_mode="w4a16"))
+    x = torch.randn(5, 64, generator=gen)
+    w, ids = layer.route(x)
+    base = layer(x, ids, w)
+    layer.weights.w13.global_scale[:, 1] *= 8  # only the up half; a power of 2 keeps bf16 rounding exact
+    out = layer.backend.moe_forward(layer.weights, layer.config, x, ids, w)
+    assert torch.allclose(out, base * 8, rtol=1e-5, atol=1e-6)  # silu(g)*u is linear in u
+
+
+def test_global_scales_far_from_one(gen):
+    # FIELD_BUGS 11: weights' global scales of 1e-3 and 1e3 are honoured, not replaced by 1.0
+    cfg = SMALL.with_(act_mode="w4a16")
+    wts = synthetic_weights(cfg, seed=1)
+    x = torch.randn(6, 64, generator=gen)
+    base_layer = MoELayer(wts, cfg, backend="torch")
+    w, ids = base_layer.route(x)
+    base = base_layer(x, ids, w)
+    wts.w2.global_scale.mul_(1024.0)
+    assert rel_err(MoELayer(wts, cfg, backend="torch")(x, ids, w), base * 1024) < 1e-6
+    wts.w2.global_scale.div_(1024.0)
+    wts.w13.global_scale.mul_(1e-3)
+    wts.w2.global_scale.mul_(1e3)
+    layer = MoELayer(wts, cfg, backend="torch")
+    out = layer(x, ids, w)
+    assert rel_err(out, base) > 0.5  # silu is not linear: the scales really changed the result
+    assert cosine(out, loop_reference(layer, x, ids, w)) > 0.9999
+
+
+def test_w4a4_close_to_bf16_reference(gen):
+    layer = MoELayer.from_preset("tiny", seed=2, backend="torch")
+    x = torch.randn(61, 256, generator=gen).to(torch.bfloat16)
+    assert cosine(layer(x).float(), layer.reference_bf16(x)) > 0.98
+    layer.config = layer.config.with_(act_mode="w4a16")
+    assert cosine(layer(x).float(), layer.reference_bf16(x)) > 0.999
+
+
+def test_rows_do_not_depend_on_the_batch(gen):
+    # the service batches requests: a token's output must not depend on its neighbours
+    for dynamic in (False, True):
+        layer = make_layer(SMALL.with_(dynamic_act_scale=dynamic))
+        x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+        x[5] *= 3e4  # one loud token must not change the others' scales
+        full = layer(x)
+        parts = torch.cat([layer(x[:7]), layer(x[7:8]), layer(x[8:])])
+        # BLAS may sum in another order for another row count (and a tie may then round an
+        # activation code differently); a batch-wide scale would be off by far more.
+        for r in range(20):
+            assert rel_err(parts[r].float(), full[r].float()) < 1e-2, r
+
+
+def test_repeated_runs_identical(gen):
+    layer = make_layer(SMALL)
+    x = torch.randn(31, 64, generator=gen)
+    assert torch.equal(layer(x), layer(x))
+
+
+def test_output_dtype_follows_input(gen):
+    layer = make_layer(SMALL)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        assert layer(torch.randn(3, 64, generator=gen).to(dt)).dtype == dt
+    assert layer(torch.zeros(0, 64)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(x=torch.randn(3, 65)), "hidden_states"),
+    (dict(x=torch.randn(3, 64), topk_ids=torch.zeros(3, 2, dtype=torch.int32)), "together"),
+    (dict(x=torch.randn(3, 64), topk_ids=torch.full((3, 2), 6), topk_weights=torch.ones(3, 2)), "out of range"),
+    (dict(x=torch.randn(3, 64), topk_ids=torch.zeros(3, 3, dtype=torch.int64), topk_weights=torch.ones(3, 3)), r"\[3, 2\]"),
+    (dict(x=torch.randn(3, 64), router_logits=torch.randn(3, 5)), "router_logits"),
+    (dict(x=torch.randint(0, 5, (3, 64))), "dtype"),
+])
+def test_bad_inputs_raise_with_the_value(kw, err):
+    layer = make_layer(SMALL)
+    x = kw.pop("x")
+    with pytest.raises((ValueError, TypeError), match=err):
+        layer(x, **kw)
+
+
+def test_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        MoEConfig(100, 64, 4, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(64, 64, 4, 5)
+    with pytest.raises(ValueError, match="preset"):
+        get_preset("huge")
