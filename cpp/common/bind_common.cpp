@@ -51,6 +51,19 @@ void register_common(nb::module_& m) {
       "NVFP4-quantize rows of src [rows, cols] (SPEC §1) into the given outputs (see common_kernels.h).");
 
   m.def(
+      "nvfp4_to_operand",
+      [](const Array& data, const Array& scale, const Array& out, uintptr_t stream) {
+        if (out.ndim() != 2) throw std::invalid_argument("nvfp4_to_operand: out must be [rows, cols]");
+        const int64_t rows = int64_t(out.shape(0)), cols = int64_t(out.shape(1));
+        if (numel(data) != rows * cols / 2 || numel(scale) != rows * cols / 16)
+          throw std::invalid_argument("nvfp4_to_operand: data/scale do not match out [rows, cols]");
+        check(launch_nvfp4_to_operand(ptr<const uint8_t>(data, "data", 1), ptr<const uint8_t>(scale, "scale", 1), rows,
+                                      cols, ptr<uint16_t>(out, "out", 2), stream_of(stream)),
+              "nvfp4_to_operand");
+      },
+      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"));
+
+  m.def(
       "dynamic_global_scale",
       [](const Array& src, const Array& scratch, const Array& out, uintptr_t stream) {
         if (src.ndim() != 2 || src.stride(1) != 1) throw std::invalid_argument("dynamic_global_scale: src [rows, cols]");

@@ -178,6 +178,32 @@ __global__ void __launch_bounds__(kRowThreads) quantize_nvfp4_rowwise_kernel(Qua
   }
 }
 
+// Exact decode of existing NVFP4 rows to bf16 e2m1 * scale in operand order.
+__global__ void nvfp4_to_operand_kernel(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
+                                        uint16_t* dst) {
+  const int64_t blocks_per_row = cols / 16;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * blocks_per_row) return;
+  const int64_t r = idx / blocks_per_row, kb = idx - r * blocks_per_row;
+  const uint2 packed = *reinterpret_cast<const uint2*>(data + r * (cols / 2) + kb * 8);
+  const float sc = e4m3_to_float(scale[r * blocks_per_row + kb]);
+  uint32_t w[8];
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    const uint32_t word = g ? packed.y : packed.x;
+#pragma unroll
+    for (int p = 0; p < 8; p += 2) {
+      const float v0 = e2m1_to_float((word >> (4 * operand_order(p))) & 0xFu) * sc;
+      const float v1 = e2m1_to_float((word >> (4 * operand_order(p + 1))) & 0xFu) * sc;
+      __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+      w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
+    }
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst + r * cols + kb * 16);
+  out[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
 template <ElemType T>
 __global__ void amax_kernel(const void* src_v, int64_t rows, int64_t cols, int64_t stride, uint32_t* out) {
   using E = typename Elem<T>::type;
@@ -238,6 +264,15 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
     }
     return cudaGetLastError();
   });
+}
+
+cudaError_t launch_nvfp4_to_operand(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
+                                    uint16_t* dst, cudaStream_t stream) {
+  if (cols % 16 != 0) return cudaErrorInvalidValue;
+  const int64_t n = rows * (cols / 16);
+  if (n == 0) return cudaSuccess;
+  nvfp4_to_operand_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(data, scale, rows, cols, dst);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_dynamic_global_scale(const void* src, ElemType src_type, int64_t rows, int64_t cols,

@@ -60,6 +60,11 @@ struct QuantizeArgs {
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 
+// Exact decode of NVFP4 rows (data [rows, cols/2], e4m3 scale [rows, cols/16]) to bf16
+// e2m1 * scale in the operand order described for QuantizeArgs::dequant.
+cudaError_t launch_nvfp4_to_operand(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
+                                    uint16_t* dst, cudaStream_t stream);
+
 // amax(|x|) over a [rows, cols] tensor (NaN ignored) -> out[0] = amax / (6 * 448), or 1.0
 // when amax is 0 (SPEC §1 default global scale). `scratch` is one uint32 of device memory.
 cudaError_t launch_dynamic_global_scale(const void* src, ElemType src_type, int64_t rows, int64_t cols,
