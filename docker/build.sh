@@ -8,10 +8,12 @@
 #   docker/build.sh ci      [WORK_DIR]         wheel + install + smoke in CPU mode (what CI runs)
 #
 # Environment:
-#   MEGAMOE_BUILD_MODE   gpu (default; the image) or cpu (CI: no CUDA compile, the system torch)
+#   MEGAMOE_BUILD_MODE   gpu (default; the image) or cpu (CI: no CUDA compile, torch from $PYTHON's environment)
 #   MEGAMOE_CUDA_ARCHS   CUDA targets in gpu mode, default "90a;100a"
 #   TORCH_INDEX_URL      where `install` gets torch in gpu mode (the image passes the CUDA 12.8 index)
 #   TORCH_VERSION        torch version spec for `install`, default ">=2.8"
+#   PYTHON               interpreter that makes the venvs (default python3); in cpu mode the
+#                        fresh venv also sees this interpreter's packages (torch among them)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -48,17 +50,25 @@ install_wheel() {
   local wheels="$1" venv="$2"
   local wheel
   wheel="$(ls "$wheels"/megamoe-*.whl | head -n 1)"
+  "$python" -m venv "$venv"
   if [[ "$mode" == cpu ]]; then
-    # CI reuses the machine's CPU torch (no second multi-GB download); everything
-    # else comes from the wheel's own requirements, as in the image.
-    "$python" -m venv --system-site-packages "$venv"
+    # CI reuses the torch (and the rest) of the environment running this script, seen
+    # through a .pth file after the venv's own site-packages: no second multi-GB torch
+    # download, and the wheel installed here still shadows any megamoe installed there.
+    local venv_site
+    venv_site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$python" -c 'import site, sysconfig
+paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+print("\n".join(dict.fromkeys(paths)))' >"$venv_site/_parent_environment.pth"
   else
-    "$python" -m venv "$venv"
     "$venv/bin/pip" install --no-cache-dir --upgrade pip
     "$venv/bin/pip" install --no-cache-dir --index-url "${TORCH_INDEX_URL:?gpu mode needs TORCH_INDEX_URL}" \
       "torch${TORCH_VERSION:->=2.8}"
   fi
   log "installing $(basename "$wheel") into $venv"
+  # --force-reinstall --no-deps: the wheel itself always lands in the venv, even when the
+  # same version is visible from elsewhere; then its requirements (service extra included)
+  "$venv/bin/pip" install --no-cache-dir --force-reinstall --no-deps "$wheel"
   "$venv/bin/pip" install --no-cache-dir "${wheel}[service]"
   # the installed package, not a source tree, must be what runs
   (cd / && "$venv/bin/python" - <<'PY'
@@ -77,7 +87,8 @@ smoke() {
   port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
   workdir="$(mktemp -d)"
   log "starting megamoe serve on 127.0.0.1:$port"
-  (cd "$workdir" && MEGAMOE_HOST=127.0.0.1 MEGAMOE_PORT="$port" MEGAMOE_PRESET=tiny MEGAMOE_BACKEND="${MEGAMOE_BACKEND:-torch}" \
+  (cd "$workdir" && MEGAMOE_HOST=127.0.0.1 MEGAMOE_PORT="$port" MEGAMOE_PRESET=tiny MEGAMOE_CHECKPOINT= \
+    MEGAMOE_TOKEN= MEGAMOE_BACKEND="${MEGAMOE_BACKEND:-torch}" \
     exec "$venv/bin/megamoe" serve) >"$workdir/server.log" 2>&1 &
   pid=$!
   local ready=0
@@ -134,5 +145,5 @@ case "${1:-}" in
     smoke "$work/venv"
     log "ok: wheel built, installed into a fresh venv, served, probed ready, stopped"
     ;;
-  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | grep '^#' >&2; exit 2 ;;
 esac
