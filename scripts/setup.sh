@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up .venv/ with megamoe, its service and test extras, on a fresh machine.
+#  - torch: the CPU build 2.13.0 unless the environment already has a torch.
+#  - CUDA kernels: compiled when nvcc is found (MEGAMOE_CUDA_ARCHS, default "90a;100a");
+#    then a compile error fails the set-up (MEGAMOE_REQUIRE_CUDA=ON). Without nvcc the
+#    package installs with the torch backend only and says so.
+# Re-running is cheap: the CMake build in build/ is incremental.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch (CPU 2.13.0)"
+  python -m pip install -q "torch==2.13.0"
+fi
+echo "[setup] build tools"
+python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "nvidia-cutlass==4.2.0.0" "cmake>=3.28" ninja
+if command -v nvcc >/dev/null 2>&1; then
+  export MEGAMOE_REQUIRE_CUDA=${MEGAMOE_REQUIRE_CUDA:-ON}
+  echo "[setup] nvcc found ($(nvcc --version | tail -1)): compiling CUDA for ${MEGAMOE_CUDA_ARCHS:-90a;100a} (several minutes the first time)"
+else
+  echo "[setup] no nvcc: building without CUDA kernels (torch backend only)"
+fi
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+# -v so that ninja's [n/N] progress and any compiler error reach the terminal (and build.log)
+set +e
+python -m pip install -v --no-build-isolation -e ".[test,bench]" 2>&1 | tee build.log \
+  | grep --line-buffered -E "^\[[0-9]+/[0-9]+\]|megamoe:|error|Successfully installed"
+rc=${PIPESTATUS[0]}
+set -e
+if [ "$rc" -ne 0 ]; then
+  echo "[setup] FAILED (pip exit $rc); last lines of build.log:" >&2
+  tail -60 build.log >&2
+  exit "$rc"
+fi
+cd /tmp && python -m megamoe.cli info
