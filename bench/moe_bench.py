@@ -1,0 +1,317 @@
+"""Whole-MoE-forward benchmark on one GPU: cuda-sm90 (W4A16, W4A4) against torch bf16
+``torch._grouped_mm`` on the same shapes and routing, next to the measured floors.
+
+    python bench/moe_bench.py                      # full run (see bench/README.md)
+    python bench/moe_bench.py --quick --tokens 1 32 # smoke run
+
+For each preset (SPEC §3) and T: routed experts only (the shared expert and the router
+are identical for every path and left out), uniform random top-k routing, CUDA-graph
+replays timed one by one with CUDA events after warm-up; the median is reported. Between
+replays the routing/activations are rotated over several pre-drawn sets so that small-T
+runs do not read the same experts from L2 every time.
+
+Floors, measured in the same run: HBM copy bandwidth (device-to-device copy, bytes read +
+written) and the bf16 matmul rate (8192^3 torch.matmul). Weight floor = NVFP4 bytes of the
+experts the routing uses / copy bandwidth; compute floor = expert FLOPs / bf16 rate.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megamoe import nvfp4  # noqa: E402
+from megamoe.moe import MoEWeights  # noqa: E402
+from megamoe.presets import get_preset  # noqa: E402
+
+ROTATE = 8
+
+
+# ----------------------------------------------------------------------------- floors
+def measure_copy_bw(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)  # bytes read + written per second
+
+
+def measure_bf16_rate(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n**3 / statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- weights
+def random_weights(cfg, gen: torch.Generator) -> MoEWeights:
+    """Random NVFP4 weights on the GPU (codes uniform, block scales spread, gate/up global
+    scales apart, static input scales) - fast to make at v3 size, same bytes as real ones."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    dev = "cuda"
+
+    def q(rows, k, gs):
+        data = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device=dev, generator=gen)
+        sc = (torch.rand((e, rows, k // 16), device=dev, generator=gen) * 200 + 8).to(torch.float8_e4m3fn)
+        return nvfp4.NVFP4Tensor(data, sc, gs)
+
+    w13_gs = torch.stack([torch.full((e,), 2e-4, device=dev), torch.full((e,), 9e-4, device=dev)], dim=1)
+    w13 = q(2 * i, h, w13_gs)
+    w2 = q(h, i, torch.full((e,), 3e-4, device=dev))
+    return MoEWeights(w13=w13, w2=w2, w13_input_scale=torch.full((e,), 4.0 / 2688, device=dev),
+                      w2_input_scale=torch.full((e,), 1.0 / 2688, device=dev))
+
+
+def bf16_weights(cfg, gen: torch.Generator):
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    w13 = torch.randn((e, 2 * i, h), device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn((e, h, i), device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return w13, w2
+
+
+def random_routing(t: int, cfg, gen: torch.Generator):
+    scores = torch.rand((t, cfg.num_experts), device="cuda", generator=gen)
+    ids = scores.topk(cfg.top_k, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn((t, cfg.top_k), device="cuda", generator=gen), dim=1)
+    x = (torch.randn((t, cfg.hidden_size), device="cuda", generator=gen)).to(torch.bfloat16)
+    return x, ids, w
+
+
+# ----------------------------------------------------------------------------- torch bf16 path
+def torch_grouped_moe(x, ids, w, w13, w2, cfg):
+    """Routed experts in bf16 with torch._grouped_mm; device-only ops (graph capturable)."""
+    t, k = ids.shape
+    e, i = cfg.num_experts, cfg.intermediate_size
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat)
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // k
+    xs = x[tok]
+    gu = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    hmid = F.silu(gu[:, :i]) * gu[:, i:]
+    y = torch._grouped_mm(hmid, w2.transpose(-2, -1), offs=offs)
+    y = y.float() * w.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- timing
+def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3) -> list[float]:
+    """Capture fn() reading `buffers`, replay with the sets copied in turn; seconds per replay."""
+    for dst, src in zip(buffers, inputs_sets[0]):
+        dst.copy_(src)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(warmup):
+        g.replay()
+    times = []
+    for r in range(reps):
+        for dst, src in zip(buffers, inputs_sets[r % len(inputs_sets)]):
+            dst.copy_(src)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return times
+
+
+def versions() -> dict:
+    v = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
+    try:
+        v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as exc:  # noqa: BLE001 - informational only
+        v["driver"] = f"unknown ({exc})"
+    try:
+        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:  # noqa: BLE001
+        v["git"] = "unknown"
+    return v
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", nargs="+", default=["v4-flash", "v3"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048, 8192])
+    ap.add_argument("--modes", nargs="+", default=["w4a16", "w4a4"])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_h200.json"))
+    ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
+    ap.add_argument("--force-kernel", type=int, default=-1, help="-1 auto, 0 streaming, 1 tiled")
+    args = ap.parse_args(argv)
+
+    from megamoe.backends import get_backend
+    from megamoe.backends.cuda_sm90 import CudaSm90Backend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    be = get_backend("cuda-sm90")
+    be.force_kernel = args.force_kernel
+    copy_bw = measure_copy_bw()
+    bf16_rate = measure_bf16_rate()
+    print(f"floors: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {bf16_rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    results = []
+    for preset in args.presets:
+        base = get_preset(preset)
+        weights = random_weights(base, gen)
+        prepared = be.prepare_weights(weights)
+        per_expert_nvfp4 = (weights.w13.nbytes() + weights.w2.nbytes()) // base.num_experts
+        tw13 = tw2 = None
+        if not args.no_torch:
+            tw13, tw2 = bf16_weights(base, gen)
+        for t in args.tokens:
+            sets = [random_routing(t, base, gen) for _ in range(ROTATE)]
+            used = statistics.mean(int(torch.unique(s[1]).numel()) for s in sets)
+            wbytes = used * per_expert_nvfp4
+            flops = CudaSm90Backend.expert_flops(base, t)
+            reps = 30 if args.quick else (200 if t <= 128 else (50 if t <= 2048 else 20))
+            row = {"preset": preset, "T": t, "experts_used": used, "nvfp4_weight_bytes": wbytes, "flops": flops,
+                   "floor_weight_us": wbytes / copy_bw * 1e6,
+                   "floor_compute_us": flops / bf16_rate * 1e6}
+            bufs = [s.clone() for s in sets[0]]
+            for mode in args.modes:
+                cfg = base.with_(act_mode=mode)
+                try:
+                    times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs, reps)
+                    med = statistics.median(times)
+                    row[f"sm90_{mode}_us"] = med * 1e6
+                    row[f"sm90_{mode}_p10_us"] = sorted(times)[len(times) // 10] * 1e6
+                    row[f"sm90_{mode}_weight_GBps"] = wbytes / med / 1e9
+                    row[f"sm90_{mode}_pct_copy_bw"] = 100 * wbytes / med / copy_bw
+                    row[f"sm90_{mode}_tflops"] = flops / med / 1e12
+                except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
+                    row[f"sm90_{mode}_error"] = repr(exc)
+            if tw13 is not None:
+                try:
+                    times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,
+                                       reps)
+                    med = statistics.median(times)
+                    row["torch_bf16_us"] = med * 1e6
+                    row["torch_bf16_tflops"] = flops / med / 1e12
+                    row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
+                    for mode in args.modes:
+                        if f"sm90_{mode}_us" in row:
+                            row[f"speedup_{mode}_vs_torch"] = row["torch_bf16_us"] / row[f"sm90_{mode}_us"]
+                except Exception as exc:  # noqa: BLE001
+                    row["torch_bf16_error"] = repr(exc)
+            results.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        del weights, prepared, tw13, tw2
+        be._workspaces.clear()
+        torch.cuda.empty_cache()
+
+    report = {
+        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "versions": versions(),
+        "floors": {"copy_bw_Bps_read_plus_write": copy_bw, "bf16_matmul_flops": bf16_rate},
+        "method": "median of per-replay CUDA-event times of a captured CUDA graph of the routed-expert forward; "
+                  f"{ROTATE} routing/activation sets rotated between replays; weight floor = NVFP4 bytes of used "
+                  "experts / copy bandwidth; torch baseline = bf16 torch._grouped_mm on bf16 weights, same routing",
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    try:
+        make_plot(report, plot, args.modes)
+    except Exception as exc:  # noqa: BLE001
+        print(f"plot failed: {exc!r}")
+    print_table(report, args.modes)
+    return 0
+
+
+def make_plot(report, path, modes):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({r["preset"] for r in report["results"]}, key=lambda p: [r["preset"] for r in report["results"]].index(p))
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4.5), squeeze=False)
+    for ax, p in zip(axes[0], presets):
+        rows = [r for r in report["results"] if r["preset"] == p]
+        ts = [r["T"] for r in rows]
+        for key, label in [(f"sm90_{m}_us", f"cuda-sm90 {m.upper()}") for m in modes] + [("torch_bf16_us", "torch bf16 _grouped_mm")]:
+            pts = [(r["T"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.plot(ts, [max(r["floor_weight_us"], r["floor_compute_us"]) for r in rows], "k--", label="floor (NVFP4 bytes / copy BW, FLOPs / bf16 rate)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("routed-expert forward time (us)")
+        ax.set_title(f"{p} on {report['device']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(report, modes):
+    hdr = f"{'preset':9} {'T':>5} " + " ".join(f"{m + '_us':>10} {'%BW':>5} {'TF/s':>6}" for m in modes) + \
+          f" {'torch_us':>10} " + " ".join(f"{'x_' + m:>8}" for m in modes) + f" {'floor_us':>9}"
+    print(hdr)
+    for r in report["results"]:
+        cells = [f"{r['preset']:9} {r['T']:>5} "]
+        for m in modes:
+            us = r.get(f"sm90_{m}_us")
+            cells.append(f"{us:>10.1f} {r[f'sm90_{m}_pct_copy_bw']:>5.0f} {r[f'sm90_{m}_tflops']:>6.1f}" if us else f"{'err':>10} {'':>5} {'':>6}")
+        tu = r.get("torch_bf16_us")
+        cells.append(f" {tu:>10.1f} " if tu else f" {'-':>10} ")
+        for m in modes:
+            sp = r.get(f"speedup_{m}_vs_torch")
+            cells.append(f"{sp:>8.2f}" if sp else f"{'-':>8}")
+        cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
+        print(" ".join(cells))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""cuda-sm90 NVFP4 GEMM against the dequantized reference of the same NVFP4 inputs
+(float64), random data and random per-block scales (FIELD_BUGS 2, 11, 12)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe import nvfp4
+from megamoe.backends.cuda_sm90 import KERNEL_STREAM, KERNEL_TILED, CudaSm90Backend
+
+from _gpu_util import cosine, random_nvfp4, rel_err, sm90_backend
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 256, 256), (7, 464, 464), (33, 1040, 2048), (129, 256, 7168), (300, 4096, 512), (8, 2048, 4096)]
+
+
+@pytest.mark.parametrize("kernel", [KERNEL_STREAM, KERNEL_TILED])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
+def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):
+    sm90_backend()
+    be = CudaSm90Backend(force_kernel=kernel)
+    b = random_nvfp4(n, k, gen, global_scale=3.7e-3)
+    if a_kind == "nvfp4":
+        a = random_nvfp4(m, k, gen, global_scale=2.1e2)
+    else:
+        a = (torch.randn((m, k), generator=gen) * 3).to(torch.bfloat16)
+    ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
+    out = torch.full((m, n), float("nan"))
+    out = be.gemm(a, b).cpu()
+    cos, rel = cosine(out, ref), rel_err(out, ref)
+    print(f"gemm {a_kind} kernel={kernel} {m}x{n}x{k}: cosine {cos:.8f} rel_err {rel:.2e}")
+    assert torch.isfinite(out).all()
+    assert cos >= 0.9999, (cos, rel)
+    assert rel < 1e-4, rel  # both operands exact in bf16: only fp32 accumulation rounds
+    # FIELD_BUGS 12: no structured error by column position
+    err = (out.double() - ref).abs().amax(dim=0) / ref.abs().amax().clamp_min(1e-30)
+    per_pos = torch.stack([err[p::32].max() for p in range(min(32, n))])
+    assert float(per_pos.max()) < 1e-4, per_pos
+
+
+def test_gemm_uniform_and_gate_up_scales(gen):
+    be = sm90_backend()
+    a = random_nvfp4(16, 512, gen, uniform=True)
+    b = random_nvfp4(64, 512, gen, uniform=True)
+    ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
+    assert cosine(be.gemm(a, b).cpu(), ref) >= 0.9999
+    # two row groups with global scales 1e3 apart (gate / up style)
+    b2 = random_nvfp4(64, 512, gen)
+    b2 = nvfp4.NVFP4Tensor(b2.data, b2.scale, torch.tensor([1e-3, 1.0]))
+    a2 = random_nvfp4(5, 512, gen)
+    ref2 = nvfp4.gemm(a2, b2, compute_dtype=torch.float64)
+    out2 = be.gemm(a2, b2).cpu()
+    assert rel_err(out2[:, :32], ref2[:, :32]) < 1e-4 and rel_err(out2[:, 32:], ref2[:, 32:]) < 1e-4
