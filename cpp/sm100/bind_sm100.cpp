@@ -104,6 +104,7 @@ nb::dict plan_to_dict(sm100::MoeGemmPlan const& p) {
   d["b_bytes"] = p.b_bytes;
   d["sfb_bytes"] = p.sfb_bytes;
   d["d_elems"] = p.d_elems;
+  d["d_element_bytes"] = sm100::kOutputElementBytes;
   nb::list groups;
   for (auto const& g : p.groups) groups.append(group_to_dict(g));
   d["groups"] = groups;
@@ -134,6 +135,7 @@ void register_sm100(nb::module_& m) {
     d["element_b"] = k.element_b;
     d["element_sf"] = k.element_sf;
     d["element_d"] = k.element_d;
+    d["element_d_bytes"] = k.element_d_bytes;
     d["default_sm_count"] = sm100::kDefaultSmCount;
     d["expert_row_align"] = sm100::kExpertRowAlign;
     return d;

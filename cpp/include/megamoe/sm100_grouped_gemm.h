@@ -1,4 +1,4 @@
-// Blackwell (sm_100a) NVFP4 x NVFP4 -> bf16 grouped GEMM for the MoE experts,
+// Blackwell (sm_100a) NVFP4 x NVFP4 -> fp32 grouped GEMM for the MoE experts,
 // through CUTLASS's block-scaled ptr-array grouped kernel.
 //
 // Plain C++ interface (no CUDA or CUTLASS headers) so that the nanobind layer
@@ -32,7 +32,8 @@ struct KernelInfo {
   int stages = 0;
   int alignment_a_elems = 0;  // fp4 elements: K must be a multiple of this
   int alignment_b_elems = 0;
-  int alignment_d_elems = 0;  // bf16 elements: N and ldd must be multiples of this
+  int alignment_d_elems = 0;  // output elements: N and ldd must be multiples of this
+  int element_d_bytes = 0;
   int sf_vec_size = 0;
   std::string schedule;
   std::string element_a, element_b, element_sf, element_d;
@@ -62,7 +63,7 @@ struct GroupPlan {
   std::vector<SfSample> sfa_samples;  // sampled from the layout object stored for this group
   std::vector<SfSample> sfb_samples;
   // The pointer arrays as filled, with every operand base at 0: byte offsets
-  // (D: byte offset of the bf16 output). ptr_alpha_index: alpha slot the group reads.
+  // (D: byte offset of the fp32 output). ptr_alpha_index: alpha slot the group reads.
   uint64_t ptr_a = 0, ptr_b = 0, ptr_sfa = 0, ptr_sfb = 0, ptr_d = 0;
   int64_t ptr_alpha_index = 0;
   bool can_implement = false;     // CUTLASS can_implement for this group alone
@@ -82,8 +83,8 @@ struct MoeGemmPlan {
   std::vector<GroupPlan> groups;
   ArgsLayout args;                // device args buffer the launcher fills
   int64_t workspace_bytes = 0;    // Gemm::get_workspace_size
-  bool can_implement = false;     // CUTLASS can_implement for all groups together (host problem shapes)
-  std::string can_implement_status;  // CUTLASS status string
+  bool can_implement = false;     // CUTLASS can_implement for all groups (host problem shapes) and no `problems`
+  std::string can_implement_status;  // CUTLASS's status string alone
   std::vector<std::string> problems;  // megamoe's own checks (alignment of K, N, ldd); empty when fine
 };
 
@@ -107,7 +108,7 @@ struct MoeGemmDevicePointers {
   void const* a_sf = nullptr;           // SPEC §2 swizzled, see sm100_moe_groups.hpp
   void const* b = nullptr;              // fp4 [E, parts * n_part, k/2]
   void const* b_sf = nullptr;           // [E, parts, round_up(n_part,128) * KT * 4]
-  void* d = nullptr;                    // bf16 [rows, parts * n_part]
+  void* d = nullptr;                    // fp32 [rows, parts * n_part]
   int32_t const* token_counts = nullptr;  // device [E]
   float const* a_global_scale = nullptr;  // device [a_scale_count]
   float const* b_global_scale = nullptr;  // device [E * parts]

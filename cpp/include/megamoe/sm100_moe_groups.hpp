@@ -24,7 +24,7 @@
 //   SFB  weight scales swizzled per (expert, part): [E, parts, round_up(n_part, 128) * sf_k_tiles(k) * 4]
 //        bytes. Gate and up are swizzled separately because n_part = I need not
 //        be a multiple of 128 (I = 464): a 128-row tile would straddle gate and up.
-//   D    bf16 [rows, parts * n_part], row-major.
+//   D    fp32 [rows, parts * n_part], row-major.
 // Empty experts (0 tokens) get the problem shape (0, 0, 0): CUTLASS's grouped
 // tile scheduler then reserves no tiles for them and builds no TMA descriptor.
 #pragma once
@@ -43,6 +43,7 @@ constexpr int kExpertRowAlign = 128;  // SPEC §2 per-expert row padding
 constexpr int kSfVecSize = 16;        // NVFP4: one e4m3 scale per 16 elements along K
 constexpr int kSfTileRows = 128;      // rows of one SPEC §2 tile
 constexpr int kSfTileBlocks = 4;      // scale columns of one SPEC §2 tile (512 bytes)
+constexpr int kOutputElementBytes = 4;  // D is fp32
 
 struct MoeGemmGeometry {
   int num_experts = 0;

@@ -1,0 +1,373 @@
+"""The ``cuda-sm100`` backend: NVFP4 x NVFP4 grouped GEMM on Blackwell (B200/GB200).
+
+The expert GEMMs run in CUTLASS's block-scaled ptr-array grouped kernel
+(``cpp/sm100/grouped_gemm_nvfp4.cu``, compiled for sm_100a): tcgen05 MMA reading
+e2m1 codes and e4m3 block scales in the SPEC §2 layout, fp32 accumulation, one
+alpha per group, fp32 output (bf16 output before SwiGLU's re-quantization measured
+cosine 0.99977 against the torch reference in CPU emulation; fp32 matches it).
+
+This path is compiled and host-tested in this project's CI (shapes, strides, SF
+layouts against SPEC §2, pointer offsets, alphas, workspace, ``can_implement``, and
+the whole MoE glue on the CPU with :func:`emulate_grouped_gemm` standing in for the
+kernel). The kernel itself has never run here: no Blackwell GPU was available. It
+is validated on the user's hardware by the SPEC §5 health checks
+(``megamoe selftest --backend cuda-sm100``).
+
+How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_groups.hpp``):
+
+* tokens are sorted by expert into a padded activation matrix whose expert blocks start
+  on 128-row boundaries (SPEC §2), quantized with the reference quantizer and swizzled as
+  one matrix (padding rows are zero, so their scales are zero);
+* GEMM 1 has two groups per expert, gate and up, each with its own alpha
+  (``w13_weight_scale_2[e, 0]`` and ``[e, 1]``, times the static input scale), writing the
+  two column halves of one ``[rows, 2I]`` output; the weight scales of gate and up are
+  swizzled separately (I need not be a multiple of 128);
+* K is padded with zero codes and zero scales to a multiple of 32 (16-byte fp4 rows for
+  TMA), e.g. I = 464 -> 480 for GEMM 2;
+* dynamic (per-row) activation scales cannot be a per-group alpha: the kernel runs with
+  activation scale 1 and each output row is multiplied by its row's scale afterwards.
+
+Not on the CUTLASS path (stated in :meth:`describe`): W4A16 (bf16 activations) and
+``gemm`` with a float ``a``, which run the torch reference on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megamoe import _ext, nvfp4
+from megamoe.backends.base import Backend
+from megamoe.backends.torch_ref import TorchBackend, row_global_scales, swiglu
+
+__all__ = ["CudaSm100Backend", "PreparedSm100", "emulate_grouped_gemm", "pad_k", "K_ALIGN", "N_ALIGN"]
+
+K_ALIGN = 32  # fp4 elements: 16-byte rows for TMA (kernel alignment of A and B)
+N_ALIGN = 4   # fp32 elements: 16-byte output rows and gate/up column offsets
+ROW_ALIGN = 128  # SPEC §2: each expert's rows start on a 128-row boundary
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _sm100_ext():
+    return _ext.ext if _ext.has_part("sm100") else None
+
+
+def pad_k(q: nvfp4.NVFP4Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of ``q`` with K padded to ``k_pad`` by zero codes and zero scales.
+
+    A zero scale decodes its whole block to zero, so the padded GEMM equals the unpadded one.
+    """
+    k = q.shape[-1]
+    if k_pad < k or k_pad % 16:
+        raise ValueError(f"pad_k: k_pad={k_pad} must be a multiple of 16 and >= K={k}")
+    if k_pad == k:
+        return q.data.contiguous(), q.scale.contiguous()
+    lead = q.data.shape[:-1]
+    data = torch.zeros((*lead, k_pad // 2), dtype=torch.uint8, device=q.device)
+    data[..., : k // 2] = q.data
+    scale = torch.zeros((*lead, k_pad // 16), dtype=torch.uint8, device=q.device)
+    scale[..., : k // 16] = q.scale.view(torch.uint8)
+    return data, scale.view(torch.float8_e4m3fn)
+
+
+def _swizzle_parts(be: Backend, scale: torch.Tensor, parts: int) -> torch.Tensor:
+    """Weight scales ``[E, parts * n, Kb]`` -> uint8 ``[E, parts, padded bytes]``, each part
+    swizzled on its own (SPEC §2 layout of an ``[n, Kb]`` matrix)."""
+    e, rows, kb = scale.shape
+    n = rows // parts
+    buf = be.swizzle_scales(scale.reshape(e * parts, n, kb).contiguous())
+    return buf.reshape(e, parts, -1)
+
+
+@dataclass
+class PreparedSm100:
+    """Weights laid out for the grouped kernel (built once per layer by ``prepare_weights``).
+
+    w13_data ``[E, 2I, K1/2]`` u8, w13_sf ``[E, 2, round_up(I,128) * K1/16 (padded to 4)]`` u8,
+    w13_gs ``[E * 2]`` f32 (gate, up per expert); w2_data ``[E, H, K2/2]``, w2_sf
+    ``[E, 1, ...]``, w2_gs ``[E]``. K1 = H and K2 = I, each rounded up to 32.
+    """
+
+    weights: object  # the MoEWeights on the device (W4A16 fallback)
+    hidden: int
+    inter: int
+    k1: int
+    k2: int
+    w13_data: torch.Tensor
+    w13_sf: torch.Tensor
+    w13_gs: torch.Tensor
+    w2_data: torch.Tensor
+    w2_sf: torch.Tensor
+    w2_gs: torch.Tensor
+    w13_input_scale: torch.Tensor | None
+    w2_input_scale: torch.Tensor | None
+
+
+def emulate_grouped_gemm(plan: dict, a_data: torch.Tensor, a_sf: torch.Tensor, b_data: torch.Tensor,
+                         b_sf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """What the grouped kernel computes, on any device, driven by a host plan.
+
+    ``plan`` is ``megamoe._C.sm100_plan_moe_gemm(...)``: for every group it reads the
+    operands at the plan's pointer offsets (the values the launcher's pointer arrays hold,
+    with every base at 0), decodes the scales with the SPEC §2 closed form, and writes
+    ``alpha_g * A_g @ B_g^T`` (fp32, as the kernel's epilogue) into ``out`` at the group's
+    offset with row stride ``ldd``. The tests use it to check the planner's offsets and the backend's glue
+    on the CPU; it is not a performance path.
+    """
+    a_flat, asf_flat = a_data.reshape(-1), a_sf.reshape(-1).view(torch.uint8)
+    b_flat, bsf_flat = b_data.reshape(-1), b_sf.reshape(-1).view(torch.uint8)
+    d_flat = out.reshape(-1)
+    k = plan["k"]
+    kb = k // 16
+    one = torch.ones((), dtype=torch.float32, device=out.device)
+    for g in plan["groups"]:
+        m, n, _ = g["problem_shape"]
+        if m == 0:
+            continue
+        a_rows = a_flat[g["ptr_a"]: g["ptr_a"] + m * k // 2].reshape(m, k // 2)
+        b_rows = b_flat[g["ptr_b"]: g["ptr_b"] + n * k // 2].reshape(n, k // 2)
+        sfa = nvfp4.unswizzle_scales(asf_flat[g["ptr_sfa"]: g["ptr_sfa"] + g["sfa_bytes"]], m, kb)
+        sfb = nvfp4.unswizzle_scales(bsf_flat[g["ptr_sfb"]: g["ptr_sfb"] + g["sfb_bytes"]], n, kb)
+        res = nvfp4.gemm(nvfp4.NVFP4Tensor(a_rows, sfa, one), nvfp4.NVFP4Tensor(b_rows, sfb, one),
+                         alpha=g["alpha"])
+        elem = g["ptr_d"] // plan["d_element_bytes"]
+        d_flat.as_strided((m, n), (g["ldd"], 1), elem).copy_(res.to(out.dtype))
+    return out
+
+
+class CudaSm100Backend(Backend):
+    """NVFP4 MoE on Blackwell through CUTLASS's block-scaled grouped GEMM.
+
+    Args:
+        device: a CUDA device (default ``cuda``).
+        executor: ``"cutlass"`` (the kernel) or ``"emulate"`` (:func:`emulate_grouped_gemm`,
+            any device; what the CPU tests use to check everything around the kernel).
+        sm_count: SMs the persistent kernel spreads over (default: the device's).
+    """
+
+    name = "cuda-sm100"
+
+    def __init__(self, device: str | torch.device | None = None, executor: str = "cutlass",
+                 sm_count: int | None = None) -> None:
+        if executor not in ("cutlass", "emulate"):
+            raise ValueError(f"executor must be 'cutlass' or 'emulate', got {executor!r}")
+        self._ext = _sm100_ext()
+        if self._ext is None:
+            raise RuntimeError(f"cuda-sm100 needs megamoe._C built with sm_100a: {self.availability()[1]}")
+        self._device = torch.device(device if device is not None else "cuda")
+        self.executor = executor
+        if sm_count is None:
+            sm_count = (torch.cuda.get_device_properties(self._device).multi_processor_count
+                        if self._device.type == "cuda" else self._ext.sm100_kernel_info()["default_sm_count"])
+        self.sm_count = int(sm_count)
+        self._reference = TorchBackend(device=self._device)
+
+    # ------------------------------------------------------------------ availability
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        ext = _sm100_ext()
+        if ext is None:
+            if _ext.ext is None:
+                return False, _ext.EXT_ERROR or "megamoe._C is not built"
+            return False, (f"megamoe._C was built without sm_100a (parts {_ext.built_parts()}, "
+                           f"archs '{getattr(_ext.ext, 'cuda_archs', '')}')")
+        if not torch.cuda.is_available():
+            return False, "no CUDA device visible to torch"
+        major, minor = torch.cuda.get_device_capability()
+        if major != 10:
+            return False, (f"needs a Blackwell GPU of compute capability 10.x; this is "
+                           f"{torch.cuda.get_device_name()} ({major}.{minor})")
+        # arch-specific cubins (sm_100a) run only on their exact compute capability
+        built = {a.strip() for a in str(getattr(ext, "cuda_archs", "")).split(",")}
+        if not {f"{major}{minor}a", f"{major}{minor}f", f"{major}0f"} & built:
+            return False, (f"compute capability {major}.{minor} needs sm_{major}{minor}a in MEGAMOE_CUDA_ARCHS; "
+                           f"the extension was built for '{getattr(ext, 'cuda_archs', '')}'")
+        return True, ""
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(kernel=self._ext.sm100_kernel_info(), executor=self.executor, sm_count=self.sm_count,
+                 not_on_cutlass_path=["W4A16 (bf16 activations): torch reference on the GPU",
+                                      "gemm with a float `a`: torch reference on the GPU",
+                                      "quantize / swizzle: torch reference on the GPU"],
+                 validated_here="compiled and host-tested in CI; the kernel never ran in CI (no Blackwell GPU)")
+        return d
+
+    # ------------------------------------------------------------------ the grouped GEMM
+    def _grouped_gemm(self, counts: list[int], parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
+                      a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[rows of e, p*n_part:(p+1)*n_part] = alpha_{e,p} * A_e @ B_{e,p}^T`` for every group."""
+        a_gs = a_gs.reshape(-1).float().contiguous()
+        b_gs = b_gs.reshape(-1).float().contiguous()
+        if self.executor == "emulate":
+            plan = self._ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs.cpu().tolist(),
+                                                 b_gs.cpu().tolist(), self.sm_count)
+            if not plan["can_implement"]:
+                raise RuntimeError(f"sm100 grouped GEMM cannot run this problem: {plan['problems']} "
+                                   f"(CUTLASS: {plan['can_implement_status']})")
+            return emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
+        groups = len(counts) * parts
+        dev = out.device
+        tensors = [a_data, a_sf, b_data, b_sf, out]
+        if not all(t.is_contiguous() and t.device == dev for t in tensors):
+            raise ValueError("sm100 grouped GEMM: operands must be contiguous tensors on one device")
+        counts_dev = torch.tensor(counts, dtype=torch.int32, device=dev)
+        args = torch.empty(self._ext.sm100_args_bytes(groups), dtype=torch.uint8, device=dev)
+        ws_bytes = self._ext.sm100_workspace_bytes(groups, self.sm_count)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
+        a_gs, b_gs = a_gs.to(dev), b_gs.to(dev)
+        self._ext.sm100_moe_gemm(
+            num_experts=len(counts), parts=parts, n_part=n_part, k=k, a_scale_count=a_gs.numel(),
+            a=a_data.data_ptr(), a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(),
+            d=out.data_ptr(), token_counts=counts_dev.data_ptr(), a_global_scale=a_gs.data_ptr(),
+            b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
+            workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=counts,
+            sm_count=self.sm_count, stream=torch.cuda.current_stream(dev).cuda_stream)
+        return out
+
+    # ------------------------------------------------------------------ GEMM
+    def gemm(self, a, b: nvfp4.NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``alpha * a @ b^T``; NVFP4 ``a`` runs the CUTLASS kernel (one group), float ``a`` the reference."""
+        if not isinstance(a, nvfp4.NVFP4Tensor):
+            return nvfp4.gemm(a.to(self._device), b.to(self._device), alpha=alpha, out_dtype=out_dtype)
+        if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[1]:
+            raise ValueError(f"gemm: expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+        a, b = a.to(self._device), b.to(self._device)
+        m, k = a.shape
+        n = b.shape[0]
+        if m == 0 or n == 0:
+            return torch.zeros((m, n), dtype=out_dtype, device=self._device)
+        k_pad, n_pad = _round_up(k, K_ALIGN), _round_up(n, N_ALIGN)
+        a_data, a_scale = pad_k(a, k_pad)
+        b_data, b_scale = pad_k(b, k_pad)
+        if n_pad != n:
+            b_data = torch.cat([b_data, b_data.new_zeros((n_pad - n, k_pad // 2))])
+            b_scale = torch.cat([b_scale.view(torch.uint8),
+                                 b_scale.view(torch.uint8).new_zeros((n_pad - n, k_pad // 16))]).view(torch.float8_e4m3fn)
+        a_sf = self.swizzle_scales(a_scale)
+        b_sf = self.swizzle_scales(b_scale)
+        scalar = a.global_scale.dim() == 0 and b.global_scale.dim() == 0
+        one = torch.ones(1, dtype=torch.float32, device=self._device)
+        a_gs = a.global_scale.reshape(1) if scalar else one
+        b_gs = b.global_scale.reshape(1) if scalar else one
+        d = torch.empty((m, n_pad), dtype=torch.float32, device=self._device)
+        self._grouped_gemm([m], 1, n_pad, k_pad, a_data, a_sf, b_data, b_sf, a_gs, b_gs, d)
+        res = d[:, :n].float()
+        if not scalar:  # per-row global scales: applied outside the kernel's scalar alpha
+            res = res * nvfp4._global_scale_rows(a.global_scale.float(), (m,)).reshape(-1, 1)
+            res = res * nvfp4._global_scale_rows(b.global_scale.float(), (n,)).reshape(1, -1)
+        if alpha is not None:
+            res = res * torch.as_tensor(alpha, dtype=torch.float32, device=self._device)
+        return res.to(out_dtype)
+
+    # ------------------------------------------------------------------ MoE
+    def prepare_weights(self, weights):
+        w = weights.to(self._device)
+        e, two_i, _ = w.w13.data.shape
+        inter, hidden = two_i // 2, w.w13.shape[-1]
+        if inter % N_ALIGN or hidden % N_ALIGN:
+            raise ValueError(f"cuda-sm100 needs I and H multiples of {N_ALIGN} (16-byte fp32 output rows), "
+                             f"got I={inter}, H={hidden}")
+        k1, k2 = _round_up(hidden, K_ALIGN), _round_up(inter, K_ALIGN)
+        w13_data, w13_scale = pad_k(w.w13, k1)
+        w2_data, w2_scale = pad_k(w.w2, k2)
+        w13_gs, w2_gs = w.w13.global_scale.float(), w.w2.global_scale.float()
+        if w13_gs.dim() == 0 or tuple(w13_gs.shape) == (e,):
+            w13_gs = w13_gs.reshape(-1, 1).expand(e, 2)  # one scale for gate and up
+        elif tuple(w13_gs.shape) != (e, 2):
+            raise ValueError(f"w13 global_scale must be [], [E] or [E, 2] (gate, up), got {tuple(w13_gs.shape)}")
+        if w2_gs.dim() == 0:
+            w2_gs = w2_gs.reshape(1).expand(e)
+        elif tuple(w2_gs.shape) != (e,):
+            raise ValueError(f"w2 global_scale must be [] or [E], got {tuple(w2_gs.shape)}")
+        prepared = PreparedSm100(
+            weights=w, hidden=hidden, inter=inter, k1=k1, k2=k2,
+            w13_data=w13_data, w13_sf=_swizzle_parts(self, w13_scale, 2), w13_gs=w13_gs.contiguous().reshape(-1),
+            w2_data=w2_data, w2_sf=_swizzle_parts(self, w2_scale, 1), w2_gs=w2_gs.contiguous(),
+            w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale)
+        # Ask CUTLASS once, with odd and 128-crossing token counts, whether both GEMMs are implementable.
+        for parts, n_part, k in ((2, inter, k1), (1, hidden, k2)):
+            plan = self._ext.sm100_plan_moe_gemm([1, 129] + [0] * (e - 2) if e >= 2 else [129], parts, n_part, k,
+                                                 [1.0], [1.0] * (max(e, 1) * parts), self.sm_count)
+            if not plan["can_implement"]:
+                raise ValueError(f"cuda-sm100 cannot run N={n_part}, K={k}: {plan['problems']} "
+                                 f"(CUTLASS: {plan['can_implement_status']})")
+        return prepared
+
+    def _quantize_rows(self, x: torch.Tensor, k_pad: int, static_scale, expert_of_row, dynamic: bool):
+        """Quantize rows of ``x`` (per-row global scales), K padded; returns (data, swizzled sf, row scales)."""
+        rows, k = x.shape
+        if dynamic or static_scale is None:
+            row_gs = row_global_scales(x)
+        else:
+            row_gs = static_scale.float()[expert_of_row]
+        if k_pad != k:
+            x = torch.nn.functional.pad(x, (0, k_pad - k))
+        q = self.quantize(x, row_gs)
+        return q.data.contiguous(), self.swizzle_scales(q.scale), row_gs
+
+    def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
+        if cfg.act_mode == "w4a16":
+            return self._reference.moe_forward(prepared.weights, cfg, x, topk_ids, topk_weights)
+        p = prepared
+        t, h = x.shape
+        e = cfg.num_experts
+        inter = p.inter
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=e).tolist()  # the one host sync of the forward
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + _round_up(c, ROW_ALIGN))
+        rows = offsets[-1]
+        # padded row of every (token, slot) pair, in expert order
+        sorted_ids = flat_ids[order]
+        starts = torch.tensor(offsets[:-1], dtype=torch.int64, device=x.device)
+        first = [0]
+        for c in counts[:-1]:
+            first.append(first[-1] + c)
+        first_sorted = torch.tensor(first, dtype=torch.int64, device=x.device)
+        rank = torch.arange(order.numel(), device=x.device) - first_sorted[sorted_ids]
+        dest = starts[sorted_ids] + rank
+        token_of = order // top_k
+        expert_of_row = torch.zeros(rows, dtype=torch.int64, device=x.device)
+        expert_of_row[dest] = sorted_ids
+        real = torch.zeros(rows, dtype=torch.bool, device=x.device)
+        real[dest] = True
+
+        x_pad = torch.zeros((rows, h), dtype=torch.float32, device=x.device)
+        x_pad[dest] = x[token_of].float()
+        static1 = None if cfg.dynamic_act_scale else p.w13_input_scale
+        a1, a1_sf, gs1 = self._quantize_rows(x_pad, p.k1, static1, expert_of_row, cfg.dynamic_act_scale)
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        gu = torch.zeros((rows, 2 * inter), dtype=torch.float32, device=x.device)
+        self._grouped_gemm(counts, 2, inter, p.k1, a1, a1_sf, p.w13_data, p.w13_sf,
+                           one if static1 is None else static1, p.w13_gs, gu)
+        if static1 is None:
+            gu = gu * gs1.unsqueeze(1)
+        hmid = swiglu(gu, inter, cfg.swiglu_limit)
+        hmid = torch.where(real.unsqueeze(1), hmid, torch.zeros_like(hmid))
+
+        static2 = None if cfg.dynamic_act_scale else p.w2_input_scale
+        a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, expert_of_row, cfg.dynamic_act_scale)
+        y = torch.zeros((rows, h), dtype=torch.float32, device=x.device)
+        self._grouped_gemm(counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
+                           one if static2 is None else static2, p.w2_gs, y)
+        if static2 is None:
+            y = y * gs2.unsqueeze(1)
+        w_sorted = topk_weights.reshape(-1).float()[order]
+        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, y[dest] * w_sorted.unsqueeze(1))
+        return out
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)

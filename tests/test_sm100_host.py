@@ -1,0 +1,481 @@
+"""Host-side tests of the Blackwell (sm_100a) CUTLASS grouped GEMM path; run on the CPU.
+
+What is checked here, without a GPU (the kernel itself never runs in CI):
+
+* the SF layouts CUTLASS is given for A and B (CuTe's ``tile_atom_to_shape_SFA/SFB``)
+  equal the SPEC §2 closed form of :func:`megamoe.nvfp4.sf_offset` for every (m, kb),
+  and span exactly the padded size;
+* for the MoE shapes of SPEC §3 and FIELD_BUGS 1-12: per-group problem shapes, strides,
+  pointer offsets (expert rows padded to 128), SF offsets of every group, alphas (gate and
+  up separate, global scales far from 1), workspace size and CUTLASS ``can_implement``;
+* the backend's MoE glue and GEMM on the CPU with :func:`emulate_grouped_gemm` in place of
+  the kernel, driven by the planner's pointer offsets, against the torch reference;
+* the backend reports itself unavailable here, with the reason.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megamoe import _ext, nvfp4
+from megamoe.presets import PRESETS
+
+pytestmark = pytest.mark.skipif(
+    not _ext.has_part("sm100"),
+    reason=f"megamoe._C built without sm_100a (parts {_ext.built_parts()}; {_ext.EXT_ERROR or 'no sm100 part'})",
+)
+
+SM_COUNT = 148
+
+
+def _ext_mod():
+    return _ext.ext
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _counts_from_routing(t: int, e: int, k: int, seed: int) -> list[int]:
+    """Token counts per expert of a random top-k routing of T tokens (some experts empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    return torch.bincount(ids.reshape(-1).long(), minlength=e).tolist()
+
+
+def _plan(counts, parts, n_part, k, a_gs=None, b_gs=None, sm_count=SM_COUNT):
+    e = len(counts)
+    a_gs = [1.0] if a_gs is None else list(a_gs)
+    b_gs = [1.0] * (e * parts) if b_gs is None else list(b_gs)
+    return _ext_mod().sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs, b_gs, sm_count)
+
+
+def _f32_mul(a: float, b: float) -> float:
+    return float(torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32))
+
+
+def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_gs: list[float]) -> None:
+    """Every per-group value of a plan against SPEC §2 and the layout contract of
+    cpp/include/megamoe/sm100_moe_groups.hpp, recomputed here from first principles."""
+    parts, n_part, k = plan["parts"], plan["n_part"], plan["k"]
+    e = len(counts)
+    kb = k // 16
+    row_offsets = nvfp4.grouped_row_offsets(counts).tolist()
+    sfb_part_bytes = math.prod(nvfp4.sf_padded_shape(n_part, kb))
+    ldd = parts * n_part
+    d_bytes = plan["d_element_bytes"]
+    assert plan["num_groups"] == e * parts == len(plan["groups"])
+    assert plan["total_rows"] == row_offsets[-1]
+    assert plan["a_bytes"] == row_offsets[-1] * k // 2
+    assert plan["sfa_bytes"] == math.prod(nvfp4.sf_padded_shape(row_offsets[-1], kb))
+    assert plan["sfb_bytes"] == e * parts * sfb_part_bytes
+    for g, grp in enumerate(plan["groups"]):
+        ex, p = divmod(g, parts)
+        c = counts[ex]
+        assert (grp["expert"], grp["part"], grp["tokens"]) == (ex, p, c)
+        assert grp["problem_shape"] == ((c, n_part, k) if c else (0, 0, 0))
+        r0 = row_offsets[ex]
+        assert grp["row_offset"] == r0 and r0 % 128 == 0
+        # pointer arrays (operand bases at 0 -> byte offsets)
+        assert grp["ptr_a"] == r0 * k // 2
+        assert grp["ptr_sfa"] == nvfp4.sf_offset(r0, 0, kb)  # first scale of the expert in the grouped buffer
+        assert grp["ptr_b"] == (ex * parts + p) * n_part * k // 2
+        assert grp["ptr_sfb"] == (ex * parts + p) * sfb_part_bytes
+        assert grp["ptr_d"] == (r0 * ldd + p * n_part) * d_bytes
+        assert grp["ptr_alpha_index"] == g
+        # strides (elements) as CuTe holds them: (rows, K, L)
+        assert grp["stride_a"][:2] == [k, 1]
+        assert grp["stride_b"][:2] == [k, 1]
+        assert grp["stride_d"][:2] == [ldd, 1]
+        # alpha = activation global scale x weight global scale of (expert, part)
+        a_val = a_gs[0] if len(a_gs) == 1 else a_gs[ex]
+        assert grp["alpha"] == _f32_mul(a_val, b_gs[ex * parts + p])
+        # SF layouts: padded size, SPEC §2 atom, sampled offsets = closed form
+        if c:
+            assert grp["sfa_bytes"] == grp["sfa_cosize"] == math.prod(nvfp4.sf_padded_shape(c, kb))
+        assert grp["sfb_bytes"] == grp["sfb_cosize"] == sfb_part_bytes
+        for key in ("layout_sfa", "layout_sfb"):
+            assert "(_32,_4)" in grp[key] and "(_16,_4)" in grp[key] and "(_0,_1)" in grp[key], grp[key]
+        for m, kk, off in grp["sfa_samples"]:
+            assert off == nvfp4.sf_offset(m, kk, kb), (g, "A", m, kk)
+        for m, kk, off in grp["sfb_samples"]:
+            assert off == nvfp4.sf_offset(m, kk, kb), (g, "B", m, kk)
+        if c:
+            assert any(m == c - 1 for m, _, _ in grp["sfa_samples"])  # the last real row is sampled
+        assert grp["can_implement"]
+
+
+# --------------------------------------------------------------------------------------------
+# kernel configuration
+# --------------------------------------------------------------------------------------------
+
+def test_kernel_info_is_the_one_instantiated_config():
+    info = _ext_mod().sm100_kernel_info()
+    assert info["tile_shape"] == (128, 128, 256)
+    assert info["cluster_shape"] == (1, 1)
+    assert "KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100" in info["schedule"]
+    assert info["element_a"] == info["element_b"] == "nv_float4_t<float_e2m1_t>"
+    assert info["element_sf"] == "float_ue4m3_t"
+    assert (info["element_d"], info["element_d_bytes"]) == ("float", 4)
+    assert info["sf_vec_size"] == 16
+    assert (info["alignment_a_elems"], info["alignment_b_elems"], info["alignment_d_elems"]) == (32, 32, 4)
+    assert info["stages"] >= 2
+    assert info["expert_row_align"] == 128
+
+
+# --------------------------------------------------------------------------------------------
+# SF layout: CuTe (what CUTLASS reads) vs the SPEC §2 closed form
+# --------------------------------------------------------------------------------------------
+
+SF_SHAPES = [(1, 64), (7, 208), (31, 16), (33, 464), (127, 480), (129, 7168), (300, 1856), (464, 5472),
+             (2, 5472), (1040, 96)]
+
+
+@pytest.mark.parametrize("operand", ["A", "B"])
+@pytest.mark.parametrize("rows,k", SF_SHAPES)
+def test_sf_layout_equals_spec_closed_form(rows, k, operand):
+    got = torch.tensor(_ext_mod().sm100_sf_layout_offsets(rows, k, operand), dtype=torch.int64)
+    kb = k // 16
+    m = torch.arange(rows).unsqueeze(1)
+    kk = torch.arange(kb).unsqueeze(0)
+    want = nvfp4.sf_offset(m, kk, kb).reshape(-1)
+    assert got.shape == want.shape
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} offsets differ, first at (m, kb) = {divmod(int(bad[0]), kb)}"
+    # a bijection of the logical scales into the padded buffer (FIELD_BUGS 1: size vs cosize)
+    padded = math.prod(nvfp4.sf_padded_shape(rows, kb))
+    assert int(got.max()) < padded and int(got.min()) >= 0
+    assert torch.unique(got).numel() == rows * kb
+
+
+def test_sf_layout_agrees_with_compiled_closed_form():
+    """The C++ closed form compiled into the kernels (megamoe._C.sf_offset) agrees too."""
+    ext = _ext_mod()
+    rows, k = 129, 464
+    offs = ext.sm100_sf_layout_offsets(rows, k, "A")
+    kb = k // 16
+    for m in (0, 1, 31, 32, 127, 128):
+        for kk in (0, 3, 4, kb - 1):
+            assert offs[m * kb + kk] == ext.sf_offset(0, m, kk, rows, kb)
+
+
+def test_sf_layout_rejects_bad_arguments():
+    ext = _ext_mod()
+    with pytest.raises(ValueError):
+        ext.sm100_sf_layout_offsets(4, 40, "A")  # K not a multiple of 16
+    with pytest.raises(ValueError):
+        ext.sm100_sf_layout_offsets(4, 64, "C")
+
+
+# --------------------------------------------------------------------------------------------
+# plans for the MoE shapes of SPEC §3
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "v4-flash", "v3"])
+@pytest.mark.parametrize("tokens", [1, 61, 300])
+def test_preset_plans(preset, tokens):
+    cfg = PRESETS[preset]
+    e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    counts = _counts_from_routing(tokens, e, k, seed=tokens)
+    assert sum(counts) == tokens * k
+    gen = torch.Generator().manual_seed(7)
+    w13_gs = (torch.rand(e, 2, generator=gen) * 2 + 0.1).tolist()
+    in_gs = (torch.rand(e, generator=gen) + 0.5).tolist()
+    b13 = [v for pair in w13_gs for v in pair]
+    # GEMM 1: gate and up of every expert, K = H; static per-expert activation scales
+    p1 = _plan(counts, 2, i, _round_up(h, 32), in_gs, b13)
+    assert p1["can_implement"] and p1["problems"] == [] and p1["can_implement_status"] == "Success"
+    check_plan_against_spec(p1, counts, in_gs, b13)
+    # GEMM 2: down projection, K = I (padded to 32), one activation scale
+    b2 = (torch.rand(e, generator=gen) + 0.5).tolist()
+    p2 = _plan(counts, 1, h, _round_up(i, 32), [0.25], b2)
+    assert p2["can_implement"] and p2["problems"] == []
+    check_plan_against_spec(p2, counts, [0.25], b2)
+    for p in (p1, p2):
+        assert p["workspace_bytes"] == _ext_mod().sm100_workspace_bytes(p["num_groups"], SM_COUNT) > 0
+        assert p["args_bytes"] == _ext_mod().sm100_args_bytes(p["num_groups"])
+        # every per-group array section fits in the args buffer, in order, 256-byte aligned
+        sections = sorted(v for kk, v in p["args_layout"].items() if kk != "total_bytes")
+        assert all(s % 256 == 0 for s in sections) and sections[-1] < p["args_bytes"]
+
+
+def test_tokens_not_multiple_of_128_pad_each_expert():
+    counts = [130, 0, 1, 127, 128, 129, 0, 33]  # T*k = 548, not a multiple of 128
+    p = _plan(counts, 2, 128, 256)
+    check_plan_against_spec(p, counts, [1.0], [1.0] * 16)
+    assert [g["row_offset"] for g in p["groups"][::2]] == [0, 256, 256, 384, 512, 640, 896, 896]
+    assert p["total_rows"] == 1024
+
+
+def test_empty_experts_get_empty_problems():
+    counts = [0, 5, 0, 0, 9]
+    p = _plan(counts, 2, 256, 256)
+    shapes = [g["problem_shape"] for g in p["groups"]]
+    assert shapes == [(0, 0, 0)] * 2 + [(5, 256, 256)] * 2 + [(0, 0, 0)] * 4 + [(9, 256, 256)] * 2
+    assert p["can_implement"]
+    p_all_empty = _plan([0, 0, 0], 1, 64, 64)
+    assert p_all_empty["total_rows"] == 0 and p_all_empty["can_implement"]
+
+
+# --------------------------------------------------------------------------------------------
+# FIELD_BUGS shapes (host side)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 7, 31, 33, 127, 129])
+def test_field_bug_5_small_and_odd_m(m):
+    """M <= 32 and around 128: the SF block of A is still a full padded 128-row tile."""
+    p = _plan([m], 1, 256, 512)
+    check_plan_against_spec(p, [m], [1.0], [1.0])
+    g = p["groups"][0]
+    assert g["sfa_bytes"] == math.prod(nvfp4.sf_padded_shape(m, 512 // 16)) == _round_up(m, 128) * 32
+    assert {s[0] for s in g["sfa_samples"]} >= {0, m - 1}
+
+
+@pytest.mark.parametrize("inter", [464, 5472, 1856])
+def test_field_bug_8_intermediate_not_multiple_of_128(inter):
+    """I = 464 (10944/2 / ... TP splits), 5472, 1856: N of GEMM 1 and K of GEMM 2."""
+    counts = [3, 0, 130, 17]
+    h = 1024
+    p1 = _plan(counts, 2, inter, h)
+    assert p1["can_implement"], p1
+    check_plan_against_spec(p1, counts, [1.0], [1.0] * 8)
+    k2 = _round_up(inter, 32)
+    p2 = _plan(counts, 1, h, k2)
+    assert p2["can_implement"]
+    check_plan_against_spec(p2, counts, [1.0], [1.0] * 4)
+    if inter % 32:
+        # unpadded K: rows of inter/2 bytes are not 16-byte aligned; CUTLASS and megamoe both refuse
+        bad = _plan(counts, 1, h, inter)
+        assert not bad["can_implement"]
+        assert any(f"k = {inter}" in s for s in bad["problems"])
+        assert not any(g["can_implement"] for g in bad["groups"] if g["tokens"])
+
+
+def test_k_blocks_not_multiple_of_4():
+    """K/16 = 13 or 29 (SF tile columns padded to 4): K padded to 32 keeps K/16 odd-sized tiles right."""
+    for k, k_pad in ((208, 224), (464, 480)):
+        assert not _plan([33], 1, 256, k)["can_implement"]
+        p = _plan([33, 200], 1, 256, k_pad)
+        assert p["can_implement"]
+        assert (k_pad // 16) % 4 != 0
+        check_plan_against_spec(p, [33, 200], [1.0], [1.0, 1.0])
+
+
+def test_field_bug_9_many_experts_hidden_not_multiple_of_128():
+    """Per-expert SF offsets use padded rows: activations per expert (128) and weight rows (H -> 1152)."""
+    h = 1040  # H % 128 = 16
+    counts = _counts_from_routing(97, 64, 6, seed=9)
+    p = _plan(counts, 1, h, 512)
+    check_plan_against_spec(p, counts, [1.0], [1.0] * 64)
+    sfb_stride = p["groups"][1]["ptr_sfb"] - p["groups"][0]["ptr_sfb"]
+    assert sfb_stride == 1152 * 512 // 16 and sfb_stride != h * 512 // 16
+    # expert 63's scales start after 63 padded blocks, not after 63 * H rows
+    assert p["groups"][63]["ptr_sfb"] == 63 * 1152 * 32
+
+
+def test_field_bugs_10_11_gate_up_alphas_distinct_and_far_from_one():
+    e = 6
+    gate = [1e-3 * (j + 1) for j in range(e)]
+    b_gs = [v for j in range(e) for v in (gate[j], 10 * gate[j])]  # up 10x gate
+    a_gs = [1e3 / (j + 2) for j in range(e)]
+    counts = [5, 0, 129, 1, 64, 300]
+    p = _plan(counts, 2, 464, 1024, a_gs, b_gs)
+    check_plan_against_spec(p, counts, a_gs, b_gs)
+    for j in range(e):
+        g_alpha, u_alpha = p["groups"][2 * j]["alpha"], p["groups"][2 * j + 1]["alpha"]
+        assert g_alpha != u_alpha
+        assert u_alpha == pytest.approx(10 * g_alpha, rel=1e-6)
+        assert g_alpha == _f32_mul(a_gs[j], gate[j]) != 1.0
+
+
+def test_workspace_depends_on_sm_count_not_on_groups_data():
+    ext = _ext_mod()
+    w148 = ext.sm100_workspace_bytes(16, 148)
+    assert w148 > 0
+    assert ext.sm100_workspace_bytes(16, 296) >= w148
+    assert _plan([3, 5], 1, 128, 128, sm_count=132)["workspace_bytes"] == ext.sm100_workspace_bytes(2, 132)
+
+
+def test_plan_rejects_bad_arguments():
+    ext = _ext_mod()
+    with pytest.raises(ValueError):
+        ext.sm100_plan_moe_gemm([1, 2], 2, 128, 256, [1.0], [1.0], SM_COUNT)  # b scales: need E*parts
+    with pytest.raises(ValueError):
+        ext.sm100_plan_moe_gemm([1, -2], 1, 128, 256, [1.0], [1.0, 1.0], SM_COUNT)
+    with pytest.raises(ValueError):
+        ext.sm100_plan_moe_gemm([1, 2], 1, 128, 40, [1.0], [1.0, 1.0], SM_COUNT)  # K % 16
+    with pytest.raises(ValueError):
+        ext.sm100_plan_moe_gemm([1, 2], 3, 128, 256, [1.0], [1.0] * 6, SM_COUNT)  # parts
+    with pytest.raises(ValueError):
+        ext.sm100_plan_moe_gemm([1, 2, 3], 1, 128, 256, [1.0, 1.0], [1.0] * 3, SM_COUNT)  # a scales: 1 or E
+    bad_n = _plan([4], 2, 102, 256)  # n_part % 4: the up half of D would be misaligned
+    assert not bad_n["can_implement"] and any("n_part" in s for s in bad_n["problems"])
+
+
+# --------------------------------------------------------------------------------------------
+# the planner's offsets drive a CPU emulation of the kernel: right bytes, right places
+# --------------------------------------------------------------------------------------------
+
+def _random_nvfp4(rows, k, gen, gs):
+    x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-3, 4, (rows, k // 16), generator=gen)
+                                                        .float()).repeat_interleave(16, 1)
+    return nvfp4.quantize(x, torch.tensor(gs, dtype=torch.float32))
+
+
+def test_emulated_grouped_gemm_reads_and_writes_where_the_plan_says():
+    from megamoe.backends.cuda_sm100 import emulate_grouped_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    counts, n_part, k = [33, 0, 129, 1], 464, 480
+    e, parts = len(counts), 2
+    offs = nvfp4.grouped_row_offsets(counts).tolist()
+    acts = [_random_nvfp4(c, k, gen, 1.0) if c else None for c in counts]
+    w = [_random_nvfp4(parts * n_part, k, gen, 1.0) for _ in range(e)]
+    rows = offs[-1]
+    a_data = torch.zeros(rows, k // 2, dtype=torch.uint8)
+    a_scale = torch.zeros(rows, k // 16, dtype=torch.uint8)
+    for j, q in enumerate(acts):
+        if q is not None:
+            a_data[offs[j]: offs[j] + counts[j]] = q.data
+            a_scale[offs[j]: offs[j] + counts[j]] = q.scale.view(torch.uint8)
+    a_sf = nvfp4.swizzle_scales(a_scale.view(torch.float8_e4m3fn))
+    b_data = torch.stack([q.data for q in w])
+    b_scale = torch.stack([q.scale for q in w])  # [E, 2 * n_part, K/16]
+    b_sf = nvfp4.swizzle_scales(b_scale.reshape(e * parts, n_part, k // 16)).reshape(e, parts, -1)
+    a_gs = [1e-3]
+    b_gs = [v for j in range(e) for v in (1e3 * (j + 1), 1e4 * (j + 1))]
+    plan = _plan(counts, parts, n_part, k, a_gs, b_gs)
+    out = torch.full((rows, parts * n_part), float("nan"))  # poisoned
+    emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
+    for j, c in enumerate(counts):
+        block = out[offs[j]: offs[j] + _round_up(c, 128)]
+        if c == 0:
+            assert torch.isnan(block).all()
+            continue
+        assert torch.isnan(block[c:]).all()  # padded rows are never written
+        for p in range(parts):
+            bq = nvfp4.NVFP4Tensor(w[j].data[p * n_part:(p + 1) * n_part], w[j].scale[p * n_part:(p + 1) * n_part],
+                                   torch.tensor(1.0))
+            alpha = _f32_mul(a_gs[0], b_gs[j * parts + p])
+            ref = nvfp4.gemm(acts[j], bq, alpha=alpha)
+            got = block[:c, p * n_part:(p + 1) * n_part]
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())), (j, p)
+
+
+# --------------------------------------------------------------------------------------------
+# the backend, with the emulator standing in for the kernel
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def emulated():
+    from megamoe.backends.cuda_sm100 import CudaSm100Backend
+
+    return CudaSm100Backend(device="cpu", executor="emulate", sm_count=SM_COUNT)
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 64), (33, 256, 208), (129, 464, 512), (7, 20, 96)])
+def test_backend_gemm_emulated_matches_reference(emulated, m, n, k):
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    a = _random_nvfp4(m, k, gen, 1e-3)
+    b = _random_nvfp4(n, k, gen, 1e3)
+    ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
+    out = emulated.gemm(a, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert _cos(out, ref) > 0.999999
+    assert torch.allclose(out.double(), ref.double(), rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    # per-row global scales (a tensor scale per row group) go around the scalar alpha
+    a_rows = nvfp4.NVFP4Tensor(a.data, a.scale, torch.linspace(0.5, 2.0, m, dtype=torch.float32))
+    ref_rows = nvfp4.gemm(a_rows, b, compute_dtype=torch.float64)
+    assert _cos(emulated.gemm(a_rows, b), ref_rows) > 0.999999
+
+
+def _layer(preset, be, **over):
+    from megamoe.moe import MoELayer
+
+    return MoELayer.from_preset(preset, seed=5, backend=be, **over)
+
+
+@pytest.mark.parametrize("preset,over,tokens", [
+    ("tiny", {}, 61),
+    ("tiny", {}, 1),
+    ("tiny", {"intermediate_size": 464}, 130),
+    ("tiny", {"dynamic_act_scale": True}, 61),
+    ("tiny", {"hidden_size": 1040, "num_experts": 16, "top_k": 4}, 37),
+])
+def test_moe_forward_emulated_matches_torch_backend(emulated, preset, over, tokens):
+    from megamoe.backends.torch_ref import TorchBackend
+
+    layer = _layer(preset, emulated, **over)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, layer.config.hidden_size, generator=gen).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    out = emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
+    ref = TorchBackend().moe_forward(layer.weights, layer.config, x, ids, w)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _cos(out, ref) > 0.99999, _cos(out, ref)
+
+
+def test_moe_forward_emulated_keeps_gate_and_up_scales_apart(emulated):
+    """FIELD_BUGS 10/11: up's weight_scale_2 10x gate's, both far from 1; dropping either changes the output."""
+    from megamoe.backends.torch_ref import TorchBackend
+
+    layer = _layer("tiny", emulated)
+    wts = layer.weights
+    e = wts.w13.global_scale.shape[0]
+    gs = torch.stack([torch.full((e,), 1e-3), torch.full((e,), 1e-2)], dim=1) * torch.linspace(1, 2, e)[:, None]
+    wts.w13 = nvfp4.NVFP4Tensor(wts.w13.data, wts.w13.scale, gs.float())
+    prepared = emulated.prepare_weights(wts)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(45, layer.config.hidden_size, generator=gen).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    ref = TorchBackend().moe_forward(wts, layer.config, x, ids, w)
+    out = emulated.moe_forward(prepared, layer.config, x, ids, w)
+    assert _cos(out, ref) > 0.99999
+    assert torch.equal(prepared.w13_gs.reshape(e, 2), gs.float())
+    one_scale = nvfp4.NVFP4Tensor(wts.w13.data, wts.w13.scale, gs[:, 0].float().contiguous())
+    wrong = TorchBackend().moe_forward(type(wts)(**{**wts.__dict__, "w13": one_scale}), layer.config, x, ids, w)
+    assert _cos(out, wrong) < 0.999  # the check above could see a dropped up scale
+
+
+def test_prepare_weights_pads_k_and_swizzles_gate_up_separately(emulated):
+    layer = _layer("tiny", emulated, intermediate_size=464)
+    p = layer._prepared
+    cfg = layer.config
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    assert (p.k1, p.k2) == (256, 480)
+    assert p.w2_data.shape == (e, h, 240) and (p.w2_data[..., 232:] == 0).all()
+    kb1 = p.k1 // 16
+    assert p.w13_sf.shape == (e, 2, math.prod(nvfp4.sf_padded_shape(i, kb1)))
+    up = nvfp4.unswizzle_scales(p.w13_sf[3, 1], i, kb1)
+    assert torch.equal(up.view(torch.uint8), layer.weights.w13.scale[3, i:].view(torch.uint8))
+    assert p.w2_sf.shape == (e, 1, math.prod(nvfp4.sf_padded_shape(h, p.k2 // 16)))
+
+
+def test_health_checks_pass_on_the_emulated_path(emulated):
+    """What `megamoe selftest` runs on a B200, here with the emulator in place of the kernel."""
+    from megamoe import health
+
+    report = health.run_checks("quick", backend=emulated, seed=1234,
+                               only=["gemm_cosine_uniform", "gemm_cosine_random", "moe_vs_reference"])
+    bad = [c for c in report["checks"] if c["status"] != "pass"]
+    assert not bad, bad
+
+
+def test_backend_unavailable_here_with_reason():
+    from megamoe.backends import available_backends, get_backend
+    from megamoe.backends.cuda_sm100 import CudaSm100Backend
+
+    ok, reason = CudaSm100Backend.availability()
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("a Blackwell GPU is present")
+    assert not ok and reason
+    assert available_backends()["cuda-sm100"] == (False, reason)
+    with pytest.raises(RuntimeError, match="cuda-sm100"):
+        get_backend("cuda-sm100")
