@@ -22,13 +22,15 @@ Equality with the single-process forward: the contributions of a token's experts
 added in the same (ascending expert) order and in fp32 as :class:`MoELayer` does, since
 the blocks are contiguous and ranks are combined in order. What may differ is the
 expert GEMM itself: a rank multiplies its expert's rows in a different order (grouped by
-source rank), and a BLAS/tensor-core kernel may accumulate a row differently; on one
-CPU build the results are in practice bit-identical. The tests assert
+source rank), and the shared expert's GEMM runs over this rank's tokens only; a BLAS or
+tensor-core kernel may accumulate a row differently for another M (seen on the CPU: a
+few outputs differ in the last fp32 bits, e.g. M=1 takes a GEMV path). The tests assert
 ``|ep - ref| <= 1e-5 * max|ref|`` for fp32 outputs (and one bf16 ulp for bf16 outputs).
 
 Checkpoint sharding (:func:`load_shard`): each rank reads only its experts' slices of the
-expert tensors (``safe_open(...).get_slice(name)[start:end]``); the router and the shared
-expert are read whole (replicated).
+expert tensors (``safe_open(...).get_slice(name)[start:end]``, copied out of the file's
+memory map so only those pages are read and the shard owns exactly its bytes); the router
+and the shared expert are read whole (replicated).
 
 Launch (one process per GPU, or per CPU "rank" with gloo)::
 
@@ -218,7 +220,9 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
             raise ck.CheckpointError(f"{full}: leading dimension {shapes[full][0]}, expected "
                                      f"{num_experts} experts")
         with safe_open(str(where[full]), framework="pt", device="cpu") as fh:
-            t = fh.get_slice(full)[start:end]
+            # safetensors returns a view into a memory map of the whole tensor; only the slice's
+            # pages are touched. The copy makes the shard own exactly its bytes and drops the map.
+            t = fh.get_slice(full)[start:end].clone()
         return t
 
     if layout == "fused":

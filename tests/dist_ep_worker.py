@@ -1,0 +1,154 @@
+"""Worker side of tests/test_distributed.py: one real process per rank, real gloo collectives.
+
+``run(rank, world, port, workdir)`` (the target of ``torch.multiprocessing.spawn``) joins a
+gloo group on 127.0.0.1, loads its shard of ``workdir/ckpt.safetensors`` while recording
+every read the loader makes, runs every case of ``workdir/cases.pt`` through the
+expert-parallel layer, runs the gathered health checks (healthy, then with a broken SF
+layout on the last rank), and writes ``workdir/rank{r}.pt``. The parent compares the
+outputs with the single-process MoELayer: the comparison lives in the test, not here.
+Not a test module (no ``test_`` prefix).
+"""
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+class RecordingSafeOpen:
+    """``safetensors.safe_open`` that records what is read: whole tensors and slices (with the key)."""
+
+    def __init__(self, real, log: list):
+        self._real, self._log = real, log
+
+    def __call__(self, *args, **kwargs):
+        return _RecordingFile(self._real(*args, **kwargs), self._log)
+
+
+class _RecordingFile:
+    def __init__(self, fh, log):
+        self._fh, self._log = fh, log
+
+    def __enter__(self):
+        self._fh.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._fh.__exit__(*exc)
+
+    def keys(self):
+        return self._fh.keys()
+
+    def metadata(self):
+        return self._fh.metadata()
+
+    def get_tensor(self, name):
+        t = self._fh.get_tensor(name)
+        self._log.append(("get_tensor", name, None, t.numel() * t.element_size()))
+        return t
+
+    def get_slice(self, name):
+        return _RecordingSlice(self._fh.get_slice(name), name, self._log)
+
+
+class _RecordingSlice:
+    def __init__(self, sl, name, log):
+        self._sl, self._name, self._log = sl, name, log
+
+    def get_shape(self):
+        return self._sl.get_shape()
+
+    def get_dtype(self):
+        return self._sl.get_dtype()
+
+    def __getitem__(self, key):
+        t = self._sl[key]
+        rng = (key.start, key.stop) if isinstance(key, slice) else repr(key)
+        self._log.append(("slice", self._name, rng, t.numel() * t.element_size()))
+        return t
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def run(rank: int, world: int, port: int, workdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    result: dict = {"rank": rank, "world": world}
+    try:
+        _run(rank, world, workdir, result)
+    except Exception:  # the parent shows the traceback instead of a bare exit code
+        result["error"] = traceback.format_exc()
+        torch.save(result, f"{workdir}/rank{rank}.pt")
+        raise
+    torch.save(result, f"{workdir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, workdir: str, result: dict) -> None:
+    import safetensors
+
+    from megamoe import faults
+    from megamoe.distributed import ExpertParallelMoE, load_shard, run_checks_all_ranks
+
+    # ---- sharded loading, with every read recorded
+    reads: list = []
+    real = safetensors.safe_open
+    safetensors.safe_open = RecordingSafeOpen(real, reads)
+    try:
+        loaded = load_shard(f"{workdir}/ckpt.safetensors", rank, world)
+        per_reads: list = []
+        safetensors.safe_open = RecordingSafeOpen(real, per_reads)
+        per_expert = load_shard(f"{workdir}/ckpt_per_expert.safetensors", rank, world)
+    finally:
+        safetensors.safe_open = real
+    w = loaded.weights
+    result["load"] = {
+        "reads": reads, "per_expert_reads": per_reads, "report": vars(loaded.report),
+        "expert_start": loaded.expert_start,
+        "shapes": {"w13": tuple(w.w13.data.shape), "w2": tuple(w.w2.data.shape),
+                   "w13_scale": tuple(w.w13.scale.shape), "w13_gs": tuple(w.w13.global_scale.shape),
+                   "router": tuple(w.router_weight.shape)},
+        "storage_bytes": {"w13": _storage_bytes(w.w13.data), "w13_scale": _storage_bytes(w.w13.scale),
+                          "w2": _storage_bytes(w.w2.data), "w2_scale": _storage_bytes(w.w2.scale)},
+        "weights": {"w13": w.w13.data, "w13_scale": w.w13.scale.view(torch.uint8), "w13_gs": w.w13.global_scale,
+                    "w2": w.w2.data, "w2_gs": w.w2.global_scale, "in1": w.w13_input_scale},
+        "per_expert_weights": {"w13": per_expert.weights.w13.data, "w13_gs": per_expert.weights.w13.global_scale,
+                               "w2": per_expert.weights.w2.data},
+    }
+
+    # ---- forward cases
+    layer = ExpertParallelMoE(loaded.weights, loaded.config, loaded.expert_start, backend="torch")
+    cases = torch.load(f"{workdir}/cases_w{world}.pt")
+    outs, stats = {}, {}
+    for name, per_rank in cases.items():
+        inp = per_rank[rank]
+        outs[name] = layer(inp["x"], topk_ids=inp.get("topk_ids"), topk_weights=inp.get("topk_weights"),
+                           router_logits=inp.get("router_logits"))
+        stats[name] = dict(layer.last_stats)
+    # the same input again: bit-identical (FIELD_BUGS 14: a race shows as run-to-run differences)
+    again = layer(cases["router_bf16"][rank]["x"])
+    result["rerun_identical"] = bool(torch.equal(again, outs["router_bf16"]))
+    result["outputs"], result["stats"] = outs, stats
+
+    # ---- E not divisible by the world size: a clear error before any collective
+    for what, fn in (("preset", lambda: ExpertParallelMoE.from_preset("tiny", backend="torch", num_experts=9)),
+                     ("checkpoint", lambda: load_shard(f"{workdir}/ckpt_e9.safetensors", rank, world))):
+        try:
+            fn()
+            result[f"indivisible_{what}"] = None
+        except ValueError as exc:
+            result[f"indivisible_{what}"] = str(exc)
+
+    # ---- health gathered on rank 0: healthy, then a broken SF layout on the last rank only
+    result["health"] = run_checks_all_ranks(layer, "quick", seed=1234)
+    healthy_backend = layer.backend
+    if rank == world - 1:
+        layer.backend = faults.inject(healthy_backend, "swapped-sf")
+    result["health_fault"] = run_checks_all_ranks(layer, "quick", seed=1234)
+    layer.backend = healthy_backend

@@ -1,0 +1,345 @@
+"""Expert parallelism (megamoe.distributed) with REAL processes and REAL gloo collectives.
+
+For each world size (2 and 4) one group of processes is spawned once (module fixture);
+every rank runs all the cases (tests/dist_ep_worker.py) and saves its outputs, and the
+tests here compare them with the single-process MoELayer on the same checkpoint and the
+same tokens (all ranks' tokens concatenated).
+
+Tolerance: the EP path adds each token's expert contributions in the single-process
+order (ascending expert, fp32), so only GEMMs can differ: an expert's rows arrive in
+another order, and the shared expert runs over a rank's tokens instead of the whole
+batch (another M, so possibly another BLAS path: M=1 is a GEMV). Asserted:
+``|ep - ref| <= 1e-5 * max|ref| + 1e-5 * |ref|`` for fp32 outputs and one bf16 ulp
+(rtol 2^-7) for bf16 outputs; the number of differing elements and the largest
+difference are printed (last-bit differences on this CPU where M changes).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from conftest import SEED
+
+WORLD_SIZES = (2, 4)
+PRESET_OVERRIDES = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        n_shared_experts=1, shared_intermediate_size=64)
+EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
+                  "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
+PREFIX = "model.layers.3.mlp."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_per_expert(path, weights, cfg) -> None:
+    """The same weights in ModelOpt's per-expert Hugging Face naming (under a layer prefix)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    i = cfg.intermediate_size
+    t = {}
+    for e in range(cfg.num_experts):
+        for proj, rows, gs_col in (("gate", slice(0, i), 0), ("up", slice(i, 2 * i), 1)):
+            base = f"{PREFIX}experts.{e}.{proj}_proj."
+            t[base + "weight"] = weights.w13.data[e, rows]
+            t[base + "weight_scale"] = weights.w13.scale[e, rows]
+            t[base + "weight_scale_2"] = weights.w13.global_scale[e, gs_col].reshape(())
+            t[base + "input_scale"] = weights.w13_input_scale[e].reshape(())
+        base = f"{PREFIX}experts.{e}.down_proj."
+        t[base + "weight"] = weights.w2.data[e]
+        t[base + "weight_scale"] = weights.w2.scale[e]
+        t[base + "weight_scale_2"] = weights.w2.global_scale[e].reshape(())
+        t[base + "input_scale"] = weights.w2_input_scale[e].reshape(())
+    t[PREFIX + "gate.weight"] = weights.router_weight
+    t[PREFIX + "gate.e_score_correction_bias"] = weights.router_bias
+    t[PREFIX + "shared_experts.gate_up_proj.weight"] = weights.shared_gate_up
+    t[PREFIX + "shared_experts.down_proj.weight"] = weights.shared_down
+    save_file({k: v.contiguous().clone() for k, v in t.items()}, str(path),
+              metadata={"megamoe.config": json.dumps(cfg.to_dict())})
+
+
+def _cases(world: int, cfg, gen: torch.Generator) -> dict:
+    """Per case, per rank: the rank's tokens (and routing when the caller gives it)."""
+    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+    per = e // world
+
+    def x(t, dtype=torch.bfloat16):
+        return (torch.randn((t, h), generator=gen) * 2).to(dtype)
+
+    def topk(t, low=0, high=e):
+        ids = torch.stack([torch.randperm(high - low, generator=gen)[:k] + low for _ in range(t)]) if t else \
+            torch.zeros((0, k), dtype=torch.long)
+        w = torch.rand((t, k), generator=gen) + 0.05
+        return ids.to(torch.int32), w / w.sum(1, keepdim=True)
+
+    cases: dict = {name: [] for name in ("router_bf16", "router_fp32", "topk_fp32", "logits_bf16", "all_to_rank0",
+                                         "one_expert", "T1", "prime_T")}
+    prime_t = [97, 0, 13, 2][:world]
+    for r in range(world):
+        t = (37, 53, 41, 29)[r]
+        cases["router_bf16"].append({"x": x(t)})
+        cases["router_fp32"].append({"x": x(t + 11, torch.float32)})
+        ids, w = topk(t)
+        cases["topk_fp32"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
+        cases["logits_bf16"].append({"x": x(t), "router_logits": torch.randn((t, e), generator=gen)})
+        # every token of every rank goes to rank 0's experts: the other ranks receive nothing
+        ids, w = topk(t, 0, per)
+        cases["all_to_rank0"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
+        # one expert (on the last rank) gets every token; half the tokens name it twice
+        ids, w = topk(t)
+        ids[:, 0] = e - 1
+        ids[: t // 2, 1] = e - 1
+        ids[t // 2:, 1] = torch.randint(0, e - 1, (t - t // 2,), generator=gen).to(torch.int32)
+        cases["one_expert"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
+        cases["T1"].append({"x": x(1, torch.float32)})
+        cases["prime_T"].append({"x": x(prime_t[r], torch.float32)})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from megamoe.checkpoint import synthetic_weights, write_synthetic
+    from megamoe.presets import get_preset
+
+    d = tmp_path_factory.mktemp("ep")
+    cfg = get_preset("tiny").with_(**PRESET_OVERRIDES)
+    write_synthetic(d / "ckpt.safetensors", "tiny", seed=SEED % 1000, **PRESET_OVERRIDES)
+    _write_per_expert(d / "ckpt_per_expert.safetensors", synthetic_weights(cfg, seed=SEED % 1000), cfg)
+    write_synthetic(d / "ckpt_e9.safetensors", "tiny", seed=1, num_experts=9)
+    return d
+
+
+@pytest.fixture(scope="module")
+def single(checkpoints):
+    """The yardstick: the single-process layer on the whole checkpoint."""
+    from megamoe.moe import MoELayer
+
+    return MoELayer.from_checkpoint(checkpoints / "ckpt.safetensors", backend="torch")
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def ep(request, checkpoints, single):
+    """Spawn ``world`` processes once; returns (world, cases, per-rank results)."""
+    import torch.multiprocessing as mp
+
+    import dist_ep_worker
+
+    world = request.param
+    gen = torch.Generator().manual_seed(SEED + world)
+    cases = _cases(world, single.config, gen)
+    torch.save(cases, checkpoints / f"cases_w{world}.pt")
+    for r in range(world):
+        (checkpoints / f"rank{r}.pt").unlink(missing_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(dist_ep_worker.run, args=(world, _free_port(), str(checkpoints)), nprocs=world, join=True)
+    except Exception as exc:
+        errors = []
+        for r in range(world):
+            f = checkpoints / f"rank{r}.pt"
+            if f.exists():
+                res = torch.load(f, weights_only=False)
+                if res.get("error"):
+                    errors.append(f"rank {r}:\n{res['error']}")
+        raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
+    results = [torch.load(checkpoints / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return world, cases, results
+
+
+def _reference(single, per_rank: list[dict]) -> list[torch.Tensor]:
+    def cat(key):
+        if per_rank[0].get(key) is None:
+            return None
+        return torch.cat([p[key] for p in per_rank])
+
+    ref = single(cat("x"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
+                 router_logits=cat("router_logits"))
+    return list(ref.split([p["x"].shape[0] for p in per_rank]))
+
+
+def _assert_matches(single, ep, name: str) -> None:
+    world, cases, results = ep
+    refs = _reference(single, cases[name])
+    differing, worst = 0, 0.0
+    for r in range(world):
+        out, ref = results[r]["outputs"][name], refs[r]
+        assert out.dtype == ref.dtype == cases[name][r]["x"].dtype, (out.dtype, ref.dtype)
+        assert out.shape == ref.shape, f"{name} rank {r}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+        if ref.numel() == 0:
+            continue
+        assert torch.isfinite(out).all(), f"{name} rank {r}: non-finite output"
+        scale = float(ref.float().abs().max())
+        rtol = 2 ** -7 if ref.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-5 * scale,
+                                   msg=lambda m: f"{name}, world {world}, rank {r}: {m}")
+        differing += int((out != ref).sum())
+        worst = max(worst, float((out.float() - ref.float()).abs().max()) / scale)
+    total = sum(int(x.numel()) for x in refs)
+    print(f"{name} world {world}: {differing} of {total} output elements differ from the single-process "
+          f"forward; max |diff| / max |ref| = {worst:.2e}")
+
+
+# ------------------------------------------------------------------------------------------
+# partition
+# ------------------------------------------------------------------------------------------
+
+def test_expert_range_blocks_and_error():
+    from megamoe.distributed import expert_range
+
+    assert [expert_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert expert_range(256, 8, 7) == (224, 256)
+    with pytest.raises(ValueError, match="6 experts on 4 ranks"):
+        expert_range(6, 4, 0)
+    with pytest.raises(ValueError, match="rank 4"):
+        expert_range(8, 4, 4)
+
+
+# ------------------------------------------------------------------------------------------
+# forward equals the single-process forward
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["router_bf16", "router_fp32", "topk_fp32", "logits_bf16"])
+def test_ep_forward_matches_single_process(single, ep, case):
+    _assert_matches(single, ep, case)
+
+
+def test_all_tokens_to_one_rank(single, ep):
+    """Every token routed to rank 0's experts: the other ranks receive no rows and still take part."""
+    world, _, results = ep
+    _assert_matches(single, ep, "all_to_rank0")
+    for r in range(world):
+        recv = results[r]["stats"]["all_to_rank0"]["recv_splits"]
+        sent = results[r]["stats"]["all_to_rank0"]["send_splits"]
+        assert sent[1:] == [0] * (world - 1), f"rank {r} sent {sent}"
+        if r:
+            assert sum(recv) == 0, f"rank {r} received {recv}"
+        else:
+            assert recv == [results[q]["outputs"]["all_to_rank0"].shape[0] for q in range(world)]
+
+
+def test_one_expert_gets_every_token(single, ep):
+    """The last expert is in every token's top-k (twice for half of them)."""
+    world, _, results = ep
+    _assert_matches(single, ep, "one_expert")
+    last = results[world - 1]["stats"]["one_expert"]
+    assert sum(last["recv_splits"]) == sum(results[q]["outputs"]["one_expert"].shape[0] for q in range(world))
+
+
+@pytest.mark.parametrize("case", ["T1", "prime_T"])
+def test_token_counts_one_prime_and_zero(single, ep, case):
+    """T=1 on every rank; a prime T on rank 0 with a rank that has no tokens at all."""
+    world, cases, results = ep
+    _assert_matches(single, ep, case)
+    if case == "prime_T":
+        assert results[1]["outputs"][case].shape == (0, single.config.hidden_size)
+
+
+def test_rerun_is_bit_identical(ep):
+    _, _, results = ep
+    assert all(r["rerun_identical"] for r in results)
+
+
+# ------------------------------------------------------------------------------------------
+# sharded loading
+# ------------------------------------------------------------------------------------------
+
+def test_sharded_loading_reads_only_local_expert_slices(checkpoints, ep):
+    from megamoe.checkpoint import load
+
+    world, _, results = ep
+    full = load(checkpoints / "ckpt.safetensors").weights
+    e = full.num_experts
+    per = e // world
+    for r, res in enumerate(results):
+        ld = res["load"]
+        start, end = r * per, (r + 1) * per
+        assert ld["expert_start"] == start
+        whole = [name for kind, name, _, _ in ld["reads"] if kind == "get_tensor"]
+        assert not [n for n in whole if n in EXPERT_TENSORS], f"rank {r} read whole expert tensors: {whole}"
+        sliced = [(name, rng) for kind, name, rng, _ in ld["reads"] if kind == "slice"]
+        assert sorted(n for n, _ in sliced) == sorted(n for n in EXPERT_TENSORS), sliced
+        assert all(rng == (start, end) for _, rng in sliced), f"rank {r} slices {sliced}"
+        expert_bytes = sum(b for kind, name, _, b in ld["reads"] if name in EXPERT_TENSORS)
+        rep = ld["report"]
+        assert expert_bytes == rep["expert_bytes_read"] == rep["expert_bytes_in_file"] // world
+        # the loaded tensors own exactly their slice (not views into a whole tensor)
+        assert ld["shapes"]["w13"] == (per, 2 * 128, 256 // 2) and ld["shapes"]["router"] == (e, 256)
+        assert ld["storage_bytes"]["w13"] == per * 2 * 128 * 128
+        assert ld["storage_bytes"]["w2"] == per * 256 * 64
+        assert ld["storage_bytes"]["w13_scale"] == per * 2 * 128 * 16
+        # and they are the right experts
+        w = ld["weights"]
+        assert torch.equal(w["w13"], full.w13.data[start:end])
+        assert torch.equal(w["w13_scale"], full.w13.scale[start:end].view(torch.uint8))
+        assert torch.equal(w["w13_gs"], full.w13.global_scale[start:end])
+        assert torch.equal(w["w2"], full.w2.data[start:end])
+        assert torch.equal(w["w2_gs"], full.w2.global_scale[start:end])
+        assert torch.equal(w["in1"], full.w13_input_scale[start:end])
+
+
+def test_sharded_loading_per_expert_layout(checkpoints, ep):
+    from megamoe.checkpoint import load
+
+    world, _, results = ep
+    full = load(checkpoints / "ckpt.safetensors").weights
+    per = full.num_experts // world
+    for r, res in enumerate(results):
+        start, end = r * per, (r + 1) * per
+        names = [name for kind, name, _, _ in res["load"]["per_expert_reads"] if kind in ("get_tensor", "slice")]
+        experts_read = {int(n[len(PREFIX):].split(".")[1]) for n in names if n.startswith(PREFIX + "experts.")}
+        assert experts_read == set(range(start, end)), f"rank {r} read experts {sorted(experts_read)}"
+        w = res["load"]["per_expert_weights"]
+        assert torch.equal(w["w13"], full.w13.data[start:end])
+        assert torch.equal(w["w13_gs"], full.w13.global_scale[start:end])  # gate and up keep their own
+        assert torch.equal(w["w2"], full.w2.data[start:end])
+
+
+# ------------------------------------------------------------------------------------------
+# health gathered from every rank
+# ------------------------------------------------------------------------------------------
+
+def test_health_report_covers_every_rank(ep):
+    world, _, results = ep
+    rep = results[0]["health"]
+    assert all(res["health"] is None for res in results[1:])  # gathered on rank 0 only
+    assert rep["status"] == "pass", rep["checks"]
+    assert rep["world_size"] == world
+    assert [r["rank"] for r in rep["ranks"]] == list(range(world))
+    assert [r["experts"] for r in rep["ranks"]] == [[q * 8 // world, (q + 1) * 8 // world] for q in range(world)]
+    names = {c["name"] for c in rep["checks"]}
+    assert {"sf_roundtrip", "gemm_cosine_random", "moe_cosine", "ep_dispatch_combine"} <= names
+    for r in rep["ranks"]:
+        assert {c["name"] for c in r["checks"]} == names
+    ep_check = next(c for c in rep["checks"] if c["name"] == "ep_dispatch_combine")
+    assert ep_check["status"] == "pass" and ep_check["metric"] >= 0.9999
+
+
+def test_health_fault_on_one_rank_fails_the_report(ep):
+    """A broken SF layout on the last rank only: the merged report fails and names that rank."""
+    world, _, results = ep
+    rep = results[0]["health_fault"]
+    assert rep["status"] == "fail"
+    by_rank = {r["rank"]: r["status"] for r in rep["ranks"]}
+    assert by_rank == {q: ("fail" if q == world - 1 else "pass") for q in range(world)}
+    failed = [c for c in rep["checks"] if c["status"] == "fail"]
+    assert failed and all(f"failed on ranks [{world - 1}]" in c["detail"] for c in failed), failed
+
+
+# ------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------
+
+def test_experts_not_divisible_by_world_is_a_clear_error(ep):
+    world, _, results = ep
+    for res in results:
+        for what in ("preset", "checkpoint"):
+            msg = res[f"indivisible_{what}"]
+            assert msg is not None, f"{what}: no error for 9 experts on {world} ranks"
+            assert f"9 experts on {world} ranks" in msg, msg
