@@ -266,6 +266,13 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    async def off_loop_if_large(size_bytes: int, fn, *args):
+        """Decoding or encoding a large tensor (JSON above all) would stall every other
+        connection: above 64 KiB it runs in a worker thread (not the device thread)."""
+        if size_bytes < 64 * 1024:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
     @app.post("/v2/models/{model_name}/infer")
     @app.post("/v2/models/{model_name}/versions/{model_version}/infer")
     async def infer(request: Request, model_name: str, model_version: str | None = None):
@@ -281,13 +288,17 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
         if encoding != "identity":
             return _error(400, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
         model = state.model
-        try:
-            body = await read_body(request)
+
+        def decode(body: bytes):
             parsed = parse_infer_request(body, parse_header_length(request.headers.get(HEADER_LENGTH), len(body)))
             unknown_outputs = sorted(set(parsed.outputs) - {OUTPUT_NAME})
             if unknown_outputs:
                 raise ProtocolError(f"unknown output(s) {unknown_outputs}; this model has {[OUTPUT_NAME]}")
-            model_request = model.validate(parsed.inputs, parsed.datatypes)
+            return parsed, model.validate(parsed.inputs, parsed.datatypes)
+
+        try:
+            body = await read_body(request)
+            parsed, model_request = await off_loop_if_large(len(body), decode, body)
         except ProtocolError as exc:
             return _error(exc.status, exc.message)
         try:
@@ -297,8 +308,9 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             await asyncio.get_running_loop().run_in_executor(state.executor, state.probe_device)
             return _error(500, f"forward failed: {type(exc).__name__}: {exc}")
         as_binary = parsed.outputs.get(OUTPUT_NAME, parsed.binary_output_default)
-        body, headers = encode_infer_response(
-            model.name, model.version, parsed.request_id, [(OUTPUT_NAME, result.output, as_binary)]
+        body, headers = await off_loop_if_large(
+            result.output.numel() * (1 if as_binary else 8), encode_infer_response,
+            model.name, model.version, parsed.request_id, [(OUTPUT_NAME, result.output, as_binary)],
         )
         metrics.queue_latency.labels(model.name).observe(result.queue_s)
         metrics.request_latency.labels(model.name).observe(time.perf_counter() - started)

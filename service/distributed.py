@@ -1,0 +1,265 @@
+"""Expert-parallel serving: one HTTP front end driving every rank of a node (or of several).
+
+Launch (one process per GPU; on a CPU-only machine, gloo ranks)::
+
+    torchrun --nproc-per-node 8 -m service.distributed --checkpoint /ckpt --host 0.0.0.0 --port 8000
+    torchrun --nproc-per-node 2 -m service.distributed --preset tiny --backend torch   # CPU smoke run
+
+Flags and ``MEGAMOE_*`` variables are those of ``megamoe serve`` (service.settings).
+Several nodes: the usual ``torchrun --nnodes N --node-rank i --rdzv-endpoint host:port``;
+the HTTP front end is global rank 0.
+
+Design:
+
+* every rank loads only its experts (:func:`megamoe.distributed.load_shard`) into an
+  :class:`~megamoe.distributed.ExpertParallelMoE`; the ranks then agree that every one
+  of them loaded (or all exit with the failing ranks' errors);
+* rank 0 runs the unchanged service app (:func:`service.app.create_app`) with a
+  :class:`DistributedFront` as its layer. The front has the attributes the service reads
+  from a MoELayer (``config``, ``backend``, ``device``, ``weights``, ``forward``) and
+  ``run_checks(level)``;
+* ``DistributedFront.forward`` broadcasts a small header (operation, T, dtype, routing
+  mode) on a gloo *control* group, scatters the batch's rows in equal chunks (rank r
+  gets rows ``[r*c, (r+1)*c)``, ``c = ceil(T/W)``, the last ranks possibly none), every
+  rank runs the collective EP forward on its chunk (dispatch/combine by all-to-all), and
+  the outputs are gathered back to rank 0 in order;
+* ranks 1.. run :func:`serve_worker`: wait for a header, do what it says, repeat;
+* ``run_checks(level)`` makes every rank run the SPEC §5 checks on its own backend plus
+  the EP dispatch/combine check, and returns rank 0's merged report (one entry per check
+  name, ``failed on ranks [...]``, every rank's full report under ``ranks``);
+* shutdown: when uvicorn returns (SIGTERM/SIGINT), rank 0 sends STOP and all ranks leave.
+
+The control group is gloo with a long timeout (workers wait between requests as long
+as the server is idle); the data group (NCCL on GPUs) keeps the short default, since a
+collective that stalls mid-forward means a rank is gone.
+
+The service calls ``health.run_checks(level, backend=layer.backend)`` itself, which would
+check rank 0 only; to cover every rank it must call ``layer.run_checks(level)`` when the
+layer has one (the hook is described in this module's pull request / report).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from megamoe.distributed import ExpertParallelMoE, init_distributed, run_checks_all_ranks
+
+log = logging.getLogger("megamoe.service.distributed")
+
+__all__ = ["DistributedFront", "serve_worker", "build_layer", "main", "OP_STOP", "OP_FORWARD", "OP_HEALTH"]
+
+OP_STOP, OP_FORWARD, OP_HEALTH = 0, 1, 2
+MODES = ("router", "topk", "logits")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LEVELS = ("quick", "full")
+HEADER_LEN = 6  # op, T, dtype code, mode code, level code, seed (-1: fresh)
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+def _header(op: int, tokens: int = 0, dtype: int = 0, mode: int = 0, level: int = 0, seed: int = -1) -> torch.Tensor:
+    return torch.tensor([op, tokens, dtype, mode, level, seed], dtype=torch.int64)
+
+
+def _chunk(tokens: int, world: int) -> int:
+    return max(1, math.ceil(tokens / world))
+
+
+def _rows_of(rank: int, tokens: int, world: int) -> int:
+    c = _chunk(tokens, world)
+    return max(0, min(c, tokens - rank * c))
+
+
+def _scatter_rows(full: torch.Tensor | None, tokens: int, width: int, dtype: torch.dtype, layer: ExpertParallelMoE,
+                  ) -> torch.Tensor:
+    """Rank 0's ``full [T, width]`` split in chunks of ``ceil(T/W)`` rows; returns this rank's rows."""
+    world, rank, c = layer.world_size, layer.rank, _chunk(tokens, layer.world_size)
+    out = torch.empty((c, width), dtype=dtype, device=layer.device)
+    parts = None
+    if rank == 0:
+        padded = torch.zeros((c * world, width), dtype=dtype, device=layer.device)
+        padded[:tokens] = full.to(layer.device, dtype)
+        parts = list(padded.split(c))
+    dist.scatter(out, parts, src=0, group=layer.group)
+    return out[: _rows_of(rank, tokens, world)]
+
+
+def _gather_rows(rows: torch.Tensor, tokens: int, layer: ExpertParallelMoE) -> torch.Tensor | None:
+    """Every rank's output rows back on rank 0, in the original order (None elsewhere)."""
+    world, c = layer.world_size, _chunk(tokens, layer.world_size)
+    padded = torch.zeros((c, rows.shape[1]), dtype=rows.dtype, device=layer.device)
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(world)] if layer.rank == 0 else None
+    dist.gather(padded, parts, dst=0, group=layer.group)
+    return torch.cat(parts)[:tokens] if layer.rank == 0 else None
+
+
+def _forward_step(layer: ExpertParallelMoE, header: torch.Tensor, x=None, topk_ids=None, topk_weights=None,
+                  router_logits=None) -> torch.Tensor | None:
+    """The part of one batched forward every rank runs (rank 0 passes the tensors)."""
+    _, tokens, dtype_code, mode_code = (int(v) for v in header[:4])
+    cfg, dtype, mode = layer.config, DTYPES[dtype_code], MODES[mode_code]
+    xs = _scatter_rows(x, tokens, cfg.hidden_size, dtype, layer)
+    kw = {}
+    if mode == "topk":
+        kw["topk_ids"] = _scatter_rows(topk_ids, tokens, cfg.top_k, torch.int32, layer)
+        kw["topk_weights"] = _scatter_rows(topk_weights, tokens, cfg.top_k, torch.float32, layer)
+    elif mode == "logits":
+        kw["router_logits"] = _scatter_rows(router_logits, tokens, cfg.num_experts, torch.float32, layer)
+    # rank 0 validated the whole batch; a worker trusts it (a raise here would strand the others)
+    y = layer.forward(xs, validate=False, **kw)
+    return _gather_rows(y, tokens, layer)
+
+
+class DistributedFront:
+    """Rank 0's stand-in for a :class:`~megamoe.moe.MoELayer` in the service, driving all ranks.
+
+    Attributes read by the service: ``config`` (the global MoEConfig), ``backend`` (rank 0's),
+    ``device``, ``weights`` (``router_weight`` tells whether the model routes itself).
+    Methods: ``forward(hidden_states, topk_ids=, topk_weights=, router_logits=)`` and
+    ``run_checks(level)``; both are collectives over every rank and are serialised by a lock
+    (the service already calls them from one device thread). ``stop()`` releases the workers.
+    """
+
+    def __init__(self, layer: ExpertParallelMoE, control_group) -> None:
+        if layer.rank != 0:
+            raise ValueError(f"the front end runs on rank 0, not rank {layer.rank}")
+        self.layer = layer
+        self.control = control_group
+        self.config = layer.config
+        self.backend = layer.backend
+        self.device = layer.device
+        self.weights = layer.weights
+        self.world_size = layer.world_size
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def _send(self, header: torch.Tensor) -> None:
+        if self._stopped:
+            raise RuntimeError("the distributed front end was stopped: the worker ranks are gone")
+        dist.broadcast(header, src=0, group=self.control)
+
+    def forward(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None, router_logits=None,
+                validate: bool = True) -> torch.Tensor:
+        """One batched forward over every rank; ``[T, H]`` in the dtype of ``hidden_states``."""
+        if validate:  # bad input is refused here, before any rank is involved
+            self.layer._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
+        if hidden_states.dtype not in DTYPES:
+            raise TypeError(f"hidden_states dtype {hidden_states.dtype}: expected one of {DTYPES}")
+        mode = "topk" if topk_ids is not None else ("logits" if router_logits is not None else "router")
+        if mode == "router" and self.weights.router_weight is None:
+            raise ValueError("this layer has no router weight: pass topk_ids/topk_weights or router_logits")
+        tokens = hidden_states.shape[0]
+        header = _header(OP_FORWARD, tokens, DTYPES.index(hidden_states.dtype), MODES.index(mode))
+        with self._lock:
+            self._send(header)
+            return _forward_step(self.layer, header, hidden_states, topk_ids, topk_weights, router_logits)
+
+    __call__ = forward
+
+    def run_checks(self, level: str = "quick", seed: int | None = None) -> dict:
+        """SPEC §5 on every rank (+ ep_dispatch_combine), merged on rank 0."""
+        if level not in LEVELS:
+            raise ValueError(f"level must be 'quick' or 'full', got {level!r}")
+        with self._lock:
+            self._send(_header(OP_HEALTH, level=LEVELS.index(level), seed=-1 if seed is None else seed))
+            return run_checks_all_ranks(self.layer, level, seed=seed)
+
+    def stop(self) -> None:
+        """Tell every worker rank to leave its loop (idempotent)."""
+        with self._lock:
+            if not self._stopped:
+                dist.broadcast(_header(OP_STOP), src=0, group=self.control)
+                self._stopped = True
+
+    def __repr__(self) -> str:
+        return f"DistributedFront({self.layer!r}, {self.world_size} ranks)"
+
+
+def serve_worker(layer: ExpertParallelMoE, control_group) -> int:
+    """Ranks 1..W-1: run what rank 0 broadcasts until STOP; returns the number of forwards run."""
+    forwards = 0
+    while True:
+        header = _header(OP_STOP)
+        dist.broadcast(header, src=0, group=control_group)
+        op = int(header[0])
+        if op == OP_STOP:
+            return forwards
+        if op == OP_FORWARD:
+            _forward_step(layer, header)
+            forwards += 1
+        elif op == OP_HEALTH:
+            seed = int(header[5])
+            run_checks_all_ranks(layer, LEVELS[int(header[4])], seed=None if seed < 0 else seed)
+        else:
+            raise RuntimeError(f"rank {layer.rank}: unknown operation {op} from rank 0")
+
+
+def build_layer(settings, group=None) -> ExpertParallelMoE:
+    """This rank's ExpertParallelMoE from the service settings (checkpoint or synthetic preset)."""
+    from .model import resolve_backend
+
+    backend = resolve_backend(settings.backend)
+    if settings.checkpoint:
+        return ExpertParallelMoE.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device,
+                                                 group=group)
+    return ExpertParallelMoE.from_preset(settings.preset, seed=settings.seed, backend=backend,
+                                         device=settings.device, group=group)
+
+
+def _agree_loaded(control, error: str | None) -> None:
+    """Every rank learns whether every rank loaded; if one failed, all raise with its error."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error, group=control)
+    failed = {r: e for r, e in enumerate(errors) if e}
+    if failed:
+        raise RuntimeError("ranks failed to load: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry point: rank 0 serves HTTP, the other ranks run :func:`serve_worker`."""
+    import sys
+
+    import uvicorn
+
+    from .app import create_app
+    from .settings import parse_settings
+
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s rank {os.environ.get('RANK', '?')} %(name)s: %(message)s")
+    rank, world, _ = init_distributed(timeout_s=600)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    layer, error = None, None
+    try:
+        layer = build_layer(settings)
+        log.info("loaded %r", layer)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear about it, or the others hang
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("loading failed")
+    try:
+        _agree_loaded(control, error)
+        if rank == 0:
+            front = DistributedFront(layer, control)
+            try:
+                uvicorn.run(create_app(settings, layer=front), host=settings.host, port=settings.port,
+                            log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_s,
+                            access_log=False)
+            finally:
+                front.stop()
+        else:
+            n = serve_worker(layer, control)
+            log.info("rank %d: stopped after %d forwards", rank, n)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
