@@ -152,3 +152,22 @@ def _run(rank: int, world: int, workdir: str, result: dict) -> None:
         layer.backend = faults.inject(healthy_backend, "swapped-sf")
     result["health_fault"] = run_checks_all_ranks(layer, "quick", seed=1234)
     layer.backend = healthy_backend
+
+    # ---- the service's front end: rank 0 drives, the others loop until STOP
+    from service.distributed import DistributedFront, serve_worker
+
+    control = dist.new_group(backend="gloo")
+    if rank == 0:
+        front = DistributedFront(layer, control)
+        batches = torch.load(f"{workdir}/front_w{world}.pt")
+        result["front_outputs"] = [front(**b) for b in batches]
+        result["front_health"] = front.run_checks("quick", seed=99)
+        try:
+            front(batches[0]["hidden_states"][:, :8])  # refused on rank 0, no rank involved
+            result["front_bad_input"] = None
+        except ValueError as exc:
+            result["front_bad_input"] = str(exc)
+        result["front_after_bad"] = front(**batches[0])
+        front.stop()
+    else:
+        result["worker_forwards"] = serve_worker(layer, control)

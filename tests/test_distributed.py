@@ -103,6 +103,18 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
     return cases
 
 
+def _front_batches(cfg, gen: torch.Generator) -> list[dict]:
+    """Batches for the service front end (rank 0 only): router, given top-k, logits with T=1 < world."""
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(5)]).to(torch.int32)
+    return [
+        {"hidden_states": torch.randn((37, cfg.hidden_size), generator=gen).to(torch.bfloat16)},
+        {"hidden_states": torch.randn((5, cfg.hidden_size), generator=gen), "topk_ids": ids,
+         "topk_weights": torch.rand((5, cfg.top_k), generator=gen)},
+        {"hidden_states": torch.randn((1, cfg.hidden_size), generator=gen),
+         "router_logits": torch.randn((1, cfg.num_experts), generator=gen)},
+    ]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from megamoe.checkpoint import synthetic_weights, write_synthetic
@@ -135,6 +147,7 @@ def ep(request, checkpoints, single):
     gen = torch.Generator().manual_seed(SEED + world)
     cases = _cases(world, single.config, gen)
     torch.save(cases, checkpoints / f"cases_w{world}.pt")
+    torch.save(_front_batches(single.config, gen), checkpoints / f"front_w{world}.pt")
     for r in range(world):
         (checkpoints / f"rank{r}.pt").unlink(missing_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -343,3 +356,26 @@ def test_experts_not_divisible_by_world_is_a_clear_error(ep):
             msg = res[f"indivisible_{what}"]
             assert msg is not None, f"{what}: no error for 9 experts on {world} ranks"
             assert f"9 experts on {world} ranks" in msg, msg
+
+
+# ------------------------------------------------------------------------------------------
+# the service's front end (service/distributed.py), driven in-process on rank 0
+# ------------------------------------------------------------------------------------------
+
+def test_front_end_drives_every_rank(checkpoints, single, ep):
+    world, _, results = ep
+    batches = torch.load(checkpoints / f"front_w{world}.pt")
+    outs = results[0]["front_outputs"]
+    assert len(outs) == len(batches)
+    for b, out in zip(batches, outs):
+        ref = single(**b)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        rtol = 2 ** -7 if ref.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-5 * float(ref.float().abs().max()))
+    # a bad request is refused on rank 0 without stranding the workers; the next one still works
+    assert "hidden_states must be [T, 256]" in results[0]["front_bad_input"]
+    torch.testing.assert_close(results[0]["front_after_bad"], outs[0], rtol=0, atol=0)
+    # every worker ran every forward (3 batches + the one after the refused request)
+    assert [r["worker_forwards"] for r in results[1:]] == [len(batches) + 1] * (world - 1)
+    rep = results[0]["front_health"]
+    assert rep["status"] == "pass" and [r["rank"] for r in rep["ranks"]] == list(range(world))
