@@ -5,13 +5,16 @@ Entry point: :func:`main` (``megamoe serve`` and ``python -m service`` call it).
 
 from __future__ import annotations
 
+# Fail at import when the service extras are missing (`megamoe serve` turns this into
+# "pip install 'megamoe[service]'"), not halfway through start-up.
+import fastapi  # noqa: F401
+import uvicorn  # noqa: F401
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse settings (env ``MEGAMOE_*``, then flags in ``argv``), serve until SIGTERM/SIGINT."""
     import logging
     import signal
-
-    import uvicorn
 
     from .app import create_app
     from .settings import parse_settings
