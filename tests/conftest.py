@@ -1,10 +1,7 @@
-import os
-
 import pytest
 import torch
 
-# Fresh random data each run, but reproducible when a test fails: the seed is printed.
-SEED = int(os.environ.get("MEGAMOE_TEST_SEED", torch.seed() % 2**31))
+from _helpers import SEED
 
 
 def pytest_report_header(config):
@@ -14,13 +11,3 @@ def pytest_report_header(config):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(SEED)
-
-
-def cosine(a, b):
-    a = a.double().flatten()
-    b = b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())

@@ -5,7 +5,7 @@ import torch
 from megamoe import nvfp4 as F
 from megamoe.backends import get_backend
 
-from conftest import cosine, rel_err
+from _helpers import cosine, rel_err
 
 
 def rand_nvfp4(rows, k, gen, gs):

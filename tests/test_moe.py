@@ -8,7 +8,7 @@ from megamoe.checkpoint import synthetic_weights
 from megamoe.moe import MoELayer
 from megamoe.presets import MoEConfig, get_preset
 
-from conftest import cosine, rel_err
+from _helpers import cosine, rel_err
 
 
 def loop_reference(layer, x, ids, w):
@@ -162,3 +162,15 @@ def test_config_rejects_bad_shapes():
         MoEConfig(64, 64, 4, 5)
     with pytest.raises(ValueError, match="preset"):
         get_preset("huge")
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 31, 127, 128, 129, 257])
+def test_token_count_sweep(gen, t):
+    # FIELD_BUGS 14 on the reference: every T gives each token its own result
+    layer = make_layer(SMALL.with_(act_mode="w4a16"))
+    x = torch.randn(t, 64, generator=gen)
+    w, ids = layer.route(x)
+    out = layer(x, ids, w)
+    for r in {0, t // 2, t - 1}:
+        single = layer(x[r:r + 1], ids[r:r + 1], w[r:r + 1])
+        assert rel_err(single[0], out[r]) < 1e-5

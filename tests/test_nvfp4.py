@@ -162,3 +162,17 @@ def test_nvfp4tensor_validates():
         F.NVFP4Tensor(torch.zeros(2, 8), torch.zeros(2, 1).to(torch.float8_e4m3fn), torch.tensor(1.0))
     with pytest.raises(ValueError):
         F.NVFP4Tensor(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 2).to(torch.float8_e4m3fn), torch.tensor(1.0))
+
+
+def test_nan_and_inf_rows_do_not_touch_other_rows(gen):
+    # FIELD_BUGS 6: padded (CUDA-graph) rows full of NaN/Inf leave real rows bit-identical
+    x = torch.randn(8, 64, generator=gen)
+    gs = torch.tensor(0.01)
+    clean = F.quantize(x[:5], gs)
+    poisoned = x.clone()
+    poisoned[5] = float("nan")
+    poisoned[6] = float("inf")
+    poisoned[7] = -float("inf")
+    q = F.quantize(poisoned, gs)
+    assert torch.equal(q.data[:5], clean.data)
+    assert torch.equal(q.scale[:5].view(torch.uint8), clean.scale.view(torch.uint8))

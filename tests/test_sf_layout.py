@@ -1,4 +1,6 @@
 """SPEC §2: the scale-factor layout, its padding, the grouped layout and the verifier."""
+import os
+
 import pytest
 import torch
 
@@ -7,7 +9,9 @@ from megamoe import nvfp4 as F
 from megamoe.faults import SwappedScaleLayout
 from megamoe.backends import get_backend
 
-SHAPES = [(1, 1), (1, 4), (7, 3), (31, 5), (32, 4), (33, 4), (127, 29), (128, 8), (129, 13), (300, 7), (464, 448)]
+# FIELD_BUGS 5 (M in 1, 7, 31, 33, 127, 129) and 8 (I = 464, 5472, 1856: K/16 = 29, 342, 116)
+SHAPES = [(1, 1), (1, 4), (7, 3), (31, 5), (32, 4), (33, 4), (127, 29), (128, 8), (129, 13), (300, 7), (464, 448),
+          (33, 342), (129, 116)]
 
 
 def random_scales(rows, cols, gen):
@@ -124,8 +128,11 @@ def test_verifier_catches_first_element_only_writer(gen):
     assert r["mismatches"] > 0
 
 
-@pytest.mark.skipif(_ext.ext is None, reason=f"extension not built: {_ext.EXT_ERROR}")
 def test_compiled_closed_form_matches_python():
+    if _ext.ext is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI builds the extension, but it does not import: {_ext.EXT_ERROR}")
+        pytest.skip(f"extension not built: {_ext.EXT_ERROR}")
     for rows, cols in SHAPES:
         for b in (0, 2):
             for m, k in [(0, 0), (rows - 1, cols - 1), (rows // 2, cols // 2)]:
