@@ -84,15 +84,16 @@ class ServiceState:
         return report
 
     def probe_device(self) -> None:
-        """A sticky CUDA error (illegal address, ECC) makes every later call fail: find out, stop being ready."""
-        device = self.model.device if self.model is not None else torch.device("cpu")
-        if device.type != "cuda":
+        """After a failed forward: is the device still usable? A sticky CUDA error (illegal
+        address, ECC) makes every later call fail; then readiness stays 503 for good."""
+        if self.model is None:
             return
+        device = self.model.device
         try:
-            torch.cuda.synchronize(device)
+            self.model.layer.backend.synchronize()
             (torch.ones(1, device=device) + 1).item()
         except Exception as exc:  # noqa: BLE001 - any failure here means the device is gone
-            self.device_error = str(exc).splitlines()[0]
+            self.device_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.error("device probe failed, readiness is now 503: %s", self.device_error)
         self.refresh_ready_gauge()
 

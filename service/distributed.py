@@ -44,6 +44,7 @@ import datetime
 import logging
 import math
 import os
+import signal
 import threading
 
 import torch
@@ -252,8 +253,16 @@ def main(argv: list[str] | None = None) -> int:
                             log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_s,
                             access_log=False)
             finally:
-                front.stop()
+                try:
+                    front.stop()
+                except Exception as exc:  # noqa: BLE001 - a worker already gone; nothing left to stop
+                    log.warning("could not stop the workers cleanly: %s", exc)
         else:
+            # torchrun forwards SIGTERM/SIGINT to every rank; a worker keeps serving until rank 0
+            # has drained its in-flight requests and sends STOP (torchrun's SIGKILL ends a stuck one)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: log.info("rank %d: signal %d, waiting for rank 0's STOP",
+                                                                  rank, signum))
             n = serve_worker(layer, control)
             log.info("rank %d: stopped after %d forwards", rank, n)
     finally:

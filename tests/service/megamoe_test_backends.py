@@ -41,3 +41,19 @@ class ControlledTorchBackend(TorchBackend):
         if broken and os.path.exists(broken):
             return self._broken.swizzle_scales(scale, out)
         return super().swizzle_scales(scale, out)
+
+
+class StickyDeviceErrorBackend(TorchBackend):
+    """A device that dies on the first forward and stays dead, as CUDA does after an illegal access."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
+        self.dead = True
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
+
+    def synchronize(self) -> None:
+        if self.dead:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")

@@ -132,6 +132,25 @@ def test_broken_swizzle_fails_selftest_and_health_report(tmp_path, layer):
         assert srv.stop() == 0
 
 
+def test_sticky_device_error_turns_readiness_off(tmp_path, layer):
+    srv = ServerProcess(tmp_path / "server.log", args=["--backend", "megamoe_test_backends:StickyDeviceErrorBackend",
+                                                       "--selftest-level", "off"])
+    try:
+        srv.wait_for("/v2/health/ready", 200)
+        request, _ = infer_body(layer, tokens=2, seed=4)
+        reply = httpx.post(srv.url + INFER, json=request, timeout=30)
+        assert reply.status_code == 500 and "illegal memory access" in reply.json()["error"]
+        status, body = srv.get("/v2/health/ready")
+        assert status == 503 and "device reported an error" in body["error"], body
+        reply = httpx.post(srv.url + INFER, json=request, timeout=30)
+        assert reply.status_code == 503
+        assert srv.get("/v2/health/live")[0] == 200  # alive: the orchestrator decides, from readiness
+        assert metric(srv, "megamoe_ready") == 0.0
+        assert metric(srv, "megamoe_request_failures_total", route="/v2/models/{model_name}/infer", reason="internal") == 1.0
+    finally:
+        assert srv.stop() == 0
+
+
 @pytest.mark.parametrize("argv", [["--help"]])
 def test_help_answers(argv):
     import subprocess
