@@ -246,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("loading failed")
     try:
         _agree_loaded(control, error)
+        # torchrun forwards SIGTERM/SIGINT to every rank. uvicorn drains rank 0's requests and then
+        # re-raises the signal to the handler found before it started: this one, so rank 0 goes on
+        # to send STOP instead of dying; the workers wait for that STOP (a stuck one gets
+        # torchrun's SIGKILL).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: log.info("rank %d: signal %d, shutting down via rank 0",
+                                                              rank, signum))
         if rank == 0:
             front = DistributedFront(layer, control)
             try:
@@ -258,11 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # noqa: BLE001 - a worker already gone; nothing left to stop
                     log.warning("could not stop the workers cleanly: %s", exc)
         else:
-            # torchrun forwards SIGTERM/SIGINT to every rank; a worker keeps serving until rank 0
-            # has drained its in-flight requests and sends STOP (torchrun's SIGKILL ends a stuck one)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: log.info("rank %d: signal %d, waiting for rank 0's STOP",
-                                                                  rank, signum))
             n = serve_worker(layer, control)
             log.info("rank %d: stopped after %d forwards", rank, n)
     finally:

@@ -21,7 +21,7 @@ import socket
 import pytest
 import torch
 
-from conftest import SEED
+from _helpers import SEED
 
 WORLD_SIZES = (2, 4)
 PRESET_OVERRIDES = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
@@ -379,3 +379,88 @@ def test_front_end_drives_every_rank(checkpoints, single, ep):
     assert [r["worker_forwards"] for r in results[1:]] == [len(batches) + 1] * (world - 1)
     rep = results[0]["front_health"]
     assert rep["status"] == "pass" and [r["rank"] for r in rep["ranks"]] == list(range(world))
+
+
+# ------------------------------------------------------------------------------------------
+# the whole service under torchrun: HTTP on rank 0, 2 gloo ranks, graceful SIGTERM
+# ------------------------------------------------------------------------------------------
+
+def _http(port: int, path: str, body: dict | None = None, timeout: float = 30.0):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=None if body is None else
+                                 json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_service_under_torchrun_serves_and_stops(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from megamoe.moe import MoELayer
+
+    repo = Path(__file__).resolve().parents[1]
+    port = _free_port()
+    log_path = tmp_path / "service.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "service.distributed", "--preset", "tiny", "--seed", "3",
+           "--backend", "torch", "--port", str(port), "--selftest-level", "quick"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"service exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            try:
+                if _http(port, "/v2/health/ready", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"not ready in 120 s:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+
+        layer = MoELayer.from_preset("tiny", seed=3, backend="torch")
+        gen = torch.Generator().manual_seed(SEED)
+        for t in (7, 1):  # T=1: one rank gets no rows of the batch
+            x = torch.randn((t, 256), generator=gen)
+            status, resp = _http(port, "/v2/models/tiny/infer", {"inputs": [
+                {"name": "hidden_states", "shape": [t, 256], "datatype": "FP32", "data": x.flatten().tolist()}]})
+            assert status == 200, resp
+            out = resp["outputs"][0]
+            y = torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"])
+            ref = layer(x)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        status, resp = _http(port, "/v2/models/tiny/infer", {"inputs": [
+            {"name": "hidden_states", "shape": [1, 8], "datatype": "FP32", "data": [0.5] * 8}]})
+        assert status == 400 and "hidden size" in resp["error"], resp
+        assert _http(port, "/v2/health/ready")[0] == 200  # a bad request changes nothing
+
+        status, report = _http(port, "/v1/health/kernels?level=quick", timeout=120)
+        assert status == 200 and report["status"] == "pass", report
+        per_rank = report.get("ranks")
+
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to both ranks
+        proc.wait(timeout=90)
+        text = log_path.read_text()
+        assert "rank 1: stopped after 2 forwards" in text, text[-3000:]
+        # no rank died with an error (torchrun itself reports the signal it got, as it always does)
+        assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if per_rank is None:
+        pytest.xfail("GET /v1/health/kernels covered rank 0 only: service/app.py does not yet call "
+                     "layer.run_checks(level) (the hook service/distributed.py needs)")
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    assert any(c["name"] == "ep_dispatch_combine" for c in report["checks"])
