@@ -195,6 +195,8 @@ def test_preset_plans(preset, tokens):
     check_plan_against_spec(p2, counts, [0.25], b2)
     for p in (p1, p2):
         assert p["workspace_bytes"] == _ext_mod().sm100_workspace_bytes(p["num_groups"], SM_COUNT) > 0
+        # the launcher passes host shapes when it has them: the buffer sized without them must suffice
+        assert p["workspace_bytes_host_shapes"] <= p["workspace_bytes"]
         assert p["args_bytes"] == _ext_mod().sm100_args_bytes(p["num_groups"])
         # every per-group array section fits in the args buffer, in order, 256-byte aligned
         sections = sorted(v for kk, v in p["args_layout"].items() if kk != "total_bytes")

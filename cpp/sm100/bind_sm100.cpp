@@ -111,6 +111,7 @@ nb::dict plan_to_dict(sm100::MoeGemmPlan const& p) {
   d["args_layout"] = args_layout_to_dict(p.args);
   d["args_bytes"] = p.args.total_bytes;
   d["workspace_bytes"] = p.workspace_bytes;
+  d["workspace_bytes_host_shapes"] = p.workspace_bytes_host_shapes;
   d["can_implement"] = p.can_implement;
   d["can_implement_status"] = p.can_implement_status;
   d["problems"] = p.problems;

@@ -418,6 +418,7 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
   plan.can_implement = status == cutlass::Status::kSuccess && plan.problems.empty();
   plan.can_implement_status = status_string(status);
   plan.workspace_bytes = workspace_bytes(groups, sm_count);
+  plan.workspace_bytes_host_shapes = int64_t(Gemm::get_workspace_size(args));
   return plan;
 }
 
@@ -426,22 +427,24 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
   std::vector<std::string> const problems = check_geometry(geo);
   if (!problems.empty()) throw std::invalid_argument("sm100 moe_gemm: " + problems.front());
   if (sm_count <= 0) throw std::invalid_argument("sm100 moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
-  auto check_aligned = [](void const* p, char const* name) {
-    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+  auto check_aligned = [](void const* p, char const* name, uintptr_t alignment) {
+    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % alignment != 0) {
       std::ostringstream os;
-      os << "sm100 moe_gemm: " << name << " = " << p << " must be a non-null 16-byte aligned device pointer";
+      os << "sm100 moe_gemm: " << name << " = " << p << " must be a non-null " << alignment
+         << "-byte aligned device pointer";
       throw std::invalid_argument(os.str());
     }
   };
-  check_aligned(ptrs.a, "a");
-  check_aligned(ptrs.a_sf, "a_sf");
-  check_aligned(ptrs.b, "b");
-  check_aligned(ptrs.b_sf, "b_sf");
-  check_aligned(ptrs.d, "d");
-  check_aligned(ptrs.args, "args");
-  check_aligned(ptrs.token_counts, "token_counts");
-  check_aligned(ptrs.a_global_scale, "a_global_scale");
-  check_aligned(ptrs.b_global_scale, "b_global_scale");
+  // TMA needs 16-byte aligned global addresses; every group offset keeps that (see check_geometry).
+  check_aligned(ptrs.a, "a", 16);
+  check_aligned(ptrs.a_sf, "a_sf", 16);
+  check_aligned(ptrs.b, "b", 16);
+  check_aligned(ptrs.b_sf, "b_sf", 16);
+  check_aligned(ptrs.d, "d", 16);
+  check_aligned(ptrs.args, "args", 16);
+  check_aligned(ptrs.token_counts, "token_counts", 4);
+  check_aligned(ptrs.a_global_scale, "a_global_scale", 4);
+  check_aligned(ptrs.b_global_scale, "b_global_scale", 4);
 
   int const groups = num_groups(geo);
   ArgsLayout const layout = make_args_layout(groups);

@@ -27,6 +27,8 @@ How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_gr
 * dynamic (per-row) activation scales cannot be a per-group alpha: the kernel runs with
   activation scale 1 and each output row is multiplied by its row's scale afterwards.
 
+Quantization and SF swizzling use the shared CUDA kernels of ``cpp/common`` on a GPU
+(the reference of :mod:`megamoe.nvfp4` on other devices, i.e. under the emulator).
 Not on the CUTLASS path (stated in :meth:`describe`): W4A16 (bf16 activations) and
 ``gemm`` with a float ``a``, which run the torch reference on the GPU.
 """
@@ -38,6 +40,7 @@ import torch
 
 from megamoe import _ext, nvfp4
 from megamoe.backends.base import Backend
+from megamoe.backends.cuda_common import CudaCommonMixin, common_ext
 from megamoe.backends.torch_ref import TorchBackend, row_global_scales, swiglu
 
 __all__ = ["CudaSm100Backend", "PreparedSm100", "emulate_grouped_gemm", "pad_k", "K_ALIGN", "N_ALIGN"]
@@ -138,7 +141,19 @@ def emulate_grouped_gemm(plan: dict, a_data: torch.Tensor, a_sf: torch.Tensor, b
     return out
 
 
-class CudaSm100Backend(Backend):
+def _primitive(name: str):
+    """Backend method ``name`` from the shared CUDA kernels on a GPU, from the reference elsewhere."""
+
+    def call(self, *args, **kwargs):
+        impl = CudaCommonMixin if self._gpu_primitives else Backend
+        return getattr(impl, name)(self, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = getattr(Backend, name).__doc__
+    return call
+
+
+class CudaSm100Backend(CudaCommonMixin, Backend):
     """NVFP4 MoE on Blackwell through CUTLASS's block-scaled grouped GEMM.
 
     Args:
@@ -164,6 +179,13 @@ class CudaSm100Backend(Backend):
                         if self._device.type == "cuda" else self._ext.sm100_kernel_info()["default_sm_count"])
         self.sm_count = int(sm_count)
         self._reference = TorchBackend(device=self._device)
+        self._gpu_primitives = self._device.type == "cuda" and common_ext() is not None
+
+    quantize = _primitive("quantize")
+    swizzle_scales = _primitive("swizzle_scales")
+    unswizzle_scales = _primitive("unswizzle_scales")
+    swizzle_scales_grouped = _primitive("swizzle_scales_grouped")
+    verify_sf_roundtrip = _primitive("verify_sf_roundtrip")
 
     # ------------------------------------------------------------------ availability
     @classmethod
@@ -195,8 +217,8 @@ class CudaSm100Backend(Backend):
         d = super().describe()
         d.update(kernel=self._ext.sm100_kernel_info(), executor=self.executor, sm_count=self.sm_count,
                  not_on_cutlass_path=["W4A16 (bf16 activations): torch reference on the GPU",
-                                      "gemm with a float `a`: torch reference on the GPU",
-                                      "quantize / swizzle: torch reference on the GPU"],
+                                      "gemm with a float `a`: torch reference on the GPU"],
+                 primitives="cpp/common CUDA kernels" if self._gpu_primitives else "torch reference",
                  validated_here="compiled and host-tested in CI; the kernel never ran in CI (no Blackwell GPU)")
         return d
 

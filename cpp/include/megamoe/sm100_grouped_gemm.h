@@ -82,7 +82,8 @@ struct MoeGemmPlan {
   int64_t a_bytes = 0, sfa_bytes = 0, b_bytes = 0, sfb_bytes = 0, d_elems = 0;  // buffer sizes the groups span
   std::vector<GroupPlan> groups;
   ArgsLayout args;                // device args buffer the launcher fills
-  int64_t workspace_bytes = 0;    // Gemm::get_workspace_size
+  int64_t workspace_bytes = 0;    // Gemm::get_workspace_size as the launcher asks (device problem shapes only)
+  int64_t workspace_bytes_host_shapes = 0;  // the same with host problem shapes (must not exceed the above)
   bool can_implement = false;     // CUTLASS can_implement for all groups (host problem shapes) and no `problems`
   std::string can_implement_status;  // CUTLASS's status string alone
   std::vector<std::string> problems;  // megamoe's own checks (alignment of K, N, ldd); empty when fine
