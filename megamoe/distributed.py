@@ -95,6 +95,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
     else gloo. Returns ``(rank, world_size, device)``. Already initialised: no-op.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # NVLink multicast (NVLS) stays off: on shared hosts a program using it has taken the GPUs out of
+    # service; all-to-all does not use it anyway. An explicit setting in the environment is kept.
+    for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(var, off)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
@@ -396,6 +401,19 @@ class ExpertParallelMoE(MoELayer):
         self.weights = weights.to(self.device)
         self._prepared = self.backend.prepare_weights(_expert_part(self.weights))
         self.last_stats: dict = {}
+        #: set to a list to record ``(phase, CUDA event or perf_counter time)`` at each phase
+        #: boundary of ``forward`` (start, routed, dispatched, experts, combined, done); see bench/ep_bench.py
+        self.phase_marks: list | None = None
+
+    def _mark(self, phase: str) -> None:
+        if self.phase_marks is None:
+            return
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.phase_marks.append((phase, ev))
+        else:
+            self.phase_marks.append((phase, time.perf_counter()))
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -407,10 +425,12 @@ class ExpertParallelMoE(MoELayer):
         cfg = get_preset(preset).with_(**config_overrides) if config_overrides else get_preset(preset)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         expert_range(cfg.num_experts, world, rank)  # fail before synthesizing
-        full = synthetic_weights(cfg, seed=seed, device="cpu")
+        be = get_backend(backend, device=device)
+        # same weights as MoELayer.from_preset on this device type (synthesis is seeded per device type)
+        full = synthetic_weights(cfg, seed=seed, device=be.device)
         local, start = shard_weights(full, rank, world)
         del full
-        return cls(local, cfg, start, group=group, backend=backend, device=device)
+        return cls(local, cfg, start, group=group, backend=be)
 
     @classmethod
     def from_checkpoint(cls, path, backend: str | Backend = "auto", device=None, group=None,
@@ -434,6 +454,7 @@ class ExpertParallelMoE(MoELayer):
         if validate:
             self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
         x = hidden_states.to(self.device)
+        self._mark("start")
         k = self.config.top_k
         if x.shape[0] == 0:
             topk_ids = torch.zeros((0, k), dtype=torch.int32, device=self.device)
@@ -443,10 +464,13 @@ class ExpertParallelMoE(MoELayer):
         else:
             topk_ids = topk_ids.to(self.device, torch.int32)
             topk_weights = topk_weights.to(self.device, torch.float32)
+        self._mark("routed")
         y = self.routed_experts(x, topk_ids, topk_weights)
         if self.config.n_shared_experts and x.shape[0]:
             y = y + self._shared_expert(x)
-        return y.to(hidden_states.dtype)
+        y = y.to(hidden_states.dtype)
+        self._mark("done")
+        return y
 
     __call__ = forward
 
@@ -477,9 +501,11 @@ class ExpertParallelMoE(MoELayer):
         dist.all_to_all_single(x_recv, x[send_tok].contiguous(), recv_splits, send_splits, group=self.group)
         meta_recv = meta.new_empty((n_recv, 2 * k))
         dist.all_to_all_single(meta_recv, meta, recv_splits, send_splits, group=self.group)
+        self._mark("dispatched")
 
         partial = self.local_experts(x_recv, meta_recv[:, :k], meta_recv[:, k:].contiguous().view(torch.float32))
 
+        self._mark("experts")
         back = torch.empty((send_tok.numel(), hidden), dtype=self.combine_dtype, device=x.device)
         dist.all_to_all_single(back, partial.to(self.combine_dtype).contiguous(), send_splits, recv_splits,
                                group=self.group)
@@ -489,6 +515,7 @@ class ExpertParallelMoE(MoELayer):
             if n:
                 out.index_add_(0, send_tok[offset:offset + n], back[offset:offset + n].float())
             offset += n
+        self._mark("combined")
         self.last_stats = {"tokens": t_local, "rows_sent": int(send_tok.numel()), "rows_received": n_recv,
                            "send_splits": send_splits, "recv_splits": recv_splits}
         return out

@@ -6,6 +6,7 @@ every read the loader makes, runs every case of ``workdir/cases.pt`` through the
 expert-parallel layer, runs the gathered health checks (healthy, then with a broken SF
 layout on the last rank), and writes ``workdir/rank{r}.pt``. The parent compares the
 outputs with the single-process MoELayer: the comparison lives in the test, not here.
+Also used by tests/gpu/test_distributed_nccl.py with NCCL, one GPU per rank.
 Not a test module (no ``test_`` prefix).
 """
 from __future__ import annotations
@@ -74,13 +75,31 @@ def _storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def run(rank: int, world: int, port: int, workdir: str) -> None:
+def _cpu(v):
+    """Results travel to the parent on the CPU."""
+    if torch.is_tensor(v):
+        return v.cpu()
+    if isinstance(v, dict):
+        return {k: _cpu(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_cpu(x) for x in v)
+    return v
+
+
+def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "gloo", backend: str = "torch") -> None:
+    """One rank. ``dist_backend`` gloo (CPU) or nccl (GPU ``rank``); ``backend`` the local MoE backend."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    kw, device = {}, None
+    if dist_backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        kw["device_id"] = device
+    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), **kw)
     result: dict = {"rank": rank, "world": world}
     try:
-        _run(rank, world, workdir, result)
+        _run(rank, world, workdir, result, backend, device)
+        result = _cpu(result)
     except Exception:  # the parent shows the traceback instead of a bare exit code
         result["error"] = traceback.format_exc()
         torch.save(result, f"{workdir}/rank{rank}.pt")
@@ -90,7 +109,7 @@ def run(rank: int, world: int, port: int, workdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _run(rank: int, world: int, workdir: str, result: dict) -> None:
+def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device) -> None:
     import safetensors
 
     from megamoe import faults
@@ -123,7 +142,7 @@ def _run(rank: int, world: int, workdir: str, result: dict) -> None:
     }
 
     # ---- forward cases
-    layer = ExpertParallelMoE(loaded.weights, loaded.config, loaded.expert_start, backend="torch")
+    layer = ExpertParallelMoE(loaded.weights, loaded.config, loaded.expert_start, backend=backend, device=device)
     cases = torch.load(f"{workdir}/cases_w{world}.pt")
     outs, stats = {}, {}
     for name, per_rank in cases.items():
@@ -148,9 +167,10 @@ def _run(rank: int, world: int, workdir: str, result: dict) -> None:
     # ---- health gathered on rank 0: healthy, then a broken SF layout on the last rank only
     result["health"] = run_checks_all_ranks(layer, "quick", seed=1234)
     healthy_backend = layer.backend
-    if rank == world - 1:
+    if rank == world - 1 and backend == "torch":  # the injected fault acts through the torch GEMM
         layer.backend = faults.inject(healthy_backend, "swapped-sf")
-    result["health_fault"] = run_checks_all_ranks(layer, "quick", seed=1234)
+    if backend == "torch":
+        result["health_fault"] = run_checks_all_ranks(layer, "quick", seed=1234)
     layer.backend = healthy_backend
 
     # ---- the service's front end: rank 0 drives, the others loop until STOP

@@ -16,116 +16,19 @@ difference are printed (last-bit differences on this CPU where M changes).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from _helpers import SEED
+from dist_cases import EXPERT_TENSORS, PREFIX, _free_port, launch, write_checkpoints
 
 WORLD_SIZES = (2, 4)
-PRESET_OVERRIDES = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                        n_shared_experts=1, shared_intermediate_size=64)
-EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
-                  "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
-PREFIX = "model.layers.3.mlp."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _write_per_expert(path, weights, cfg) -> None:
-    """The same weights in ModelOpt's per-expert Hugging Face naming (under a layer prefix)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    i = cfg.intermediate_size
-    t = {}
-    for e in range(cfg.num_experts):
-        for proj, rows, gs_col in (("gate", slice(0, i), 0), ("up", slice(i, 2 * i), 1)):
-            base = f"{PREFIX}experts.{e}.{proj}_proj."
-            t[base + "weight"] = weights.w13.data[e, rows]
-            t[base + "weight_scale"] = weights.w13.scale[e, rows]
-            t[base + "weight_scale_2"] = weights.w13.global_scale[e, gs_col].reshape(())
-            t[base + "input_scale"] = weights.w13_input_scale[e].reshape(())
-        base = f"{PREFIX}experts.{e}.down_proj."
-        t[base + "weight"] = weights.w2.data[e]
-        t[base + "weight_scale"] = weights.w2.scale[e]
-        t[base + "weight_scale_2"] = weights.w2.global_scale[e].reshape(())
-        t[base + "input_scale"] = weights.w2_input_scale[e].reshape(())
-    t[PREFIX + "gate.weight"] = weights.router_weight
-    t[PREFIX + "gate.e_score_correction_bias"] = weights.router_bias
-    t[PREFIX + "shared_experts.gate_up_proj.weight"] = weights.shared_gate_up
-    t[PREFIX + "shared_experts.down_proj.weight"] = weights.shared_down
-    save_file({k: v.contiguous().clone() for k, v in t.items()}, str(path),
-              metadata={"megamoe.config": json.dumps(cfg.to_dict())})
-
-
-def _cases(world: int, cfg, gen: torch.Generator) -> dict:
-    """Per case, per rank: the rank's tokens (and routing when the caller gives it)."""
-    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
-    per = e // world
-
-    def x(t, dtype=torch.bfloat16):
-        return (torch.randn((t, h), generator=gen) * 2).to(dtype)
-
-    def topk(t, low=0, high=e):
-        ids = torch.stack([torch.randperm(high - low, generator=gen)[:k] + low for _ in range(t)]) if t else \
-            torch.zeros((0, k), dtype=torch.long)
-        w = torch.rand((t, k), generator=gen) + 0.05
-        return ids.to(torch.int32), w / w.sum(1, keepdim=True)
-
-    cases: dict = {name: [] for name in ("router_bf16", "router_fp32", "topk_fp32", "logits_bf16", "all_to_rank0",
-                                         "one_expert", "T1", "prime_T")}
-    prime_t = [97, 0, 13, 2][:world]
-    for r in range(world):
-        t = (37, 53, 41, 29)[r]
-        cases["router_bf16"].append({"x": x(t)})
-        cases["router_fp32"].append({"x": x(t + 11, torch.float32)})
-        ids, w = topk(t)
-        cases["topk_fp32"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
-        cases["logits_bf16"].append({"x": x(t), "router_logits": torch.randn((t, e), generator=gen)})
-        # every token of every rank goes to rank 0's experts: the other ranks receive nothing
-        ids, w = topk(t, 0, per)
-        cases["all_to_rank0"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
-        # one expert (on the last rank) gets every token; half the tokens name it twice
-        ids, w = topk(t)
-        ids[:, 0] = e - 1
-        ids[: t // 2, 1] = e - 1
-        ids[t // 2:, 1] = torch.randint(0, e - 1, (t - t // 2,), generator=gen).to(torch.int32)
-        cases["one_expert"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
-        cases["T1"].append({"x": x(1, torch.float32)})
-        cases["prime_T"].append({"x": x(prime_t[r], torch.float32)})
-    return cases
-
-
-def _front_batches(cfg, gen: torch.Generator) -> list[dict]:
-    """Batches for the service front end (rank 0 only): router, given top-k, logits with T=1 < world."""
-    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(5)]).to(torch.int32)
-    return [
-        {"hidden_states": torch.randn((37, cfg.hidden_size), generator=gen).to(torch.bfloat16)},
-        {"hidden_states": torch.randn((5, cfg.hidden_size), generator=gen), "topk_ids": ids,
-         "topk_weights": torch.rand((5, cfg.top_k), generator=gen)},
-        {"hidden_states": torch.randn((1, cfg.hidden_size), generator=gen),
-         "router_logits": torch.randn((1, cfg.num_experts), generator=gen)},
-    ]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from megamoe.checkpoint import synthetic_weights, write_synthetic
-    from megamoe.presets import get_preset
-
-    d = tmp_path_factory.mktemp("ep")
-    cfg = get_preset("tiny").with_(**PRESET_OVERRIDES)
-    write_synthetic(d / "ckpt.safetensors", "tiny", seed=SEED % 1000, **PRESET_OVERRIDES)
-    _write_per_expert(d / "ckpt_per_expert.safetensors", synthetic_weights(cfg, seed=SEED % 1000), cfg)
-    write_synthetic(d / "ckpt_e9.safetensors", "tiny", seed=1, num_experts=9)
-    return d
+    return write_checkpoints(tmp_path_factory.mktemp("ep"), SEED % 1000)
 
 
 @pytest.fixture(scope="module")
@@ -139,30 +42,8 @@ def single(checkpoints):
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ep(request, checkpoints, single):
     """Spawn ``world`` processes once; returns (world, cases, per-rank results)."""
-    import torch.multiprocessing as mp
-
-    import dist_ep_worker
-
     world = request.param
-    gen = torch.Generator().manual_seed(SEED + world)
-    cases = _cases(world, single.config, gen)
-    torch.save(cases, checkpoints / f"cases_w{world}.pt")
-    torch.save(_front_batches(single.config, gen), checkpoints / f"front_w{world}.pt")
-    for r in range(world):
-        (checkpoints / f"rank{r}.pt").unlink(missing_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(dist_ep_worker.run, args=(world, _free_port(), str(checkpoints)), nprocs=world, join=True)
-    except Exception as exc:
-        errors = []
-        for r in range(world):
-            f = checkpoints / f"rank{r}.pt"
-            if f.exists():
-                res = torch.load(f, weights_only=False)
-                if res.get("error"):
-                    errors.append(f"rank {r}:\n{res['error']}")
-        raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
-    results = [torch.load(checkpoints / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    cases, results = launch(world, checkpoints, single.config, torch.Generator().manual_seed(SEED + world))
     return world, cases, results
 
 
