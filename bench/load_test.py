@@ -148,7 +148,9 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, tokens: int
 
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "gpu": None}
+            "torch_threads": torch.get_num_threads(), "gpu": None,
+            # the machine is shared: a load average above the core count means the figures are low
+            "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -187,7 +189,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--preset", args.preset,
            "--backend", args.backend, "--queue-delay-ms", str(args.queue_delay_ms), "--log-level", "warning",
-           "--max-tokens-per-request", str(max(args.tokens)), "--max-batch-tokens", str(args.max_batch_tokens)]
+           "--max-tokens-per-request", str(max(args.tokens)), "--max-batch-tokens", str(args.max_batch_tokens),
+           "--torch-threads", str(args.torch_threads)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout_s
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--queue-delay-ms", type=float, default=2.0)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--torch-threads", type=int, default=0, help="server's torch CPU threads (0: torch default)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512], help="T per request, one level each")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every level's request count")
     ap.add_argument("--time-cap-s", type=float, default=60.0, help="stop a level after this long")
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                    "backend": server_meta.get("parameters", {}).get("backend"),
                    "device": server_meta.get("parameters", {}).get("device"),
                    "queue_delay_ms": args.queue_delay_ms, "max_batch_tokens": args.max_batch_tokens,
+                   "torch_threads": args.torch_threads or "torch default",
                    "shape": {k: server_meta.get("parameters", {}).get(k)
                              for k in ("hidden_size", "intermediate_size", "num_experts", "top_k")}},
         "client": "httpx.AsyncClient in the same machine (shares its CPU with the server)",

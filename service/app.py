@@ -98,6 +98,8 @@ class ServiceState:
         self.refresh_ready_gauge()
 
     def load_and_selftest(self) -> None:
+        if self.settings.torch_threads:
+            torch.set_num_threads(self.settings.torch_threads)
         layer = self.preloaded_layer if self.preloaded_layer is not None else load_layer(self.settings)
         self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request)
         log.info("model %r loaded: backend %s on %s", self.model_name, self.model.backend_name, self.model.device)

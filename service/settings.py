@@ -32,6 +32,9 @@ class ServiceSettings(BaseSettings):
         description="kernel backend: auto, torch, cuda-sm90, cuda-sm100, or 'package.module:attr' (a Backend subclass or factory)",
     )
     device: str | None = Field(None, description="torch device for the weights (default: the backend's)")
+    torch_threads: int = Field(
+        0, ge=0, description="torch intra-op CPU threads (0: torch's default, one per core); matters for the torch backend on CPU"
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     token: SecretStr | None = Field(
