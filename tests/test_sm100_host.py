@@ -481,3 +481,64 @@ def test_backend_unavailable_here_with_reason():
     assert available_backends()["cuda-sm100"] == (False, reason)
     with pytest.raises(RuntimeError, match="cuda-sm100"):
         get_backend("cuda-sm100")
+
+
+# --------------------------------------------------------------------------------------------
+# the launcher's host side: the backend's call matches the binding, bad input is refused early
+# --------------------------------------------------------------------------------------------
+
+def _launch_operands(counts, parts, n_part, k):
+    rows = int(nvfp4.grouped_row_offsets(counts)[-1])
+    e = len(counts)
+    a_data = torch.zeros(rows, k // 2, dtype=torch.uint8)
+    a_sf = torch.zeros(math.prod(nvfp4.sf_padded_shape(rows, k // 16)), dtype=torch.uint8)
+    b_data = torch.zeros(e, parts * n_part, k // 2, dtype=torch.uint8)
+    b_sf = torch.zeros(e, parts, math.prod(nvfp4.sf_padded_shape(n_part, k // 16)), dtype=torch.uint8)
+    out = torch.zeros(rows, parts * n_part)
+    return a_data, a_sf, b_data, b_sf, out
+
+
+def test_launch_reaches_the_device_only_after_host_checks():
+    """On a machine without a GPU the valid call gets as far as the CUDA runtime and fails there."""
+    from megamoe.backends.cuda_sm100 import launch_grouped_gemm
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this test is about the host-side path")
+    counts, parts, n_part, k = [3, 0, 130], 2, 128, 256
+    ops = _launch_operands(counts, parts, n_part, k)
+    one = torch.ones(1)
+    with pytest.raises(RuntimeError, match="cudaGetDevice"):
+        launch_grouped_gemm(_ext_mod(), counts, parts, n_part, k, *ops[:4], one, torch.ones(6), ops[4], SM_COUNT, 0)
+
+
+@pytest.mark.parametrize("case", ["k_unaligned", "n_part_unaligned", "args_too_small", "misaligned_d", "bad_out"])
+def test_launch_rejects_bad_input_before_any_cuda_call(case):
+    from megamoe.backends.cuda_sm100 import launch_grouped_gemm
+
+    counts, parts, n_part, k = [3, 5], 1, 128, 256
+    if case == "k_unaligned":
+        k = 464
+    if case == "n_part_unaligned":
+        parts, n_part = 2, 102
+    a_data, a_sf, b_data, b_sf, out = _launch_operands(counts, parts, n_part, k)
+    ext = _ext_mod()
+    b_gs = torch.ones(len(counts) * parts)
+    if case in ("k_unaligned", "n_part_unaligned"):
+        with pytest.raises(ValueError, match="k = 464" if case == "k_unaligned" else "n_part = 102"):
+            launch_grouped_gemm(ext, counts, parts, n_part, k, a_data, a_sf, b_data, b_sf, torch.ones(1), b_gs, out,
+                                SM_COUNT, 0)
+    elif case == "bad_out":
+        with pytest.raises(TypeError, match="float32"):
+            launch_grouped_gemm(ext, counts, parts, n_part, k, a_data, a_sf, b_data, b_sf, torch.ones(1), b_gs,
+                                out.to(torch.bfloat16), SM_COUNT, 0)
+    else:
+        args = torch.zeros(ext.sm100_args_bytes(2), dtype=torch.uint8)
+        d_ptr = out.data_ptr() + (4 if case == "misaligned_d" else 0)
+        kw = dict(num_experts=2, parts=parts, n_part=n_part, k=k, a_scale_count=1, a=a_data.data_ptr(),
+                  a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(), d=d_ptr,
+                  token_counts=torch.tensor(counts, dtype=torch.int32).data_ptr(),
+                  a_global_scale=torch.ones(1).data_ptr(), b_global_scale=b_gs.data_ptr(), args=args.data_ptr(),
+                  args_bytes=args.numel() - (16 if case == "args_too_small" else 0), workspace=args.data_ptr(),
+                  workspace_bytes=0, host_token_counts=counts, sm_count=SM_COUNT, stream=0)
+        with pytest.raises(ValueError, match="args buffer" if case == "args_too_small" else "16-byte aligned"):
+            ext.sm100_moe_gemm(**kw)

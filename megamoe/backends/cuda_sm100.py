@@ -43,7 +43,8 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import CudaCommonMixin, common_ext
 from megamoe.backends.torch_ref import TorchBackend, row_global_scales, swiglu
 
-__all__ = ["CudaSm100Backend", "PreparedSm100", "emulate_grouped_gemm", "pad_k", "K_ALIGN", "N_ALIGN"]
+__all__ = ["CudaSm100Backend", "PreparedSm100", "emulate_grouped_gemm", "launch_grouped_gemm", "pad_k", "K_ALIGN",
+           "N_ALIGN"]
 
 K_ALIGN = 32  # fp4 elements: 16-byte rows for TMA (kernel alignment of A and B)
 N_ALIGN = 4   # fp32 elements: 16-byte output rows and gate/up column offsets
@@ -153,6 +154,36 @@ def _primitive(name: str):
     return call
 
 
+def launch_grouped_gemm(ext, counts: list[int], parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
+                        a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, sm_count: int,
+                        stream: int) -> None:
+    """Allocate the args buffer and workspace next to ``out`` and call ``_C.sm100_moe_gemm``.
+
+    Operands as in :func:`emulate_grouped_gemm`; ``out`` is fp32 ``[rows, parts * n_part]``.
+    Asynchronous on ``stream``; the host-side checks (geometry, alignment, sizes, CUTLASS
+    ``can_implement``) raise before anything is launched.
+    """
+    groups = len(counts) * parts
+    dev = out.device
+    tensors = [a_data, a_sf, b_data, b_sf, out]
+    if not all(t.is_contiguous() and t.device == dev for t in tensors):
+        raise ValueError("sm100 grouped GEMM: operands must be contiguous tensors on one device")
+    if out.dtype != torch.float32:
+        raise TypeError(f"sm100 grouped GEMM writes float32, got out of dtype {out.dtype}")
+    counts_dev = torch.tensor(counts, dtype=torch.int32, device=dev)
+    args = torch.empty(ext.sm100_args_bytes(groups), dtype=torch.uint8, device=dev)
+    workspace = torch.empty(max(ext.sm100_workspace_bytes(groups, sm_count), 1), dtype=torch.uint8, device=dev)
+    a_gs = a_gs.reshape(-1).float().contiguous().to(dev)
+    b_gs = b_gs.reshape(-1).float().contiguous().to(dev)
+    ext.sm100_moe_gemm(
+        num_experts=len(counts), parts=parts, n_part=n_part, k=k, a_scale_count=a_gs.numel(),
+        a=a_data.data_ptr(), a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(),
+        d=out.data_ptr(), token_counts=counts_dev.data_ptr(), a_global_scale=a_gs.data_ptr(),
+        b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
+        workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=counts,
+        sm_count=sm_count, stream=stream)
+
+
 class CudaSm100Backend(CudaCommonMixin, Backend):
     """NVFP4 MoE on Blackwell through CUTLASS's block-scaled grouped GEMM.
 
@@ -235,23 +266,10 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                 raise RuntimeError(f"sm100 grouped GEMM cannot run this problem: {plan['problems']} "
                                    f"(CUTLASS: {plan['can_implement_status']})")
             return emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
-        groups = len(counts) * parts
         dev = out.device
-        tensors = [a_data, a_sf, b_data, b_sf, out]
-        if not all(t.is_contiguous() and t.device == dev for t in tensors):
-            raise ValueError("sm100 grouped GEMM: operands must be contiguous tensors on one device")
-        counts_dev = torch.tensor(counts, dtype=torch.int32, device=dev)
-        args = torch.empty(self._ext.sm100_args_bytes(groups), dtype=torch.uint8, device=dev)
-        ws_bytes = self._ext.sm100_workspace_bytes(groups, self.sm_count)
-        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
-        a_gs, b_gs = a_gs.to(dev), b_gs.to(dev)
-        self._ext.sm100_moe_gemm(
-            num_experts=len(counts), parts=parts, n_part=n_part, k=k, a_scale_count=a_gs.numel(),
-            a=a_data.data_ptr(), a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(),
-            d=out.data_ptr(), token_counts=counts_dev.data_ptr(), a_global_scale=a_gs.data_ptr(),
-            b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
-            workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=counts,
-            sm_count=self.sm_count, stream=torch.cuda.current_stream(dev).cuda_stream)
+        with torch.cuda.device(dev):  # the launcher uses the current device and its stream
+            launch_grouped_gemm(self._ext, counts, parts, n_part, k, a_data, a_sf, b_data, b_sf, a_gs, b_gs, out,
+                                self.sm_count, torch.cuda.current_stream(dev).cuda_stream)
         return out
 
     # ------------------------------------------------------------------ GEMM
@@ -365,8 +383,8 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         real = torch.zeros(rows, dtype=torch.bool, device=x.device)
         real[dest] = True
 
-        x_pad = torch.zeros((rows, h), dtype=torch.float32, device=x.device)
-        x_pad[dest] = x[token_of].float()
+        x_pad = torch.zeros((rows, h), dtype=x.dtype, device=x.device)  # quantize reads it as float32
+        x_pad[dest] = x[token_of]
         static1 = None if cfg.dynamic_act_scale else p.w13_input_scale
         a1, a1_sf, gs1 = self._quantize_rows(x_pad, p.k1, static1, expert_of_row, cfg.dynamic_act_scale)
         one = torch.ones(1, dtype=torch.float32, device=x.device)
