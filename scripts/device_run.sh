@@ -32,7 +32,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-/tmp/site}
 
 if has test; then
   t0=$(date +%s)
-  python3 -m pytest ${PYTEST_ARGS:-tests/gpu -q -rs -s} -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS:-tests/gpu -q -rs -s} --timeout=${PER_TEST_TIMEOUT:-120} \
+    --timeout-method=thread --durations=15 -p no:cacheprovider >"$OUT/pytest.log" 2>&1
   rc=$?
   grep -E "cosine|rel_err|worst" "$OUT/pytest.log" | head -60
   tail -25 "$OUT/pytest.log"
@@ -41,7 +42,7 @@ fi
 
 if has bench; then
   t0=$(date +%s)
-  python3 bench/moe_bench.py ${BENCH_ARGS:-} --out "$OUT/moe_h200.json" >"$OUT/bench.log" 2>&1
+  timeout ${BENCH_TIMEOUT:-1200} python3 bench/moe_bench.py ${BENCH_ARGS:-} --out "$OUT/moe_h200.json" >"$OUT/bench.log" 2>&1
   rc=$?
   summary+=("bench: rc=$rc in $(( $(date +%s) - t0 ))s")
   tail -30 "$OUT/bench.log"

@@ -87,7 +87,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
     const bool tvalid = tok0 + g < rows;
     const uint16_t* arow = a.act + int64_t(row_begin + tok0 + (tvalid ? g : 0)) * K;
 
-    for (int64_t s = warp * 4 + tig; s < slices; s += 16) {
+    // The trip count must be the same for the whole warp (mma.sync is warp-collective):
+    // lanes past the last slice load zeros.
+    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
+      const int64_t s = s0 + tig;
+      const bool svalid = s < slices;
       uint32_t wv[2][2][8];
       uint32_t sc[2][2];
 #pragma unroll
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
           if (kVec) {
             uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
             uint32_t sv = 0;
-            if (rvalid[mt][hh]) {
+            if (rvalid[mt][hh] && svalid) {
               x0 = ldg_stream(wrow[mt][hh] + s * 32);
               x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
               sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
@@ -126,7 +130,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         av[i] = make_uint4(0, 0, 0, 0);
-        if (tvalid && (kVec || s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
+        if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
       }
 #pragma unroll
       for (int blk = 0; blk < 4; ++blk) {
