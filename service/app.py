@@ -50,7 +50,6 @@ class ServiceState:
         self.load_error: str | None = None
         self.selftest_error: str | None = None
         self.device_error: str | None = None
-        self.reports: dict[str, dict] = {}
 
     def not_ready_reason(self) -> str | None:
         if self.load_error:
@@ -74,7 +73,6 @@ class ServiceState:
         started = time.time()
         report = health.run_checks(level=level, backend=self.model.layer.backend)
         self.metrics.record_selftest(level, report, started)
-        self.reports[level] = report
         if report.get("status") == "pass":
             self.selftest_error = None
         else:
@@ -104,7 +102,12 @@ class ServiceState:
         self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request)
         log.info("model %r loaded: backend %s on %s", self.model_name, self.model.backend_name, self.model.device)
         if self.settings.selftest_level != "off":
-            report = self.run_selftest(self.settings.selftest_level)
+            try:
+                report = self.run_selftest(self.settings.selftest_level)
+            except Exception as exc:  # noqa: BLE001 - a self-test that cannot run is a failed one
+                self.selftest_error = f"{self.settings.selftest_level} self-test raised {type(exc).__name__}: {exc}"
+                log.exception("start-up self-test raised")
+                return
             log.info("start-up self-test (%s): %s", self.settings.selftest_level, report.get("status"))
 
 
@@ -202,6 +205,11 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

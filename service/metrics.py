@@ -25,7 +25,7 @@ class ServiceMetrics:
             "megamoe_request_failures", "requests answered with an error, by route and reason",
             ["route", "reason"], registry=r)
         self.request_latency = Histogram(
-            "megamoe_request_latency_seconds", "infer latency, body received to response built",
+            "megamoe_request_latency_seconds", "infer latency, from the route being reached to the response built (queue and compute included)",
             ["model"], buckets=_LATENCY_BUCKETS_S, registry=r)
         self.queue_latency = Histogram(
             "megamoe_queue_latency_seconds", "time an infer request waited in the batcher",
