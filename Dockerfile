@@ -11,6 +11,7 @@ ARG MEGAMOE_CUDA_ARCHS="90a;100a"
 ARG BUILD_JOBS=8
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    CUDACXX=/usr/local/cuda/bin/nvcc \
     CMAKE_BUILD_PARALLEL_LEVEL=${BUILD_JOBS}
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ git \
