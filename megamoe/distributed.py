@@ -394,7 +394,6 @@ class ExpertParallelMoE(MoELayer):
         self.config = config
         self.expert_start, self.expert_end = start, end
         self.experts_per_rank = end - start
-        self.local_config = _local_config(config, self.experts_per_rank)
         self.combine_dtype = combine_dtype
         self.backend = get_backend(backend, device=device)
         self.device = self.backend.device
@@ -404,6 +403,11 @@ class ExpertParallelMoE(MoELayer):
         #: set to a list to record ``(phase, CUDA event or perf_counter time)`` at each phase
         #: boundary of ``forward`` (start, routed, dispatched, experts, combined, done); see bench/ep_bench.py
         self.phase_marks: list | None = None
+
+    @property
+    def local_config(self) -> MoEConfig:
+        """What the local backend sees (follows ``config``, e.g. a changed ``act_mode``)."""
+        return _local_config(self.config, self.experts_per_rank)
 
     def _mark(self, phase: str) -> None:
         if self.phase_marks is None:
@@ -529,11 +533,19 @@ class ExpertParallelMoE(MoELayer):
         if row.numel() == 0:
             return partial
         expert = local_ids[row, slot].long()
-        order = torch.argsort(expert, stable=True)
+        order = torch.argsort(row * self.experts_per_rank + expert, stable=True)  # by row, then expert
         row, slot, expert = row[order], slot[order], expert[order]
         y = self.backend.moe_forward(self._prepared, self.local_config, x[row], expert.to(torch.int32).unsqueeze(1),
-                                     weights[row, slot].unsqueeze(1))
-        partial.index_add_(0, row, y.float())
+                                     weights[row, slot].unsqueeze(1)).float()
+        # Add each row's pairs in ascending expert order (as MoELayer does), one pass per position
+        # within the row: every pass touches distinct rows, so even atomic adds (CUDA) cannot reorder.
+        counts = torch.bincount(row, minlength=rows)
+        position = torch.arange(row.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[row]
+        for p in range(local_ids.shape[1]):
+            sel = (position == p).nonzero().squeeze(1)
+            if sel.numel() == 0:
+                break
+            partial.index_add_(0, row[sel], y[sel])
         return partial
 
     # ------------------------------------------------------------------ things that need every expert

@@ -142,3 +142,15 @@ def launch(world: int, workdir: Path, cfg, gen: torch.Generator, dist_backend: s
                     errors.append(f"rank {r}:\n{res['error']}")
         raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
     return cases, [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def single_process_outputs(single, per_rank: list[dict]) -> list[torch.Tensor]:
+    """The single-process layer on all ranks' tokens of one case, concatenated; split back per rank."""
+    def cat(key):
+        if per_rank[0].get(key) is None:
+            return None
+        return torch.cat([p[key] for p in per_rank])
+
+    ref = single(cat("x"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
+                 router_logits=cat("router_logits"))
+    return list(ref.cpu().split([p["x"].shape[0] for p in per_rank]))

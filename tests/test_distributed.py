@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _helpers import SEED
-from dist_cases import EXPERT_TENSORS, PREFIX, _free_port, launch, write_checkpoints
+from dist_cases import EXPERT_TENSORS, PREFIX, _free_port, launch, single_process_outputs, write_checkpoints
 
 WORLD_SIZES = (2, 4)
 
@@ -47,20 +47,9 @@ def ep(request, checkpoints, single):
     return world, cases, results
 
 
-def _reference(single, per_rank: list[dict]) -> list[torch.Tensor]:
-    def cat(key):
-        if per_rank[0].get(key) is None:
-            return None
-        return torch.cat([p[key] for p in per_rank])
-
-    ref = single(cat("x"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
-                 router_logits=cat("router_logits"))
-    return list(ref.split([p["x"].shape[0] for p in per_rank]))
-
-
 def _assert_matches(single, ep, name: str) -> None:
     world, cases, results = ep
-    refs = _reference(single, cases[name])
+    refs = single_process_outputs(single, cases[name])
     differing, worst = 0, 0.0
     for r in range(world):
         out, ref = results[r]["outputs"][name], refs[r]
