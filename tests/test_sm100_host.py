@@ -498,7 +498,8 @@ def _launch_operands(counts, parts, n_part, k):
     return a_data, a_sf, b_data, b_sf, out
 
 
-def test_launch_reaches_the_device_only_after_host_checks():
+@pytest.mark.parametrize("counts_on", ["host", "device"])
+def test_launch_reaches_the_device_only_after_host_checks(counts_on):
     """On a machine without a GPU the valid call gets as far as the CUDA runtime and fails there."""
     from megamoe.backends.cuda_sm100 import launch_grouped_gemm
 
@@ -507,8 +508,12 @@ def test_launch_reaches_the_device_only_after_host_checks():
     counts, parts, n_part, k = [3, 0, 130], 2, 128, 256
     ops = _launch_operands(counts, parts, n_part, k)
     one = torch.ones(1)
+    arg = counts if counts_on == "host" else torch.tensor(counts, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="cudaGetDevice"):
-        launch_grouped_gemm(_ext_mod(), counts, parts, n_part, k, *ops[:4], one, torch.ones(6), ops[4], SM_COUNT, 0)
+        launch_grouped_gemm(_ext_mod(), arg, parts, n_part, k, *ops[:4], one, torch.ones(6), ops[4], SM_COUNT, 0)
+    with pytest.raises(ValueError, match="int32"):
+        launch_grouped_gemm(_ext_mod(), torch.tensor(counts), parts, n_part, k, *ops[:4], one, torch.ones(6), ops[4],
+                            SM_COUNT, 0)
 
 
 @pytest.mark.parametrize("case", ["k_unaligned", "n_part_unaligned", "args_too_small", "misaligned_d", "bad_out"])

@@ -25,7 +25,10 @@ How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_gr
 * K is padded with zero codes and zero scales to a multiple of 32 (16-byte fp4 rows for
   TMA), e.g. I = 464 -> 480 for GEMM 2;
 * dynamic (per-row) activation scales cannot be a per-group alpha: the kernel runs with
-  activation scale 1 and each output row is multiplied by its row's scale afterwards.
+  activation scale 1 and each output row is multiplied by its row's scale afterwards;
+* no host synchronisation: token counts stay on the device, where a small kernel fills
+  CUTLASS's per-group arrays; the padded row count is bounded on the host by
+  ``T*k + 127 * min(E, T*k)``.
 
 Quantization and SF swizzling use the shared CUDA kernels of ``cpp/common`` on a GPU
 (the reference of :mod:`megamoe.nvfp4` on other devices, i.e. under the emulator).
@@ -154,33 +157,43 @@ def _primitive(name: str):
     return call
 
 
-def launch_grouped_gemm(ext, counts: list[int], parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
+def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
                         a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, sm_count: int,
                         stream: int) -> None:
     """Allocate the args buffer and workspace next to ``out`` and call ``_C.sm100_moe_gemm``.
 
     Operands as in :func:`emulate_grouped_gemm`; ``out`` is fp32 ``[rows, parts * n_part]``.
-    Asynchronous on ``stream``; the host-side checks (geometry, alignment, sizes, CUTLASS
+    ``counts`` (tokens per expert) is a host list, then CUTLASS's ``can_implement`` also checks
+    every group, or an int32 tensor on ``out``'s device, then nothing synchronises with the
+    host. Asynchronous on ``stream``; the host-side checks (geometry, alignment, sizes,
     ``can_implement``) raise before anything is launched.
     """
-    groups = len(counts) * parts
+    host_counts = None if torch.is_tensor(counts) else [int(c) for c in counts]
+    num_experts = counts.numel() if torch.is_tensor(counts) else len(host_counts)
+    groups = num_experts * parts
     dev = out.device
     tensors = [a_data, a_sf, b_data, b_sf, out]
     if not all(t.is_contiguous() and t.device == dev for t in tensors):
         raise ValueError("sm100 grouped GEMM: operands must be contiguous tensors on one device")
     if out.dtype != torch.float32:
         raise TypeError(f"sm100 grouped GEMM writes float32, got out of dtype {out.dtype}")
-    counts_dev = torch.tensor(counts, dtype=torch.int32, device=dev)
+    if host_counts is None:
+        if counts.dtype != torch.int32 or counts.device != dev or not counts.is_contiguous():
+            raise ValueError(f"sm100 grouped GEMM: device counts must be contiguous int32 on {dev}, "
+                             f"got {counts.dtype} on {counts.device}")
+        counts_dev = counts
+    else:
+        counts_dev = torch.tensor(host_counts, dtype=torch.int32, device=dev)
     args = torch.empty(ext.sm100_args_bytes(groups), dtype=torch.uint8, device=dev)
     workspace = torch.empty(max(ext.sm100_workspace_bytes(groups, sm_count), 1), dtype=torch.uint8, device=dev)
     a_gs = a_gs.reshape(-1).float().contiguous().to(dev)
     b_gs = b_gs.reshape(-1).float().contiguous().to(dev)
     ext.sm100_moe_gemm(
-        num_experts=len(counts), parts=parts, n_part=n_part, k=k, a_scale_count=a_gs.numel(),
+        num_experts=num_experts, parts=parts, n_part=n_part, k=k, a_scale_count=a_gs.numel(),
         a=a_data.data_ptr(), a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(),
         d=out.data_ptr(), token_counts=counts_dev.data_ptr(), a_global_scale=a_gs.data_ptr(),
         b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
-        workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=counts,
+        workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=host_counts,
         sm_count=sm_count, stream=stream)
 
 
@@ -254,12 +267,15 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         return d
 
     # ------------------------------------------------------------------ the grouped GEMM
-    def _grouped_gemm(self, counts: list[int], parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
+    def _grouped_gemm(self, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
                       a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out[rows of e, p*n_part:(p+1)*n_part] = alpha_{e,p} * A_e @ B_{e,p}^T`` for every group."""
+        """``out[rows of e, p*n_part:(p+1)*n_part] = alpha_{e,p} * A_e @ B_{e,p}^T`` for every group.
+
+        ``counts``: tokens per expert, a list (host) or an int32 tensor on the device."""
         a_gs = a_gs.reshape(-1).float().contiguous()
         b_gs = b_gs.reshape(-1).float().contiguous()
         if self.executor == "emulate":
+            counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
             plan = self._ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs.cpu().tolist(),
                                                  b_gs.cpu().tolist(), self.sm_count)
             if not plan["can_implement"]:
@@ -360,35 +376,34 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         t, h = x.shape
         e = cfg.num_experts
         inter = p.inter
-        top_k = topk_ids.shape[1]
+        dev = x.device
         flat_ids = topk_ids.reshape(-1).long()
+        pairs = flat_ids.numel()
+        # Routing -> padded rows, on the device without a host synchronisation: the kernel's
+        # per-group arguments are built on the device from `counts` (the emulator reads them back).
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=e).tolist()  # the one host sync of the forward
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + _round_up(c, ROW_ALIGN))
-        rows = offsets[-1]
-        # padded row of every (token, slot) pair, in expert order
         sorted_ids = flat_ids[order]
-        starts = torch.tensor(offsets[:-1], dtype=torch.int64, device=x.device)
-        first = [0]
-        for c in counts[:-1]:
-            first.append(first[-1] + c)
-        first_sorted = torch.tensor(first, dtype=torch.int64, device=x.device)
-        rank = torch.arange(order.numel(), device=x.device) - first_sorted[sorted_ids]
-        dest = starts[sorted_ids] + rank
-        token_of = order // top_k
-        expert_of_row = torch.zeros(rows, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(e, dtype=torch.int64, device=dev).index_add_(
+            0, flat_ids, torch.ones(pairs, dtype=torch.int64, device=dev))
+        padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        starts = torch.cumsum(padded, 0) - padded          # SPEC §2 row_offset_e
+        first = torch.cumsum(counts, 0) - counts           # first sorted pair of each expert
+        dest = starts[sorted_ids] + torch.arange(pairs, device=dev) - first[sorted_ids]
+        # sum_e round_up(count_e, 128) <= pairs + 127 * (number of non-empty experts)
+        rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
+        counts = counts.to(torch.int32)
+        token_of = order // topk_ids.shape[1]
+        expert_of_row = torch.zeros(rows, dtype=torch.int64, device=dev)
         expert_of_row[dest] = sorted_ids
-        real = torch.zeros(rows, dtype=torch.bool, device=x.device)
+        real = torch.zeros(rows, dtype=torch.bool, device=dev)
         real[dest] = True
 
-        x_pad = torch.zeros((rows, h), dtype=x.dtype, device=x.device)  # quantize reads it as float32
+        x_pad = torch.zeros((rows, h), dtype=x.dtype, device=dev)  # quantize reads it as float32
         x_pad[dest] = x[token_of]
         static1 = None if cfg.dynamic_act_scale else p.w13_input_scale
         a1, a1_sf, gs1 = self._quantize_rows(x_pad, p.k1, static1, expert_of_row, cfg.dynamic_act_scale)
-        one = torch.ones(1, dtype=torch.float32, device=x.device)
-        gu = torch.zeros((rows, 2 * inter), dtype=torch.float32, device=x.device)
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        gu = torch.zeros((rows, 2 * inter), dtype=torch.float32, device=dev)
         self._grouped_gemm(counts, 2, inter, p.k1, a1, a1_sf, p.w13_data, p.w13_sf,
                            one if static1 is None else static1, p.w13_gs, gu)
         if static1 is None:
@@ -398,13 +413,13 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
 
         static2 = None if cfg.dynamic_act_scale else p.w2_input_scale
         a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, expert_of_row, cfg.dynamic_act_scale)
-        y = torch.zeros((rows, h), dtype=torch.float32, device=x.device)
+        y = torch.zeros((rows, h), dtype=torch.float32, device=dev)
         self._grouped_gemm(counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
                            one if static2 is None else static2, p.w2_gs, y)
         if static2 is None:
             y = y * gs2.unsqueeze(1)
         w_sorted = topk_weights.reshape(-1).float()[order]
-        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+        out = torch.zeros((t, h), dtype=torch.float32, device=dev)
         out.index_add_(0, token_of, y[dest] * w_sorted.unsqueeze(1))
         return out
 
