@@ -618,11 +618,11 @@ def check_ep_dispatch_combine(layer: ExpertParallelMoE, seed: int) -> dict:
             c, e = cosine(out, ref), rel_err(out, ref)
             ok = c >= EP_THRESHOLD_COSINE
         status, metric = ("pass" if ok else "fail"), c
-        detail = (f"rank {r}: {t} tokens (per rank {counts}), skewed routing; all-to-all vs all-gather + "
+        detail = (f"{t} tokens (per rank {counts}), skewed routing; all-to-all vs all-gather + "
                   f"all-reduce: cosine {c:.7f}, rel err {e:.2e}; sent {layer.last_stats.get('send_splits')}, "
                   f"received {layer.last_stats.get('recv_splits')}")
     except Exception as exc:  # noqa: BLE001 - reported as a failed check with the reason
-        status, metric, detail = "fail", None, f"rank {r}: {type(exc).__name__}: {exc}"
+        status, metric, detail = "fail", None, f"{type(exc).__name__}: {exc}"
     return {"name": "ep_dispatch_combine", "status": status, "metric": metric, "threshold": EP_THRESHOLD_COSINE,
             "detail": detail, "duration_ms": round((time.perf_counter() - t0) * 1e3, 2)}
 
@@ -669,9 +669,11 @@ def merge_rank_reports(reports: list[dict]) -> dict:
             metric = max(nums) if all(isinstance(v, int) for v in nums) else min(nums)
         if len(nums) != len(m["metrics"]) and failed:
             metric = None  # a rank crashed in this check: no worst value to show
-        detail = f"{len(sts)} ranks" + (f", failed on ranks {failed}: " + " | ".join(
-            m["details"][i] for i, (rk, s) in enumerate(m["statuses"]) if s == "fail")[:2000] if failed else
-            f"; rank 0: {m['details'][0]}")
+        if failed:
+            why = " | ".join(f"rank {rk}: {m['details'][i]}" for i, (rk, s) in enumerate(m["statuses"]) if s == "fail")
+            detail = f"{len(sts)} ranks, failed on ranks {failed}: {why[:2000]}"
+        else:
+            detail = f"{len(sts)} ranks; rank {m['statuses'][0][0]}: {m['details'][0]}"
         checks.append({"name": name, "status": status, "metric": metric, "threshold": m["threshold"],
                        "detail": detail, "duration_ms": m["duration_ms"]})
     first = reports[0]
@@ -763,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dist-backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     c.add_argument("--level", choices=("quick", "full"), default="quick")
     c.add_argument("--compare", action="store_true",
-                   help="also compare the EP forward with a single-process MoELayer on rank 0 (CPU only; "
+                   help="also compare the EP forward with a single-process MoELayer on rank 0 ("
                         "rank 0 must hold every expert in memory)")
     c.add_argument("--tokens", type=int, default=37, help="tokens per rank for --compare")
     c.add_argument("--json", action="store_true")
