@@ -479,6 +479,8 @@ def test_backend_unavailable_here_with_reason():
         pytest.skip("a Blackwell GPU is present")
     assert not ok and reason
     assert available_backends()["cuda-sm100"] == (False, reason)
+    with pytest.raises(ValueError, match="emulate"):
+        CudaSm100Backend(device="cpu")
     with pytest.raises(RuntimeError, match="cuda-sm100"):
         get_backend("cuda-sm100")
 

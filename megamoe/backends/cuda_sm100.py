@@ -217,6 +217,9 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         if self._ext is None:
             raise RuntimeError(f"cuda-sm100 needs megamoe._C built with sm_100a: {self.availability()[1]}")
         self._device = torch.device(device if device is not None else "cuda")
+        if executor == "cutlass" and self._device.type != "cuda":
+            raise ValueError(f"cuda-sm100 runs the CUTLASS kernel on a CUDA device, got {self._device} "
+                             f"(executor='emulate' runs anywhere)")
         self.executor = executor
         if sm_count is None:
             sm_count = (torch.cuda.get_device_properties(self._device).multi_processor_count
