@@ -12,6 +12,7 @@ a batching server.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,10 @@ class ServedModel:
         self.config = layer.config
         self.device = layer_device(layer)
         self.max_tokens_per_request = max_tokens_per_request
+        # validate() has checked every request already; the layer's own check of topk_ids
+        # would cost a device sync per batch, so it is skipped where the layer allows it
+        params = inspect.signature(layer.forward).parameters
+        self._forward_kwargs = {"validate": False} if "validate" in params else {}
 
     @property
     def has_router(self) -> bool:
@@ -215,6 +220,7 @@ class ServedModel:
                 topk_ids=stacked("topk_ids"),
                 topk_weights=stacked("topk_weights"),
                 router_logits=stacked("router_logits"),
+                **self._forward_kwargs,
             )
             out = out.cpu()
         return list(out.split([r.tokens for r in requests]))
