@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--force-kernel", type=int, default=-1, help="-1 auto, 0 streaming, 1 tiled")
+    ap.add_argument("--variants", action="store_true", help="also time both GEMM kernels (W4A16) for T >= 2048")
     args = ap.parse_args(argv)
 
     from megamoe.backends import get_backend
@@ -226,6 +227,19 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_tflops"] = flops / med / 1e12
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
+            if args.variants and t >= 2048:
+                # the other GEMM kernel at the same shape, to show where the automatic switch sits
+                for forced, label in ((0, "stream"), (1, "tiled")):
+                    cfg = base.with_(act_mode="w4a16")
+                    be.force_kernel = forced
+                    try:
+                        times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs,
+                                           max(10, reps // 2))
+                        row[f"sm90_w4a16_{label}_us"] = statistics.median(times) * 1e6
+                    except Exception as exc:  # noqa: BLE001
+                        row[f"sm90_w4a16_{label}_error"] = repr(exc)
+                    finally:
+                        be.force_kernel = args.force_kernel
             if tw13 is not None:
                 try:
                     times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,

@@ -59,13 +59,17 @@ void register_sm90(nb::module_& m) {
 
   m.def(
       "sm90_grouped_gemm",
-      [](const Array& act, const Array& expert_offsets, OptArray active_experts, OptArray num_active, int grid_experts,
-         const Array& w_data, const Array& w_scale, const Array& w_global_scale, OptArray a_global_scale,
-         bool a_gs_per_expert, OptArray a_row_scale, int epilogue, std::optional<float> swiglu_limit, const Array& out,
-         int64_t max_tokens_per_expert, int64_t max_total_rows, int force_kernel, uintptr_t stream) {
+      [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
+         int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
+         OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, int epilogue,
+         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_tokens_per_expert,
+         int64_t max_total_rows, int force_kernel, int tokens_per_pass, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
+        a.act_rows = opt_ptr<const int32_t>(act_rows, "act_rows", 4);
+        if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
+          throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
         a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);
         a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
         a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
@@ -89,17 +93,22 @@ void register_sm90(nb::module_& m) {
         a.swiglu_clamp = swiglu_limit.has_value();
         a.swiglu_limit = swiglu_limit.value_or(0.f);
         a.epilogue = static_cast<sm90::Epilogue>(epilogue);
-        a.out = ptr<float>(out, "out", 4);
+        a.out = opt_ptr<float>(out, "out", 4);
+        a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
+        if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
+        a.tokens_per_pass = tokens_per_pass;
         a.max_tokens_per_expert = max_tokens_per_expert;
         a.max_total_rows = max_total_rows;
         a.force_kernel = force_kernel;
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
-      nb::arg("act"), nb::arg("expert_offsets"), nb::arg("active_experts").none(), nb::arg("num_active").none(),
+      nb::arg("act"), nb::arg("act_rows").none(), nb::arg("expert_offsets"), nb::arg("active_experts").none(),
+      nb::arg("num_active").none(),
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
       nb::arg("a_global_scale").none(), nb::arg("a_gs_per_expert"), nb::arg("a_row_scale").none(), nb::arg("epilogue"),
-      nb::arg("swiglu_limit").none(), nb::arg("out"),
-      nb::arg("max_tokens_per_expert"), nb::arg("max_total_rows"), nb::arg("force_kernel"), nb::arg("stream"));
+      nb::arg("swiglu_limit").none(), nb::arg("out").none(), nb::arg("out_operand").none(),
+      nb::arg("max_tokens_per_expert"), nb::arg("max_total_rows"), nb::arg("force_kernel"),
+      nb::arg("tokens_per_pass"), nb::arg("stream"));
 
   m.def(
       "sm90_moe_combine",

@@ -8,7 +8,7 @@ namespace megamoe::sm90 {
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.K % 16 != 0 || a.K <= 0 || a.N <= 0 || !a.act || !a.w_data || !a.w_scale || !a.w_global_scale ||
-      !a.expert_offsets || !a.out || a.grid_experts <= 0)
+      !a.expert_offsets || a.grid_experts <= 0)
     return cudaErrorInvalidValue;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
@@ -16,12 +16,32 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
 
   int kernel = a.force_kernel;
   if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 1 : 0;
+  if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
   if (kernel == 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream);
+  if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
 
+  int nt = a.tokens_per_pass / 8;
+  if (nt <= 0) {
+    // Enough token tiles per pass for an expert somewhat above the expected count.
+    const int64_t want = (a.max_tokens_per_expert * 3 + 1) / 2;
+    nt = want <= 8 ? 1 : want <= 16 ? 2 : want <= 32 ? 4 : 8;
+  }
   const unsigned gx = silu_mul ? unsigned(a.N / 2 / 16) : unsigned((a.N + kStreamRows - 1) / kStreamRows);
   dim3 grid(gx, unsigned(a.grid_experts));
-  if (a.K % 64 == 0) stream_gemm_kernel<true><<<grid, kStreamThreads, 0, stream>>>(a);
-  else stream_gemm_kernel<false><<<grid, kStreamThreads, 0, stream>>>(a);
+  const bool vec = a.K % 64 == 0;
+#define MEGAMOE_STREAM(V, NT, PF) stream_gemm_kernel<V, NT, PF><<<grid, kStreamThreads, 0, stream>>>(a)
+  if (vec) {
+    if (nt == 1) MEGAMOE_STREAM(true, 1, true);
+    else if (nt == 2) MEGAMOE_STREAM(true, 2, true);
+    else if (nt == 4) MEGAMOE_STREAM(true, 4, false);
+    else MEGAMOE_STREAM(true, 8, false);
+  } else {
+    if (nt == 1) MEGAMOE_STREAM(false, 1, false);
+    else if (nt == 2) MEGAMOE_STREAM(false, 2, false);
+    else if (nt == 4) MEGAMOE_STREAM(false, 4, false);
+    else MEGAMOE_STREAM(false, 8, false);
+  }
+#undef MEGAMOE_STREAM
   return cudaGetLastError();
 }
 

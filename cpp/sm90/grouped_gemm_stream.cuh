@@ -32,10 +32,30 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return v;
 }
 
-template <bool kVec>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+// Activation operand of one token row, 8 elements (one 16-byte word) at element `col`.
+// Either the staged operand-order buffer, or (fused gather) a bf16 row of x in natural
+// order, interleaved here with byte permutes.
+__device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool natural) {
+  uint4 u = __ldg(reinterpret_cast<const uint4*>(row + col));
+  if (!natural) return u;
+  uint4 v;
+  v.x = __byte_perm(u.x, u.z, 0x5410);  // (x0, x4)
+  v.y = __byte_perm(u.x, u.z, 0x7632);  // (x1, x5)
+  v.z = __byte_perm(u.y, u.w, 0x5410);  // (x2, x6)
+  v.w = __byte_perm(u.y, u.w, 0x7632);  // (x3, x7)
+  return v;
+}
+
+// Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
+__device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
+
+// NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
+// kPrefetch: registers hold the next slice's weights while the current one is consumed.
+template <bool kVec, int NT, bool kPrefetch>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
+  constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
   __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][4][32];
+  __shared__ float partial[4][2][NT][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
 
@@ -45,6 +65,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const bool natural = a.act_rows != nullptr;
   const int64_t I = N / 2;
 
   // The 4 weight rows of this lane: (m-tile mt, half hh) -> row g + 8*hh of the tile.
@@ -78,101 +99,133 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   const float alpha0 = a_gs * wg[0];
   const float alpha1 = silu_mul ? a_gs * wg[1] : alpha0;
 
-  for (int tok0 = 0; tok0 < rows; tok0 += 8) {
-    float acc[2][4];
+  auto load_weights = [&](int64_t s, uint32_t (&wv)[2][2][8], uint32_t (&sc)[2][2]) {
+    const bool svalid = s < slices;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-    const bool tvalid = tok0 + g < rows;
-    const uint16_t* arow = a.act + int64_t(row_begin + tok0 + (tvalid ? g : 0)) * K;
-
-    // The trip count must be the same for the whole warp (mma.sync is warp-collective):
-    // lanes past the last slice load zeros.
-    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
-      const int64_t s = s0 + tig;
-      const bool svalid = s < slices;
-      uint32_t wv[2][2][8];
-      uint32_t sc[2][2];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          if (kVec) {
-            uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
-            uint32_t sv = 0;
-            if (rvalid[mt][hh] && svalid) {
-              x0 = ldg_stream(wrow[mt][hh] + s * 32);
-              x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
-              sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
-            }
-            wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
-            wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
-            sc[mt][hh] = sv;
-          } else {
-            uint32_t sv = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int64_t b = s * 4 + j;
-              uint2 x = make_uint2(0, 0);
-              if (rvalid[mt][hh] && b < Kb) {
-                x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
-                sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
-              }
-              wv[mt][hh][2 * j] = x.x;
-              wv[mt][hh][2 * j + 1] = x.y;
-            }
-            sc[mt][hh] = sv;
+      for (int hh = 0; hh < 2; ++hh) {
+        if (kVec) {
+          uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
+          uint32_t sv = 0;
+          if (rvalid[mt][hh] && svalid) {
+            x0 = ldg_stream(wrow[mt][hh] + s * 32);
+            x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
+            sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
           }
+          wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
+          wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
+          sc[mt][hh] = sv;
+        } else {
+          uint32_t sv = 0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int64_t b = s * 4 + j;
+            uint2 x = make_uint2(0, 0);
+            if (rvalid[mt][hh] && b < Kb) {
+              x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
+              sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
+            }
+            wv[mt][hh][2 * j] = x.x;
+            wv[mt][hh][2 * j + 1] = x.y;
+          }
+          sc[mt][hh] = sv;
         }
       }
-      uint4 av[8];
+    }
+  };
+
+  for (int tok0 = 0; tok0 < rows; tok0 += 8 * NT) {
+    float acc[2][NT][4];
+    const uint16_t* arow[NT];
+    bool tvalid[NT];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        av[i] = make_uint4(0, 0, 0, 0);
-        if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = tok0 + nt * 8 + g;
+      tvalid[nt] = tok < rows;
+      const int64_t r = int64_t(row_begin) + (tvalid[nt] ? tok : 0);
+      arow[nt] = a.act + (natural ? int64_t(a.act_rows[r]) : r) * K;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    }
+
+    uint32_t wv[2][2][8], sc[2][2];
+    uint32_t wn[2][2][8], sn[2][2];
+    // The trip count must be the same for the whole warp (mma.sync is warp-collective):
+    // lanes past the last slice load zeros.
+    if (kPrefetch) load_weights(warp * 4 + tig, wv, sc);
+    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
+      const int64_t s = s0 + tig;
+      if (kPrefetch) {
+        if (s0 + 16 < slices) load_weights(s + 16, wn, sn);
+      } else {
+        load_weights(s, wv, sc);
       }
 #pragma unroll
-      for (int blk = 0; blk < 4; ++blk) {
-        uint32_t s2[2][2];
+      for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
+        uint4 av[NT][kChunkWords];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
+          for (int w = 0; w < kChunkWords; ++w) {
+            const int i = c0 + w;
+            av[nt][w] = make_uint4(0, 0, 0, 0);
+            if (tvalid[nt] && (kVec ? s < slices : s * 4 + i / 2 < Kb)) av[nt][w] = load_act(arow[nt], s * 64 + i * 8, natural);
+          }
 #pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-          const int i = blk * 2 + wi;
+        for (int w = 0; w < kChunkWords; ++w) {
+          const int i = c0 + w, blk = i / 2;
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             uint32_t p0[4], p1[4];
-            dequant_word(wv[mt][0][i], s2[mt][0], p0);
-            dequant_word(wv[mt][1][i], s2[mt][1], p1);
-            mma_bf16_16816(acc[mt], p0[0], p1[0], p0[1], p1[1], av[i].x, av[i].y);
-            mma_bf16_16816(acc[mt], p0[2], p1[2], p0[3], p1[3], av[i].z, av[i].w);
+            dequant_word(wv[mt][0][i], scale_lut[(sc[mt][0] >> (8 * blk)) & 0xFFu], p0);
+            dequant_word(wv[mt][1][i], scale_lut[(sc[mt][1] >> (8 * blk)) & 0xFFu], p1);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              mma_bf16_16816(acc[mt][nt], p0[0], p1[0], p0[1], p1[1], av[nt][w].x, av[nt][w].y);
+              mma_bf16_16816(acc[mt][nt], p0[2], p1[2], p0[3], p1[3], av[nt][w].z, av[nt][w].w);
+            }
           }
         }
+      }
+      if (kPrefetch) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            sc[mt][hh] = sn[mt][hh];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) wv[mt][hh][i] = wn[mt][hh][i];
+          }
       }
     }
 
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][mt][i][lane] = acc[mt][i];
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) partial[warp][mt][nt][i][lane] = acc[mt][nt][i];
     __syncthreads();
-    if (warp == 0) {
+    // Warps reduce in a fixed order; warp w finishes the token tiles nt % 4 == w.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if ((nt & 3) != warp) continue;
       float sum[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          sum[mt][i] = ((partial[0][mt][i][lane] + partial[1][mt][i][lane]) + partial[2][mt][i][lane]) +
-                       partial[3][mt][i][lane];
+          sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
+                       partial[3][mt][nt][i][lane];
       // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-          const int tok = tok0 + 2 * tig + t;
+          const int tok = tok0 + nt * 8 + 2 * tig + t;
           if (tok >= rows) continue;
           const int64_t out_row = row_begin + tok;
           const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
@@ -180,7 +233,15 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
             if (!rvalid[0][hh]) continue;
             const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
             const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
-            a.out[out_row * I + int64_t(blockIdx.x) * 16 + g + 8 * hh] = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
+            const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
+            const int64_t col = int64_t(blockIdx.x) * 16 + g + 8 * hh;
+            if (a.out_operand) {
+              const __nv_bfloat16 b = __float2bfloat16_rn(hv);
+              a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
+                  *reinterpret_cast<const uint16_t*>(&b);
+            } else {
+              a.out[out_row * I + col] = hv;
+            }
           } else {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {

@@ -75,11 +75,16 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     name = "cuda-sm90"
 
-    def __init__(self, device: str | torch.device | None = None, force_kernel: int = KERNEL_AUTO) -> None:
+    #: Above this many expected tokens per expert (T*k/E) the tiled kernel runs instead of the streaming one.
+    TILED_ABOVE_TOKENS_PER_EXPERT = 64
+
+    def __init__(self, device: str | torch.device | None = None, force_kernel: int = KERNEL_AUTO,
+                 tokens_per_pass: int = 0) -> None:
         self._device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self._device.type != "cuda":
             raise ValueError(f"cuda-sm90 runs on a CUDA device, got {self._device}")
         self.force_kernel = force_kernel
+        self.tokens_per_pass = tokens_per_pass
         self._workspaces: dict[tuple, _Workspace] = {}
 
     @classmethod
@@ -149,9 +154,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w_gs = (gs.reshape(1) if gs.dim() == 0 else gs[p:p + 1]).contiguous()
             sl = slice(p * rows, (p + 1) * rows)
             part_out = out if parts == 1 else torch.empty((m, rows), dtype=torch.float32, device=self.device)
-            _ext.ext.sm90_grouped_gemm(op, offsets, None, None, 1, b.data[sl].contiguous().unsqueeze(0),
+            _ext.ext.sm90_grouped_gemm(op, None, offsets, None, None, 1, b.data[sl].contiguous().unsqueeze(0),
                                        _u8(b.scale[sl]).contiguous().unsqueeze(0), w_gs, a_gs, False, a_rs,
-                                       EPILOGUE_STORE, None, part_out, m, m, self.force_kernel, stream)
+                                       EPILOGUE_STORE, None, part_out, None, m, m, self.force_kernel,
+                                       self.tokens_per_pass, stream)
             if parts > 1:
                 out[:, sl] = part_out
         if alpha is not None:
@@ -214,19 +220,34 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         grid_experts = min(e, r)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream)
+        expected = -(-r // e)  # tokens per expert under uniform routing
         kernel = self.force_kernel
+        if kernel == KERNEL_AUTO:
+            kernel = KERNEL_TILED if expected > self.TILED_ABOVE_TOKENS_PER_EXPERT else KERNEL_STREAM
         limit = cfg.swiglu_limit
+        tpp = self.tokens_per_pass
+        # W4A16 on the streaming kernel: the L1 GEMM gathers x itself and writes h as the
+        # bf16 operand of L2, so neither activation needs a staging kernel.
+        fused = cfg.act_mode == "w4a16" and kernel == KERNEL_STREAM and x.dtype == torch.bfloat16
 
-        a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
-                                        cfg, prepared.w13_input_scale, stream, r)
-        ext.sm90_grouped_gemm(ws.a1, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
+        if fused:
+            a1, a1_rows, a_gs, per_e, a_rs = x, ws.row_token, None, False, None
+        else:
+            a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
+                                            cfg, prepared.w13_input_scale, stream, r)
+            a1, a1_rows = ws.a1, None
+        ext.sm90_grouped_gemm(a1, a1_rows, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
                               prepared.w13_data, prepared.w13_scale, prepared.w13_gs, a_gs, per_e, a_rs,
-                              EPILOGUE_SILU_MUL, limit, ws.h, t, r, kernel, stream)
-        a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
-                                        cfg, prepared.w2_input_scale, stream, r)
-        ext.sm90_grouped_gemm(ws.a2, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
+                              EPILOGUE_SILU_MUL, limit, None if fused else ws.h, ws.a2 if fused else None,
+                              expected, r, kernel, tpp, stream)
+        if fused:
+            a_gs, per_e, a_rs = None, False, None
+        else:
+            a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
+                                            cfg, prepared.w2_input_scale, stream, r)
+        ext.sm90_grouped_gemm(ws.a2, None, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
                               prepared.w2_data, prepared.w2_scale, prepared.w2_gs, a_gs, per_e, a_rs,
-                              EPILOGUE_STORE, None, ws.y, t, r, kernel, stream)
+                              EPILOGUE_STORE, None, ws.y, None, expected, r, kernel, tpp, stream)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(ws.y, ws.entry_row, topk_weights, out, stream)
         return out

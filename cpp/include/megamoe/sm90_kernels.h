@@ -44,7 +44,8 @@ enum class Epilogue : int {
 };
 
 struct GroupedGemmArgs {
-  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order
+  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_rows)
+  const int32_t* act_rows = nullptr;  // streaming kernel only: grouped row r reads act row act_rows[r], natural order
   const int32_t* expert_offsets = nullptr;  // [E+1]
   const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
   const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
@@ -62,9 +63,11 @@ struct GroupedGemmArgs {
   int64_t N = 0, K = 0;
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
-  int64_t max_tokens_per_expert = 0;  // host bound on any expert's rows (picks the kernel)
+  uint16_t* out_operand = nullptr;  // streaming kSiluMul only: write h as bf16 [rows, I] in operand order instead
+  int64_t max_tokens_per_expert = 0;  // host estimate of tokens per expert (picks tokens per pass)
   int64_t max_total_rows = 0;         // host bound on expert_offsets[E] (sizes the tiled grid)
   int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill)
+  int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
 };
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
