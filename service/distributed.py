@@ -33,9 +33,12 @@ The control group is gloo with a long timeout (workers wait between requests as 
 as the server is idle); the data group (NCCL on GPUs) keeps the short default, since a
 collective that stalls mid-forward means a rank is gone.
 
-The service calls ``health.run_checks(level, backend=layer.backend)`` itself, which would
-check rank 0 only; to cover every rank it must call ``layer.run_checks(level)`` when the
-layer has one (the hook is described in this module's pull request / report).
+Health: the service's self-test calls ``layer.run_checks(level)`` when the layer has one
+(service/app.py ``ServiceState.run_selftest``), so ``/v1/health/kernels`` and the
+readiness gate cover every rank. Failures: a collective that fails (a rank died, a
+timeout) marks the front ``broken``; every later forward and self-test raises, so
+readiness turns 503 at the next self-test, and torchrun ends the whole job when a worker
+process exits with an error (the orchestrator restarts it).
 """
 
 from __future__ import annotations
@@ -140,11 +143,24 @@ class DistributedFront:
         self.world_size = layer.world_size
         self._lock = threading.Lock()
         self._stopped = False
+        self.broken: str | None = None  # set when a collective failed: the ranks are out of step for good
 
-    def _send(self, header: torch.Tensor) -> None:
+    def _collective(self, header: torch.Tensor, step):
+        """Broadcast ``header``, then run ``step()`` (this rank's part of the same operation)."""
         if self._stopped:
             raise RuntimeError("the distributed front end was stopped: the worker ranks are gone")
-        dist.broadcast(header, src=0, group=self.control)
+        if self.broken:
+            raise RuntimeError(f"the distributed front end is broken (an earlier collective failed: {self.broken}); "
+                               f"restart the job")
+        try:
+            dist.broadcast(header, src=0, group=self.control)
+            return step()
+        except Exception as exc:
+            # a rank died or a collective failed half way: the ranks no longer agree on what comes next.
+            # (torchrun also tears the whole job down when a worker process exits with an error.)
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.error("collective failed, the front end stops serving: %s", self.broken)
+            raise
 
     def forward(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None, router_logits=None,
                 validate: bool = True) -> torch.Tensor:
@@ -159,8 +175,8 @@ class DistributedFront:
         tokens = hidden_states.shape[0]
         header = _header(OP_FORWARD, tokens, DTYPES.index(hidden_states.dtype), MODES.index(mode))
         with self._lock:
-            self._send(header)
-            return _forward_step(self.layer, header, hidden_states, topk_ids, topk_weights, router_logits)
+            return self._collective(header, lambda: _forward_step(self.layer, header, hidden_states, topk_ids,
+                                                                  topk_weights, router_logits))
 
     __call__ = forward
 
@@ -168,9 +184,9 @@ class DistributedFront:
         """SPEC §5 on every rank (+ ep_dispatch_combine), merged on rank 0."""
         if level not in LEVELS:
             raise ValueError(f"level must be 'quick' or 'full', got {level!r}")
+        header = _header(OP_HEALTH, level=LEVELS.index(level), seed=-1 if seed is None else seed)
         with self._lock:
-            self._send(_header(OP_HEALTH, level=LEVELS.index(level), seed=-1 if seed is None else seed))
-            return run_checks_all_ranks(self.layer, level, seed=seed)
+            return self._collective(header, lambda: run_checks_all_ranks(self.layer, level, seed=seed))
 
     def stop(self) -> None:
         """Tell every worker rank to leave its loop (idempotent)."""
@@ -236,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {os.environ.get('RANK', '?')} %(name)s: %(message)s")
     rank, world, _ = init_distributed(timeout_s=600)
+    if getattr(settings, "torch_threads", None):  # every rank, not only rank 0 (the app sets its own)
+        torch.set_num_threads(settings.torch_threads)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     layer, error = None, None
     try:
