@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
-    ap.add_argument("--force-kernel", type=int, default=-1, help="-1 auto, 0 streaming, 1 tiled")
+    ap.add_argument("--force-kernel", type=int, default=-1, help="-1 auto, 0 streaming, 1 tiled, 2 tiled with 2 blocks/SM")
     ap.add_argument("--variants", action="store_true", help="also time both GEMM kernels (W4A16) for T >= 2048")
     args = ap.parse_args(argv)
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_error"] = repr(exc)
             if args.variants and t >= 2048:
                 # the other GEMM kernel at the same shape, to show where the automatic switch sits
-                for forced, label in ((0, "stream"), (1, "tiled")):
+                for forced, label in ((0, "stream"), (1, "tiled"), (2, "tiled2")):
                     cfg = base.with_(act_mode="w4a16")
                     be.force_kernel = forced
                     try:

@@ -17,7 +17,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   int kernel = a.force_kernel;
   if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 1 : 0;
   if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
-  if (kernel == 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream);
+  if (kernel >= 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream, kernel);
   if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
 
   int nt = a.tokens_per_pass / 8;

@@ -48,7 +48,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
 
 inline bool tiled_gemm_supported(const GroupedGemmArgs& a) { return a.K % kTileK == 0 && a.num_experts <= 1024; }
 
-__global__ void __launch_bounds__(kTiledThreads, 1) tiled_gemm_kernel(GroupedGemmArgs a) {
+template <int kMinBlocks>  // 1: registers unconstrained; 2: two blocks (16 warps) per SM
+__global__ void __launch_bounds__(kTiledThreads, kMinBlocks) tiled_gemm_kernel(GroupedGemmArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + kSmemStage * kStages);
   int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
@@ -237,12 +238,14 @@ __global__ void __launch_bounds__(kTiledThreads, 1) tiled_gemm_kernel(GroupedGem
   }
 }
 
-inline cudaError_t launch_tiled_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  static bool attr_set = false;
-  if (!attr_set) {
-    cudaError_t err = cudaFuncSetAttribute(tiled_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemTiled);
+inline cudaError_t launch_tiled_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
+  static bool attr_set[2] = {false, false};
+  const int v = variant == 2 ? 1 : 0;
+  if (!attr_set[v]) {
+    cudaError_t err = v ? cudaFuncSetAttribute(tiled_gemm_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemTiled)
+                        : cudaFuncSetAttribute(tiled_gemm_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemTiled);
     if (err != cudaSuccess) return err;
-    attr_set = true;
+    attr_set[v] = true;
   }
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const unsigned gx = silu_mul ? unsigned((a.N / 2 + 63) / 64) : unsigned((a.N + kTileN - 1) / kTileN);
@@ -250,7 +253,8 @@ inline cudaError_t launch_tiled_gemm(const GroupedGemmArgs& a, cudaStream_t stre
   const int64_t tiles = (a.max_total_rows + kTileM - 1) / kTileM + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
   dim3 grid(gx, unsigned(tiles));
-  tiled_gemm_kernel<<<grid, kTiledThreads, kSmemTiled, stream>>>(a);
+  if (v) tiled_gemm_kernel<2><<<grid, kTiledThreads, kSmemTiled, stream>>>(a);
+  else tiled_gemm_kernel<1><<<grid, kTiledThreads, kSmemTiled, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -30,7 +30,7 @@ from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_PER_ROW_DYNAMIC, Cud
 __all__ = ["CudaSm90Backend", "PreparedSm90"]
 
 EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
-KERNEL_AUTO, KERNEL_STREAM, KERNEL_TILED = -1, 0, 1
+KERNEL_AUTO, KERNEL_STREAM, KERNEL_TILED, KERNEL_TILED_2BLOCKS = -1, 0, 1, 2
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
