@@ -15,6 +15,13 @@ PRESET_OVERRIDES = dict(scoring="sigmoid", n_group=4, topk_group=2, routed_scali
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
                   "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 PREFIX = "model.layers.3.mlp."
+#: cases run with other layer settings: config overrides (both sides), and the EP layer's combine dtype
+VARIANTS = {
+    "w4a16": ({"act_mode": "w4a16"}, torch.float32),
+    "dynamic_scales": ({"dynamic_act_scale": True}, torch.float32),
+    "swiglu_limit": ({"swiglu_limit": 0.5}, torch.float32),
+    "bf16_combine": ({}, torch.bfloat16),
+}
 
 
 def _free_port() -> int:
@@ -66,7 +73,7 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
         return ids.to(torch.int32), w / w.sum(1, keepdim=True)
 
     cases: dict = {name: [] for name in ("router_bf16", "router_fp32", "topk_fp32", "logits_bf16", "all_to_rank0",
-                                         "one_expert", "T1", "prime_T")}
+                                         "one_expert", "T1", "prime_T", *VARIANTS)}
     prime_t = [97, 0, 13, 2][:world]
     for r in range(world):
         t = (37, 53, 41, 29)[r]
@@ -86,6 +93,8 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
         cases["one_expert"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
         cases["T1"].append({"x": x(1, torch.float32)})
         cases["prime_T"].append({"x": x(prime_t[r], torch.float32)})
+        for name in VARIANTS:
+            cases[name].append({"x": x(t, torch.float32)})
     return cases
 
 
@@ -144,8 +153,16 @@ def launch(world: int, workdir: Path, cfg, gen: torch.Generator, dist_backend: s
     return cases, [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def single_process_outputs(single, per_rank: list[dict]) -> list[torch.Tensor]:
+def single_process_outputs(single, per_rank: list[dict], overrides: dict | None = None) -> list[torch.Tensor]:
     """The single-process layer on all ranks' tokens of one case, concatenated; split back per rank."""
+    if overrides:
+        saved = single.config
+        single.config = saved.with_(**overrides)
+        try:
+            return single_process_outputs(single, per_rank)
+        finally:
+            single.config = saved
+
     def cat(key):
         if per_rank[0].get(key) is None:
             return None

@@ -112,6 +112,7 @@ def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "glo
 def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device) -> None:
     import safetensors
 
+    from dist_cases import VARIANTS
     from megamoe import faults
     from megamoe.distributed import ExpertParallelMoE, load_shard, run_checks_all_ranks
 
@@ -147,8 +148,14 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
     outs, stats = {}, {}
     for name, per_rank in cases.items():
         inp = per_rank[rank]
-        outs[name] = layer(inp["x"], topk_ids=inp.get("topk_ids"), topk_weights=inp.get("topk_weights"),
-                           router_logits=inp.get("router_logits"))
+        overrides, combine_dtype = VARIANTS.get(name, ({}, torch.float32))
+        base_config = layer.config
+        layer.config, layer.combine_dtype = base_config.with_(**overrides), combine_dtype
+        try:
+            outs[name] = layer(inp["x"], topk_ids=inp.get("topk_ids"), topk_weights=inp.get("topk_weights"),
+                               router_logits=inp.get("router_logits"))
+        finally:
+            layer.config, layer.combine_dtype = base_config, torch.float32
         stats[name] = dict(layer.last_stats)
     # the same input again: bit-identical (FIELD_BUGS 14: a race shows as run-to-run differences)
     again = layer(cases["router_bf16"][rank]["x"])

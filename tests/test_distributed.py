@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _helpers import SEED
-from dist_cases import EXPERT_TENSORS, PREFIX, _free_port, launch, single_process_outputs, write_checkpoints
+from dist_cases import EXPERT_TENSORS, PREFIX, VARIANTS, _free_port, launch, single_process_outputs, write_checkpoints
 
 WORLD_SIZES = (2, 4)
 
@@ -47,9 +47,9 @@ def ep(request, checkpoints, single):
     return world, cases, results
 
 
-def _assert_matches(single, ep, name: str) -> None:
+def _assert_matches(single, ep, name: str, overrides: dict | None = None, rtol_fp32: float = 1e-5) -> None:
     world, cases, results = ep
-    refs = single_process_outputs(single, cases[name])
+    refs = single_process_outputs(single, cases[name], overrides)
     differing, worst = 0, 0.0
     for r in range(world):
         out, ref = results[r]["outputs"][name], refs[r]
@@ -59,8 +59,8 @@ def _assert_matches(single, ep, name: str) -> None:
             continue
         assert torch.isfinite(out).all(), f"{name} rank {r}: non-finite output"
         scale = float(ref.float().abs().max())
-        rtol = 2 ** -7 if ref.dtype == torch.bfloat16 else 1e-5
-        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-5 * scale,
+        rtol = 2 ** -7 if ref.dtype == torch.bfloat16 else rtol_fp32
+        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol_fp32 * scale,
                                    msg=lambda m: f"{name}, world {world}, rank {r}: {m}")
         differing += int((out != ref).sum())
         worst = max(worst, float((out.float() - ref.float()).abs().max()) / scale)
@@ -91,6 +91,14 @@ def test_expert_range_blocks_and_error():
 @pytest.mark.parametrize("case", ["router_bf16", "router_fp32", "topk_fp32", "logits_bf16"])
 def test_ep_forward_matches_single_process(single, ep, case):
     _assert_matches(single, ep, case)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_ep_forward_matches_with_layer_settings(single, ep, variant):
+    """W4A16, dynamic activation scales, a SwiGLU clamp; and partial sums sent back in bf16
+    (then each partial is rounded once to bf16: 2^-8 relative, so the bound is 2^-7)."""
+    overrides, combine_dtype = VARIANTS[variant]
+    _assert_matches(single, ep, variant, overrides, rtol_fp32=2 ** -7 if combine_dtype == torch.bfloat16 else 1e-5)
 
 
 def test_all_tokens_to_one_rank(single, ep):
