@@ -41,7 +41,10 @@ class ServiceSettings(BaseSettings):
         None, description="bearer token required by the infer and kernel-health endpoints (unset: no authentication; "
         "prefer the env var MEGAMOE_TOKEN, flags show in the process list)"
     )
-    max_body_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest request body accepted; larger ones get 413")
+    max_body_bytes: int = Field(
+        256 * 1024 * 1024, gt=0,
+        description="largest request body accepted, larger ones get 413 (4096 x 7168 FP32 in binary is 117 MB)",
+    )
     max_tokens_per_request: int = Field(4096, gt=0, description="largest T (rows of hidden_states) in one request")
     max_batch_tokens: int = Field(8192, gt=0, description="largest number of tokens the batcher puts in one forward")
     queue_delay_ms: float = Field(
