@@ -1,9 +1,11 @@
 """Expert parallelism (megamoe.distributed) with REAL processes and REAL gloo collectives.
 
 For each world size (2 and 4) one group of processes is spawned once (module fixture);
-every rank runs all the cases (tests/dist_ep_worker.py) and saves its outputs, and the
-tests here compare them with the single-process MoELayer on the same checkpoint and the
-same tokens (all ranks' tokens concatenated).
+every rank runs all the cases (tests/dist_ep_worker.py, cases in tests/dist_cases.py) and
+saves its outputs, and the tests here compare them with the single-process MoELayer on the
+same checkpoint (sigmoid router with correction bias and groups, shared expert, gate/up
+global scales apart) and the same tokens (all ranks' tokens concatenated). Two more
+launches under torchrun: the HTTP service on 2 ranks, and the EP benchmark's smoke run.
 
 Tolerance: the EP path adds each token's expert contributions in the single-process
 order (ascending expert, fp32), so only GEMMs can differ: an expert's rows arrive in
@@ -53,6 +55,7 @@ def _assert_matches(single, ep, name: str, overrides: dict | None = None, rtol_f
     differing, worst = 0, 0.0
     for r in range(world):
         out, ref = results[r]["outputs"][name], refs[r]
+        assert out is not None, f"{name}, rank {r} raised:\n{results[r]['case_errors'][name]}"
         assert out.dtype == ref.dtype == cases[name][r]["x"].dtype, (out.dtype, ref.dtype)
         assert out.shape == ref.shape, f"{name} rank {r}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
         if ref.numel() == 0:
