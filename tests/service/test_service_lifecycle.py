@@ -108,11 +108,15 @@ def test_readiness_follows_startup_and_checks_and_sigterm_drains(tmp_path, layer
 def test_broken_swizzle_fails_selftest_and_health_report(tmp_path, layer):
     """FIELD_BUGS #2 (M and K swapped in the SF swizzle): never ready; the report shows which checks."""
     srv = ServerProcess(tmp_path / "server.log", env={"MEGAMOE_TOKEN": TOKEN},
-                        args=["--backend", "megamoe_test_backends:swapped_swizzle_backend"])
+                        args=["--backend", "megamoe_test_backends:swapped_swizzle_backend",
+                              "--selftest-interval-s", "2"])
     try:
         srv.wait_for("/v2/health/live")
         wait_until(lambda: "self-test failed" in str(srv.get("/v2/health/ready")[1]), 90, "the start-up self-test")
         assert srv.get("/v2/health/ready")[0] == 503
+        # the periodic re-check runs on its own, and keeps failing
+        wait_until(lambda: (metric(srv, "megamoe_selftest_runs_total", level="quick", status="fail") or 0) >= 2, 90,
+                   "a periodic self-test")
 
         status, report = srv.get("/v1/health/kernels?level=quick", token=TOKEN, timeout=60)
         assert status == 200
@@ -126,7 +130,7 @@ def test_broken_swizzle_fails_selftest_and_health_report(tmp_path, layer):
         request, _ = infer_body(layer, tokens=2, seed=3)
         reply = httpx.post(srv.url + INFER, json=request, headers=AUTH, timeout=10)
         assert reply.status_code == 503 and "self-test failed" in reply.json()["error"]
-        assert metric(srv, "megamoe_selftest_runs_total", level="quick", status="fail") >= 2
+        assert metric(srv, "megamoe_selftest_runs_total", level="quick", status="fail") >= 3
         assert metric(srv, "megamoe_ready") == 0.0
     finally:
         assert srv.stop() == 0
