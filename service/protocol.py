@@ -88,7 +88,12 @@ def _tensor_from_json(data, datatype: str, shape: list[int], name: str) -> torch
             raise ProtocolError(f"input {name!r}: {datatype} data must be integers")
         if values.numel() and (float(values.min()) < low or float(values.max()) > high):
             raise ProtocolError(f"input {name!r}: value out of {datatype} range")
-    return values.to(DATATYPES[datatype]).reshape(shape)
+    converted = values.to(DATATYPES[datatype])
+    if converted.is_floating_point():
+        overflow = torch.isfinite(values) & ~torch.isfinite(converted)
+        if bool(overflow.any()):
+            raise ProtocolError(f"input {name!r}: value {float(values[overflow][0])} is out of {datatype} range")
+    return converted.reshape(shape)
 
 
 def _tensor_from_bytes(raw: bytes, datatype: str, shape: list[int], name: str) -> torch.Tensor:

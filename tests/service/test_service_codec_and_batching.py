@@ -68,6 +68,7 @@ def test_json_nested_and_flat_data_agree():
     (b"{", None, "malformed JSON"),
     (b'{"inputs": [{"name": "x", "datatype": "INT32", "shape": [1], "data": [3000000000]}]}', None, "range"),
     (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": []}]}', None, "non-negative"),
+    (b'{"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [1, 70000]}]}', None, "out of FP16 range"),
     (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}', None, "neither"),
     (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1], '
      b'"parameters": {"binary_data_size": 4}}]}', "0", "both"),
