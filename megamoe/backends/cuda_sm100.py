@@ -308,8 +308,9 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         b_data, b_scale = pad_k(b, k_pad)
         if n_pad != n:
             b_data = torch.cat([b_data, b_data.new_zeros((n_pad - n, k_pad // 2))])
-            b_scale = torch.cat([b_scale.view(torch.uint8),
-                                 b_scale.view(torch.uint8).new_zeros((n_pad - n, k_pad // 16))]).view(torch.float8_e4m3fn)
+            b_scale_u8 = b_scale.view(torch.uint8)
+            b_scale_u8 = torch.cat([b_scale_u8, b_scale_u8.new_zeros((n_pad - n, k_pad // 16))])
+            b_scale = b_scale_u8.view(torch.float8_e4m3fn)
         a_sf = self.swizzle_scales(a_scale)
         b_sf = self.swizzle_scales(b_scale)
         scalar = a.global_scale.dim() == 0 and b.global_scale.dim() == 0
