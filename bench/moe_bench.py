@@ -227,6 +227,15 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_tflops"] = flops / med / 1e12
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
+            if args.variants and t <= 32 and "w4a16" in args.modes:
+                # W4A16 with the staging kernels instead of the fused gather / operand epilogue
+                be.fuse_w4a16 = False
+                try:
+                    cfg = base.with_(act_mode="w4a16")
+                    times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs, reps)
+                    row["sm90_w4a16_unfused_us"] = statistics.median(times) * 1e6
+                finally:
+                    be.fuse_w4a16 = True
             if args.variants and t >= 2048:
                 # the other GEMM kernel at the same shape, to show where the automatic switch sits
                 for forced, label in ((0, "stream"), (1, "tiled"), (2, "tiled2")):

@@ -15,7 +15,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
 
   int kernel = a.force_kernel;
-  if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 1 : 0;
+  if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 2 : 0;
   if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
   if (kernel >= 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream, kernel);
   if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
@@ -31,8 +31,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool vec = a.K % 64 == 0;
 #define MEGAMOE_STREAM(V, NT, PF) stream_gemm_kernel<V, NT, PF><<<grid, kStreamThreads, 0, stream>>>(a)
   if (vec) {
-    if (nt == 1) MEGAMOE_STREAM(true, 1, true);
-    else if (nt == 2) MEGAMOE_STREAM(true, 2, true);
+    // Register prefetch of the next slice measured slower at decode (run 3: T=32 674 -> 995 us), so off.
+    if (nt == 1) MEGAMOE_STREAM(true, 1, false);
+    else if (nt == 2) MEGAMOE_STREAM(true, 2, false);
     else if (nt == 4) MEGAMOE_STREAM(true, 4, false);
     else MEGAMOE_STREAM(true, 8, false);
   } else {

@@ -163,6 +163,13 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       } else {
         load_weights(s, wv, sc);
       }
+      uint32_t s2[4][2][2];  // bf16x2 scale * 2^119 per (block, m-tile, half)
+#pragma unroll
+      for (int blk = 0; blk < 4; ++blk)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) s2[blk][mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
 #pragma unroll
       for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
         uint4 av[NT][kChunkWords];
@@ -180,8 +187,8 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             uint32_t p0[4], p1[4];
-            dequant_word(wv[mt][0][i], scale_lut[(sc[mt][0] >> (8 * blk)) & 0xFFu], p0);
-            dequant_word(wv[mt][1][i], scale_lut[(sc[mt][1] >> (8 * blk)) & 0xFFu], p1);
+            dequant_word(wv[mt][0][i], s2[blk][mt][0], p0);
+            dequant_word(wv[mt][1][i], s2[blk][mt][1], p1);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               mma_bf16_16816(acc[mt][nt], p0[0], p1[0], p0[1], p1[1], av[nt][w].x, av[nt][w].y);
