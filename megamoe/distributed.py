@@ -65,6 +65,7 @@ __all__ = [
     "ExpertParallelMoE",
     "run_checks_all_ranks",
     "merge_rank_reports",
+    "global_rank",
 ]
 
 EP_THRESHOLD_COSINE = 0.9999  # EP dispatch/combine vs the all-reduce path (same NVFP4 weights and inputs)
@@ -627,7 +628,8 @@ def check_ep_dispatch_combine(layer: ExpertParallelMoE, seed: int) -> dict:
             "detail": detail, "duration_ms": round((time.perf_counter() - t0) * 1e3, 2)}
 
 
-def _global_rank(group, group_rank: int) -> int:
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (None: the default group), as collectives' src/dst want."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
@@ -694,7 +696,7 @@ def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: i
 
     if seed is None:  # one fresh seed for all ranks (each check then offsets it by the rank)
         seed_t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).to(layer.device)
-        dist.broadcast(seed_t, src=_global_rank(layer.group, 0), group=layer.group)
+        dist.broadcast(seed_t, src=global_rank(layer.group, 0), group=layer.group)
         seed = int(seed_t)
     report = health.run_checks(level=level, backend=layer.backend, seed=seed + layer.rank)
     t0 = time.perf_counter()
@@ -704,7 +706,7 @@ def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: i
         report["status"] = "fail"
     report.update(rank=layer.rank, world_size=layer.world_size, experts=[layer.expert_start, layer.expert_end])
     gathered = [None] * layer.world_size if layer.rank == dst else None
-    dist.gather_object(report, gathered, dst=_global_rank(layer.group, dst), group=layer.group)
+    dist.gather_object(report, gathered, dst=global_rank(layer.group, dst), group=layer.group)
     return merge_rank_reports(gathered) if layer.rank == dst else None
 
 

@@ -53,7 +53,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megamoe.distributed import ExpertParallelMoE, init_distributed, run_checks_all_ranks
+from megamoe.distributed import ExpertParallelMoE, global_rank, init_distributed, run_checks_all_ranks
 
 log = logging.getLogger("megamoe.service.distributed")
 
@@ -90,7 +90,7 @@ def _scatter_rows(full: torch.Tensor | None, tokens: int, width: int, dtype: tor
         padded = torch.zeros((c * world, width), dtype=dtype, device=layer.device)
         padded[:tokens] = full.to(layer.device, dtype)
         parts = list(padded.split(c))
-    dist.scatter(out, parts, src=0, group=layer.group)
+    dist.scatter(out, parts, src=global_rank(layer.group, 0), group=layer.group)
     return out[: _rows_of(rank, tokens, world)]
 
 
@@ -100,7 +100,7 @@ def _gather_rows(rows: torch.Tensor, tokens: int, layer: ExpertParallelMoE) -> t
     padded = torch.zeros((c, rows.shape[1]), dtype=rows.dtype, device=layer.device)
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(world)] if layer.rank == 0 else None
-    dist.gather(padded, parts, dst=0, group=layer.group)
+    dist.gather(padded, parts, dst=global_rank(layer.group, 0), group=layer.group)
     return torch.cat(parts)[:tokens] if layer.rank == 0 else None
 
 

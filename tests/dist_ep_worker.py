@@ -166,6 +166,17 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
     result["rerun_identical"] = bool(torch.equal(again, outs["router_bf16"]))
     result["outputs"], result["stats"] = outs, stats
 
+    # ---- a process group that is not the default one: EP over the last two ranks only
+    members = [world - 2, world - 1]
+    sub = dist.new_group(members)  # every rank takes part in creating it
+    if rank in members:
+        shard = load_shard(f"{workdir}/ckpt.safetensors", members.index(rank), len(members))
+        sublayer = ExpertParallelMoE(shard.weights, shard.config, shard.expert_start, group=sub, backend=backend,
+                                     device=device)
+        result["subgroup_output"] = sublayer(cases["router_fp32"][rank]["x"])
+        result["subgroup_health"] = run_checks_all_ranks(sublayer, "quick", seed=7)  # on group rank 0
+        del sublayer
+
     # ---- E not divisible by the world size: a clear error before any collective
     for what, fn in (("preset", lambda: ExpertParallelMoE.from_preset("tiny", backend="torch", num_experts=9)),
                      ("checkpoint", lambda: load_shard(f"{workdir}/ckpt_e9.safetensors", rank, world))):

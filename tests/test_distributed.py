@@ -135,6 +135,20 @@ def test_token_counts_one_prime_and_zero(single, ep, case):
         assert results[1]["outputs"][case].shape == (0, single.config.hidden_size)
 
 
+def test_subgroup_of_ranks(single, ep):
+    """EP over a process group of the last two ranks (global ranks W-2, W-1), not the default group."""
+    world, cases, results = ep
+    members = [world - 2, world - 1]
+    refs = single_process_outputs(single, [cases["router_fp32"][r] for r in members])
+    for ref, r in zip(refs, members):
+        torch.testing.assert_close(results[r]["subgroup_output"], ref, rtol=1e-5,
+                                   atol=1e-5 * float(ref.abs().max()))
+    rep = results[members[0]]["subgroup_health"]
+    assert rep["status"] == "pass" and rep["world_size"] == 2 and [r["rank"] for r in rep["ranks"]] == [0, 1]
+    assert results[members[1]]["subgroup_health"] is None
+    assert all("subgroup_output" not in results[r] for r in range(world) if r not in members)
+
+
 def test_rerun_is_bit_identical(ep):
     _, _, results = ep
     assert all(r["rerun_identical"] for r in results)
