@@ -104,6 +104,8 @@ def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_
             assert off == nvfp4.sf_offset(m, kk, kb), (g, "B", m, kk)
         if c:
             assert any(m == c - 1 for m, _, _ in grp["sfa_samples"])  # the last real row is sampled
+        # every (m, kb) of both layouts against the C++ closed form (megamoe/sf_layout.hpp)
+        assert grp["sfa_mismatches"] == 0 and grp["sfb_mismatches"] == 0, g
         assert grp["can_implement"]
 
 

@@ -79,6 +79,8 @@ nb::dict group_to_dict(sm100::GroupPlan const& g) {
   d["sfb_cosize"] = g.sfb_cosize;
   d["sfa_samples"] = samples_to_list(g.sfa_samples);
   d["sfb_samples"] = samples_to_list(g.sfb_samples);
+  d["sfa_mismatches"] = g.sfa_mismatches;
+  d["sfb_mismatches"] = g.sfb_mismatches;
   d["ptr_a"] = g.ptr_a;
   d["ptr_b"] = g.ptr_b;
   d["ptr_sfa"] = g.ptr_sfa;
@@ -167,7 +169,8 @@ void register_sm100(nb::module_& m) {
   m.def("sm100_args_bytes", [](int groups) { return sm100::args_layout(groups).total_bytes; }, nb::arg("groups"),
         "Bytes of the device buffer holding the per-group argument arrays.");
   m.def("sm100_workspace_bytes", &sm100::workspace_bytes, nb::arg("groups"),
-        nb::arg("sm_count") = sm100::kDefaultSmCount, "CUTLASS workspace bytes for a launch (Gemm::get_workspace_size).");
+        nb::arg("sm_count") = sm100::kDefaultSmCount,
+        "CUTLASS workspace bytes for a launch (Gemm::get_workspace_size).");
 
   m.def("sm100_moe_gemm",
         [](int num_experts, int parts, int n_part, int k, int a_scale_count, uintptr_t a, uintptr_t a_sf,

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -82,7 +83,8 @@ using ArrayElementB = typename CollectiveMainloop::ArrayElementB;
 using ElementSF = typename CollectiveMainloop::ElementSF;
 using FusionArguments = decltype(typename Gemm::Arguments{}.epilogue.thread);
 
-static_assert(BlockScaledConfig::SFVecSize == kSfVecSize, "NVFP4 scales cover 16 elements");
+static_assert(BlockScaledConfig::SFVecSize == megamoe::kSfVec, "NVFP4 scales cover 16 elements");
+constexpr int kSfVecSize = int(megamoe::kSfVec);
 static_assert(sizeof(ElementSF) == 1, "e4m3 scales are one byte");
 static_assert(sizeof(ElementD) == kOutputElementBytes, "sm100_moe_groups.hpp documents the output element");
 
@@ -273,6 +275,21 @@ std::vector<SfSample> sample_sf_layout(Layout const& layout, int rows, int k) {
   return out;
 }
 
+// Scales (m, kb) of a [rows, k/16] matrix whose offset in `layout` differs from the SPEC §2
+// closed form (megamoe::sf_offset, the one compiled into every kernel). Every (m, kb) is visited.
+template <class Layout>
+int64_t count_sf_mismatches(Layout const& layout, int rows, int k) {
+  int const kb_count = k / kSfVecSize;
+  int64_t const kt = megamoe::sf_padded_cols(kb_count) / megamoe::kSfTileCols;
+  int64_t bad = 0;
+  for (int m = 0; m < rows; ++m) {
+    for (int kb = 0; kb < kb_count; ++kb) {
+      bad += int64_t(layout(make_coord(m, kb * kSfVecSize, 0))) != megamoe::sf_offset(m, kb, kt);
+    }
+  }
+  return bad;
+}
+
 std::string status_string(cutlass::Status status) { return cutlass::cutlassGetStatusString(status); }
 
 }  // namespace
@@ -361,7 +378,9 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
     throw std::invalid_argument("plan_moe_gemm: b_global_scale has " + std::to_string(b_global_scale.size()) +
                                 " entries, num_experts * parts = " + std::to_string(groups));
   }
-  if (sm_count <= 0) throw std::invalid_argument("plan_moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  if (sm_count <= 0) {
+    throw std::invalid_argument("plan_moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  }
   for (int32_t c : token_counts) {
     if (c < 0) throw std::invalid_argument("plan_moe_gemm: negative token count " + std::to_string(c));
   }
@@ -376,11 +395,13 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
 
   plan.total_rows = total_padded_rows(token_counts.data(), geo.num_experts);
   plan.a_bytes = plan.total_rows * (geo.k / 2);
-  plan.sfa_bytes = sf_padded_bytes(plan.total_rows, geo.k);
+  plan.sfa_bytes = megamoe::sf_padded_bytes(plan.total_rows, geo.k / kSfVecSize);
   plan.b_bytes = int64_t(groups) * geo.n_part * (geo.k / 2);
-  plan.sfb_bytes = int64_t(groups) * sf_padded_bytes(geo.n_part, geo.k);
+  plan.sfb_bytes = int64_t(groups) * megamoe::sf_padded_bytes(geo.n_part, geo.k / kSfVecSize);
   plan.d_elems = plan.total_rows * geo.parts * geo.n_part;
 
+  std::map<int, int64_t> sfa_checked;
+  int64_t sfb_mismatches = -1;
   for (int g = 0; g < groups; ++g) {
     GroupPlan gp;
     gp.geo = group_geometry(geo, token_counts.data(), g);
@@ -398,6 +419,12 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
     gp.sfb_cosize = int64_t(cosize(sfb));
     gp.sfa_samples = sample_sf_layout(sfa, gp.geo.tokens, geo.k);
     gp.sfb_samples = sample_sf_layout(sfb, geo.n_part, geo.k);
+    // Layouts depend only on (rows, k): count each distinct one once.
+    auto const sfa_key = gp.geo.tokens;
+    if (sfa_checked.count(sfa_key) == 0) sfa_checked[sfa_key] = count_sf_mismatches(sfa, gp.geo.tokens, geo.k);
+    if (sfb_mismatches < 0) sfb_mismatches = count_sf_mismatches(sfb, geo.n_part, geo.k);
+    gp.sfa_mismatches = sfa_checked[sfa_key];
+    gp.sfb_mismatches = sfb_mismatches;
     gp.ptr_a = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_a[g]));
     gp.ptr_b = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_b[g]));
     gp.ptr_sfa = uint64_t(reinterpret_cast<uintptr_t>(arrays.ptr_sfa[g]));
@@ -426,7 +453,9 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
                   int sm_count, void* stream_handle) {
   std::vector<std::string> const problems = check_geometry(geo);
   if (!problems.empty()) throw std::invalid_argument("sm100 moe_gemm: " + problems.front());
-  if (sm_count <= 0) throw std::invalid_argument("sm100 moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  if (sm_count <= 0) {
+    throw std::invalid_argument("sm100 moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  }
   auto check_aligned = [](void const* p, char const* name, uintptr_t alignment) {
     if (p == nullptr || reinterpret_cast<uintptr_t>(p) % alignment != 0) {
       std::ostringstream os;
@@ -465,7 +494,8 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
       geo, bases, ptrs.token_counts, ptrs.a_global_scale, ptrs.b_global_scale, arrays);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("sm100 moe_gemm: argument builder launch failed: ") + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("sm100 moe_gemm: argument builder launch failed: ") +
+                             cudaGetErrorString(err));
   }
 
   std::vector<UnderlyingShape> host_shapes;

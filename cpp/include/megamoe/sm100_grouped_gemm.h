@@ -62,6 +62,8 @@ struct GroupPlan {
   int64_t sfb_cosize = 0;
   std::vector<SfSample> sfa_samples;  // sampled from the layout object stored for this group
   std::vector<SfSample> sfb_samples;
+  int64_t sfa_mismatches = 0;     // (m, kb) of the group's SF layouts that differ from megamoe::sf_offset
+  int64_t sfb_mismatches = 0;     // (every scale visited)
   // The pointer arrays as filled, with every operand base at 0: byte offsets
   // (D: byte offset of the fp32 output). ptr_alpha_index: alpha slot the group reads.
   uint64_t ptr_a = 0, ptr_b = 0, ptr_sfa = 0, ptr_sfb = 0, ptr_d = 0;

@@ -18,10 +18,10 @@
 //   SFA  SPEC §2 swizzled scales of A, swizzled as one [rows, k/16] matrix; as
 //        every expert block starts on a 128-row tile, expert e's scales are the
 //        standalone SPEC §2 layout of a [tokens_e, k/16] matrix starting at byte
-//        row_offset(e) * sf_k_tiles(k) * 4.
+//        row_offset(e) * sf_padded_cols(k/16).
 //   B    fp4 weights [E, parts * n_part, k/2] (the checkpoint layout, gate rows
 //        then up rows for w13).
-//   SFB  weight scales swizzled per (expert, part): [E, parts, round_up(n_part, 128) * sf_k_tiles(k) * 4]
+//   SFB  weight scales swizzled per (expert, part): [E, parts, sf_padded_bytes(n_part, k/16)]
 //        bytes. Gate and up are swizzled separately because n_part = I need not
 //        be a multiple of 128 (I = 464): a 128-row tile would straddle gate and up.
 //   D    fp32 [rows, parts * n_part], row-major.
@@ -31,6 +31,8 @@
 
 #include <cstdint>
 
+#include "megamoe/sf_layout.hpp"  // the SPEC §2 closed form and padded sizes
+
 #if defined(__CUDACC__)
 #define MEGAMOE_HOST_DEVICE __host__ __device__
 #else
@@ -39,10 +41,7 @@
 
 namespace megamoe::sm100 {
 
-constexpr int kExpertRowAlign = 128;  // SPEC §2 per-expert row padding
-constexpr int kSfVecSize = 16;        // NVFP4: one e4m3 scale per 16 elements along K
-constexpr int kSfTileRows = 128;      // rows of one SPEC §2 tile
-constexpr int kSfTileBlocks = 4;      // scale columns of one SPEC §2 tile (512 bytes)
+constexpr int kExpertRowAlign = 128;  // SPEC §2 per-expert row padding (one SF tile of rows)
 constexpr int kOutputElementBytes = 4;  // D is fp32
 
 struct MoeGemmGeometry {
@@ -70,16 +69,6 @@ struct GroupGeometry {
 };
 
 MEGAMOE_HOST_DEVICE inline int64_t round_up_i64(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Number of 4-column SF tiles along K (SPEC §2 KT).
-MEGAMOE_HOST_DEVICE inline int64_t sf_k_tiles(int k) {
-  return (k / kSfVecSize + kSfTileBlocks - 1) / kSfTileBlocks;
-}
-
-// Bytes of a SPEC §2 swizzled scale buffer for a [rows, k/16] scale matrix (padding included).
-MEGAMOE_HOST_DEVICE inline int64_t sf_padded_bytes(int64_t rows, int k) {
-  return round_up_i64(rows, kSfTileRows) * sf_k_tiles(k) * kSfTileBlocks;
-}
 
 MEGAMOE_HOST_DEVICE inline int num_groups(MoeGemmGeometry const& geo) { return geo.num_experts * geo.parts; }
 
@@ -109,11 +98,11 @@ MEGAMOE_HOST_DEVICE inline GroupGeometry group_geometry(MoeGemmGeometry const& g
   out.k = empty ? 0 : geo.k;
   out.row_offset = expert_row_offset(token_counts, out.expert);
   int64_t const part_index = int64_t(out.expert) * geo.parts + out.part;
-  int64_t const sf_row_bytes = sf_k_tiles(geo.k) * kSfTileBlocks;
+  int64_t const sf_row_bytes = megamoe::sf_padded_cols(geo.k / megamoe::kSfVec);  // bytes per row of an SF block
   out.a_offset_bytes = out.row_offset * (geo.k / 2);
   out.sfa_offset_bytes = out.row_offset * sf_row_bytes;
   out.b_offset_bytes = part_index * geo.n_part * (geo.k / 2);
-  out.sfb_offset_bytes = part_index * round_up_i64(geo.n_part, kSfTileRows) * sf_row_bytes;
+  out.sfb_offset_bytes = part_index * megamoe::sf_padded_bytes(geo.n_part, geo.k / megamoe::kSfVec);
   out.ldd = int64_t(geo.parts) * geo.n_part;
   out.d_offset_elems = out.row_offset * out.ldd + int64_t(out.part) * geo.n_part;
   out.a_scale_index = geo.a_scale_count == 1 ? 0 : out.expert;
