@@ -551,3 +551,22 @@ def test_launch_rejects_bad_input_before_any_cuda_call(case):
                   workspace_bytes=0, host_token_counts=counts, sm_count=SM_COUNT, stream=0)
         with pytest.raises(ValueError, match="args buffer" if case == "args_too_small" else "16-byte aligned"):
             ext.sm100_moe_gemm(**kw)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_field_bug_6_nan_token_rows_do_not_leak(emulated, dynamic):
+    """Padding tokens full of NaN/Inf (CUDA-graph batches) leave the real tokens' outputs unchanged."""
+    layer = _layer("tiny", emulated, dynamic_act_scale=dynamic)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(40, layer.config.hidden_size, generator=gen).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    clean = emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
+    junk = torch.full((9, x.shape[1]), float("nan"), dtype=x.dtype)
+    junk[::2] = float("inf")
+    x_all = torch.cat([x, junk])
+    ids_all = torch.cat([ids, ids[:9].flip(0)])
+    w_all = torch.cat([w, w[:9]])
+    out = emulated.moe_forward(layer._prepared, layer.config, x_all, ids_all, w_all)
+    assert torch.allclose(out[:40], clean, rtol=1e-6, atol=1e-6 * float(clean.abs().max()))
+    again = emulated.moe_forward(layer._prepared, layer.config, x_all, ids_all, w_all)
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again))  # FIELD_BUGS 14: rerun, same bits
