@@ -43,6 +43,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -265,7 +266,15 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
             return t
 
         local_where = {f"{prefix}experts.{j}.gate_proj.weight": None for j in range(end - start)}
-        w13, w2, in1, in2 = ck._load_per_expert(get, report, prefix, local_where)
+        # the per-expert reader records names under local numbers: collect them apart, renumber
+        seen = ShardLoadReport(path=str(path), rank=rank, world_size=world_size, expert_start=start,
+                               expert_end=end, num_experts=num_experts)
+        w13, w2, in1, in2 = ck._load_per_expert(get, seen, prefix, local_where)
+        for name, what in seen.tensors.items():
+            report.tensors[prefix + local_to_global(name[len(prefix):])] = what
+        report.quantized_at_load += [prefix + local_to_global(n[len(prefix):]) for n in seen.quantized_at_load]
+        report.warnings += [re.sub(r"^expert (\d+)", lambda m: f"expert {int(m.group(1)) + start}", w)
+                            for w in seen.warnings]
 
     def get_replicated(name: str):
         full = prefix + name

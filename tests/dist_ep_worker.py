@@ -138,6 +138,7 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
                           "w2": _storage_bytes(w.w2.data), "w2_scale": _storage_bytes(w.w2.scale)},
         "weights": {"w13": w.w13.data, "w13_scale": w.w13.scale.view(torch.uint8), "w13_gs": w.w13.global_scale,
                     "w2": w.w2.data, "w2_gs": w.w2.global_scale, "in1": w.w13_input_scale},
+        "per_expert_report": vars(per_expert.report),
         "per_expert_weights": {"w13": per_expert.weights.w13.data, "w13_gs": per_expert.weights.w13.global_scale,
                                "w2": per_expert.weights.w2.data},
     }

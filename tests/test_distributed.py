@@ -203,6 +203,12 @@ def test_sharded_loading_per_expert_layout(checkpoints, ep):
         names = [name for kind, name, _, _ in res["load"]["per_expert_reads"] if kind in ("get_tensor", "slice")]
         experts_read = {int(n[len(PREFIX):].split(".")[1]) for n in names if n.startswith(PREFIX + "experts.")}
         assert experts_read == set(range(start, end)), f"rank {r} read experts {sorted(experts_read)}"
+        # the report names the tensors by their names in the file (global expert numbers)
+        rep = res["load"]["per_expert_report"]
+        reported = {int(n[len(PREFIX):].split(".")[1]) for n in rep["tensors"] if n.startswith(PREFIX + "experts.")}
+        assert reported == set(range(start, end)), f"rank {r} reports experts {sorted(reported)}"
+        assert rep["tensors"][f"{PREFIX}experts.{start}.gate_proj.weight"] == "nvfp4"
+        assert rep["layout"] == "per-expert" and rep["prefix"] == PREFIX and rep["quantized_at_load"] == []
         w = res["load"]["per_expert_weights"]
         assert torch.equal(w["w13"], full.w13.data[start:end])
         assert torch.equal(w["w13_gs"], full.w13.global_scale[start:end])  # gate and up keep their own
@@ -390,3 +396,57 @@ def test_ep_bench_smoke_run(tmp_path):
         # every token goes to at least one rank and to at most min(k, W) of them
         assert r["tokens"] <= sum(r["rows_sent_per_rank"]) <= 2 * r["tokens"]
         assert sum(r["rows_sent_per_rank"]) == sum(r["rows_received_per_rank"])
+
+
+# ------------------------------------------------------------------------------------------
+# load_shard on its own (no process group needed: rank and world are arguments)
+# ------------------------------------------------------------------------------------------
+
+def test_load_shard_quantizes_float_experts_like_the_full_loader(tmp_path):
+    """Experts stored in bf16 are quantized at load per expert (and reported, FIELD_BUGS 13):
+    a rank's shard equals the same experts of the full load, byte for byte."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megamoe.checkpoint import load
+    from megamoe.distributed import load_shard
+    from megamoe.presets import get_preset
+
+    cfg = get_preset("tiny")
+    gen = torch.Generator().manual_seed(SEED)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    # gate and up rows of each expert 100x apart: each keeps its own global scale
+    w13 = torch.randn((e, 2 * i, h), generator=gen) * h ** -0.5
+    w13[:, i:] *= 100
+    tensors = {"w13_weight": w13.to(torch.bfloat16),
+               "w2_weight": (torch.randn((e, h, i), generator=gen) * i ** -0.5).to(torch.bfloat16),
+               "gate.weight": torch.randn((e, h), generator=gen).to(torch.bfloat16)}
+    path = tmp_path / "float.safetensors"
+    save_file(tensors, str(path), metadata={"megamoe.config": json.dumps(cfg.to_dict())})
+    full = load(path)
+    assert sorted(full.report.quantized_at_load) == ["w13_weight", "w2_weight"]
+    for world in (2, 4):
+        for rank in range(world):
+            shard = load_shard(path, rank, world)
+            start, end = rank * e // world, (rank + 1) * e // world
+            assert sorted(shard.report.quantized_at_load) == ["w13_weight", "w2_weight"]
+            for a, b in ((shard.weights.w13, full.weights.w13), (shard.weights.w2, full.weights.w2)):
+                assert torch.equal(a.data, b.data[start:end])
+                assert torch.equal(a.scale.view(torch.uint8), b.scale[start:end].view(torch.uint8))
+                assert torch.equal(a.global_scale, b.global_scale[start:end])
+            assert torch.equal(shard.weights.router_weight, full.weights.router_weight)
+            assert shard.report.expert_bytes_read * world == shard.report.expert_bytes_in_file
+
+
+def test_load_shard_errors_name_the_problem(tmp_path):
+    from megamoe.checkpoint import CheckpointError, write_synthetic
+    from megamoe.distributed import load_shard
+
+    path = write_synthetic(tmp_path / "t.safetensors", "tiny", seed=2)
+    with pytest.raises(ValueError, match="8 experts on 3 ranks leaves 2 over"):
+        load_shard(path, 0, 3)
+    with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
+        load_shard(path, 2, 2)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_shard(tmp_path / "missing.safetensors", 0, 2)
