@@ -570,3 +570,20 @@ def test_field_bug_6_nan_token_rows_do_not_leak(emulated, dynamic):
     assert torch.allclose(out[:40], clean, rtol=1e-6, atol=1e-6 * float(clean.abs().max()))
     again = emulated.moe_forward(layer._prepared, layer.config, x_all, ids_all, w_all)
     assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again))  # FIELD_BUGS 14: rerun, same bits
+
+
+def test_health_checks_catch_a_swapped_sf_layout_on_this_path():
+    """FIELD_BUGS 2 through the sm100 path: with the M/K-swapped swizzle of megamoe.faults, uniform
+    scales still pass and random scales fail, so the user's selftest would flag it."""
+    from megamoe import health
+    from megamoe.backends.cuda_sm100 import CudaSm100Backend
+    from megamoe.faults import SwappedScaleLayout
+
+    class Swapped(CudaSm100Backend):
+        def swizzle_scales(self, scale, out=None):
+            return SwappedScaleLayout.swizzle_scales(self, scale, out)
+
+    be = Swapped(device="cpu", executor="emulate", sm_count=SM_COUNT)
+    report = health.run_checks("quick", backend=be, seed=99, only=["gemm_cosine_uniform", "gemm_cosine_random"])
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status == {"gemm_cosine_uniform": "pass", "gemm_cosine_random": "fail"}, report["checks"]

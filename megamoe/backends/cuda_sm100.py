@@ -16,8 +16,8 @@ is validated on the user's hardware by the SPEC §5 health checks
 How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_groups.hpp``):
 
 * tokens are sorted by expert into a padded activation matrix whose expert blocks start
-  on 128-row boundaries (SPEC §2), quantized with the reference quantizer and swizzled as
-  one matrix (padding rows are zero, so their scales are zero);
+  on 128-row boundaries (SPEC §2), quantized (bytes identical to the reference quantizer)
+  and swizzled as one matrix (padding rows are zero, so their scales are zero);
 * GEMM 1 has two groups per expert, gate and up, each with its own alpha
   (``w13_weight_scale_2[e, 0]`` and ``[e, 1]``, times the static input scale), writing the
   two column halves of one ``[rows, 2I]`` output; the weight scales of gate and up are
