@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from _helpers import SEED
-from dist_cases import EXPERT_TENSORS, PREFIX, VARIANTS, _free_port, launch, single_process_outputs, write_checkpoints
+from dist_cases import (EXPERT_TENSORS, PREFIX, PRESET_OVERRIDES, VARIANTS, _free_port, launch,
+                        single_process_outputs, write_checkpoints)
 
 WORLD_SIZES = (2, 4)
 
@@ -450,3 +451,31 @@ def test_load_shard_errors_name_the_problem(tmp_path):
         load_shard(path, 2, 2)
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_shard(tmp_path / "missing.safetensors", 0, 2)
+
+
+def test_load_shard_reads_a_directory_of_files(tmp_path):
+    """Tensors spread over several .safetensors files (as large checkpoints are)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from megamoe.checkpoint import load, write_synthetic
+    from megamoe.distributed import load_shard
+
+    single_file = write_synthetic(tmp_path / "one.safetensors", "tiny", seed=SEED % 1000, **PRESET_OVERRIDES)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    with safe_open(str(single_file), framework="pt") as fh:
+        meta = fh.metadata()
+        names = sorted(fh.keys())
+        parts = [{n: fh.get_tensor(n) for n in names[j::3]} for j in range(3)]
+    for j, part in enumerate(parts):
+        save_file(part, str(d / f"model-0000{j + 1}-of-00003.safetensors"), metadata=meta)
+    full = load(d)
+    for rank in range(4):
+        shard = load_shard(d, rank, 4)
+        lo, hi = rank * 2, rank * 2 + 2
+        assert torch.equal(shard.weights.w13.data, full.weights.w13.data[lo:hi])
+        assert torch.equal(shard.weights.w2.global_scale, full.weights.w2.global_scale[lo:hi])
+        assert torch.equal(shard.weights.w13_input_scale, full.weights.w13_input_scale[lo:hi])
+        assert torch.equal(shard.weights.shared_down, full.weights.shared_down)
+        assert shard.config == full.config
