@@ -163,13 +163,6 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       } else {
         load_weights(s, wv, sc);
       }
-      uint32_t s2[4][2][2];  // bf16x2 scale * 2^119 per (block, m-tile, half)
-#pragma unroll
-      for (int blk = 0; blk < 4; ++blk)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) s2[blk][mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
 #pragma unroll
       for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
         uint4 av[NT][kChunkWords];
@@ -184,11 +177,17 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 #pragma unroll
         for (int w = 0; w < kChunkWords; ++w) {
           const int i = c0 + w, blk = i / 2;
+          // Scales looked up at each block start (short live range: fewer registers, run 1's layout).
+          uint32_t s2[2][2];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             uint32_t p0[4], p1[4];
-            dequant_word(wv[mt][0][i], s2[blk][mt][0], p0);
-            dequant_word(wv[mt][1][i], s2[blk][mt][1], p1);
+            dequant_word(wv[mt][0][i], s2[mt][0], p0);
+            dequant_word(wv[mt][1][i], s2[mt][1], p1);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               mma_bf16_16816(acc[mt][nt], p0[0], p1[0], p0[1], p1[1], av[nt][w].x, av[nt][w].y);
@@ -249,6 +248,172 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
             } else {
               a.out[out_row * I + col] = hv;
             }
+          } else {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              if (!rvalid[mt][hh]) continue;
+              const int64_t n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + g + 8 * hh;
+              a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// One token tile per pass, staged operand-order activations: the layout measured fastest at
+// decode (run 2: 62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
+template <bool kVec>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
+  __shared__ uint32_t scale_lut[256];
+  __shared__ float partial[4][2][4][32];
+  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  __syncthreads();
+
+  int expert, row_begin, rows;
+  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const int64_t I = N / 2;
+
+  // The 4 weight rows of this lane: (m-tile mt, half hh) -> row g + 8*hh of the tile.
+  const uint8_t* wrow[2][2];
+  const uint8_t* srow[2][2];
+  bool rvalid[2][2];
+  const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
+  const uint8_t* ws = a.w_scale + int64_t(expert) * N * Kb;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = g + 8 * hh;
+      int64_t n;
+      if (silu_mul) {
+        const int64_t col = int64_t(blockIdx.x) * 16 + r;
+        rvalid[mt][hh] = col < I;
+        n = mt * I + col;
+      } else {
+        n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + r;
+        rvalid[mt][hh] = n < N;
+      }
+      if (!rvalid[mt][hh]) n = 0;
+      wrow[mt][hh] = wd + n * row_bytes;
+      srow[mt][hh] = ws + n * Kb;
+    }
+  }
+
+  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
+  const float* wg = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
+  const float alpha0 = a_gs * wg[0];
+  const float alpha1 = silu_mul ? a_gs * wg[1] : alpha0;
+
+  for (int tok0 = 0; tok0 < rows; tok0 += 8) {
+    float acc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+    const bool tvalid = tok0 + g < rows;
+    const uint16_t* arow = a.act + int64_t(row_begin + tok0 + (tvalid ? g : 0)) * K;
+
+    // The trip count must be the same for the whole warp (mma.sync is warp-collective):
+    // lanes past the last slice load zeros.
+    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
+      const int64_t s = s0 + tig;
+      const bool svalid = s < slices;
+      uint32_t wv[2][2][8];
+      uint32_t sc[2][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (kVec) {
+            uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
+            uint32_t sv = 0;
+            if (rvalid[mt][hh] && svalid) {
+              x0 = ldg_stream(wrow[mt][hh] + s * 32);
+              x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
+              sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
+            }
+            wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
+            wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
+            sc[mt][hh] = sv;
+          } else {
+            uint32_t sv = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int64_t b = s * 4 + j;
+              uint2 x = make_uint2(0, 0);
+              if (rvalid[mt][hh] && b < Kb) {
+                x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
+                sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
+              }
+              wv[mt][hh][2 * j] = x.x;
+              wv[mt][hh][2 * j + 1] = x.y;
+            }
+            sc[mt][hh] = sv;
+          }
+        }
+      }
+      uint4 av[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        av[i] = make_uint4(0, 0, 0, 0);
+        if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
+      }
+#pragma unroll
+      for (int blk = 0; blk < 4; ++blk) {
+        uint32_t s2[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+          const int i = blk * 2 + wi;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            uint32_t p0[4], p1[4];
+            dequant_word(wv[mt][0][i], s2[mt][0], p0);
+            dequant_word(wv[mt][1][i], s2[mt][1], p1);
+            mma_bf16_16816(acc[mt], p0[0], p1[0], p0[1], p1[1], av[i].x, av[i].y);
+            mma_bf16_16816(acc[mt], p0[2], p1[2], p0[3], p1[3], av[i].z, av[i].w);
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][mt][i][lane] = acc[mt][i];
+    __syncthreads();
+    if (warp == 0) {
+      float sum[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          sum[mt][i] = ((partial[0][mt][i][lane] + partial[1][mt][i][lane]) + partial[2][mt][i][lane]) +
+                       partial[3][mt][i][lane];
+      // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int tok = tok0 + 2 * tig + t;
+          if (tok >= rows) continue;
+          const int64_t out_row = row_begin + tok;
+          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+          if (silu_mul) {
+            if (!rvalid[0][hh]) continue;
+            const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
+            const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
+            a.out[out_row * I + int64_t(blockIdx.x) * 16 + g + 8 * hh] = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
           } else {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {

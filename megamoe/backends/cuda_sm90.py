@@ -229,7 +229,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         tpp = self.tokens_per_pass
         # W4A16 on the streaming kernel: the L1 GEMM gathers x itself and writes h as the
         # bf16 operand of L2, so neither activation needs a staging kernel.
-        fused = self.fuse_w4a16 and cfg.act_mode == "w4a16" and kernel == KERNEL_STREAM and x.dtype == torch.bfloat16
+        # (Not with one token tile per pass: that case runs the separate decode kernel, measured
+        # faster with staged operands than the fused variant; see bench/NOTES.md.)
+        one_tile = (tpp or 8 * (1 if (expected * 3 + 1) // 2 <= 8 else 2)) == 8
+        fused = (self.fuse_w4a16 and cfg.act_mode == "w4a16" and kernel == KERNEL_STREAM
+                 and x.dtype == torch.bfloat16 and not one_tile)
 
         if fused:
             a1, a1_rows, a_gs, per_e, a_rs = x, ws.row_token, None, False, None
