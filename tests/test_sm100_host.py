@@ -587,3 +587,17 @@ def test_health_checks_catch_a_swapped_sf_layout_on_this_path():
     report = health.run_checks("quick", backend=be, seed=99, only=["gemm_cosine_uniform", "gemm_cosine_random"])
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"gemm_cosine_uniform": "pass", "gemm_cosine_random": "fail"}, report["checks"]
+
+
+def test_primitives_fall_back_to_the_reference_off_gpu(emulated):
+    gen = torch.Generator().manual_seed(4)
+    sizes = [5, 0, 130]
+    s = (torch.rand(sum(sizes), 7, generator=gen) * 100).to(torch.float8_e4m3fn)
+    buf = emulated.swizzle_scales_grouped(s, sizes)
+    assert torch.equal(buf, nvfp4.swizzle_scales_grouped(s, sizes))
+    back = emulated.unswizzle_scales_grouped(buf, sizes, 7)
+    assert torch.equal(back.view(torch.uint8), s.view(torch.uint8))
+    assert emulated.verify_sf_roundtrip(s)["mismatches"] == 0
+    x = torch.randn(33, 64, generator=gen)
+    q, ref = emulated.quantize(x), nvfp4.quantize(x)
+    assert torch.equal(q.data, ref.data) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))

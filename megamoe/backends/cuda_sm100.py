@@ -234,6 +234,11 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
     swizzle_scales_grouped = _primitive("swizzle_scales_grouped")
     verify_sf_roundtrip = _primitive("verify_sf_roundtrip")
 
+    def unswizzle_scales_grouped(self, buf: torch.Tensor, group_sizes, cols: int) -> torch.Tensor:
+        if self._gpu_primitives:
+            return CudaCommonMixin.unswizzle_scales_grouped(self, buf, group_sizes, cols)
+        return nvfp4.unswizzle_scales_grouped(buf, group_sizes, cols)
+
     # ------------------------------------------------------------------ availability
     @classmethod
     def availability(cls) -> tuple[bool, str]:
