@@ -176,7 +176,8 @@ def main(argv=None) -> int:
             "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
             "results": results,
         }
-        out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"ep_{report['device']}.json"
+        default = Path(__file__).resolve().parent / "results" / f"ep_{report['device']}.json"
+        out = Path(args.out) if args.out else default
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {out}")

@@ -293,7 +293,8 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
         u = get_replicated("shared_experts.up_proj.weight")
         shared_gu = torch.cat([g, u]) if g is not None and u is not None else None
     shared_down = get_replicated("shared_experts.down_proj.weight")
-    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
+    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu),
+                    ("shared_experts.down_proj.weight", shared_down)):
         if t is not None and t.dtype == torch.uint8:
             raise ck.CheckpointError(f"{prefix}{name}: NVFP4 shared experts are not supported; store them in bf16")
 
@@ -501,8 +502,8 @@ class ExpertParallelMoE(MoELayer):
         send_rank, send_tok = member.nonzero(as_tuple=True)                  # rank-major, tokens ascending
         send_counts = member.sum(1)                                         # [W]
         on_dest = dest[send_tok] == send_rank.unsqueeze(1)                  # [S, k]
-        local_ids = torch.where(on_dest, ids[send_tok] - send_rank.unsqueeze(1) * per, torch.full_like(on_dest, -1,
-                                                                                                       dtype=torch.long))
+        not_here = torch.full_like(on_dest, -1, dtype=torch.long)                # a slot of another rank
+        local_ids = torch.where(on_dest, ids[send_tok] - send_rank.unsqueeze(1) * per, not_here)
         slot_w = torch.where(on_dest, topk_weights[send_tok].float(), torch.zeros((), device=x.device))
         # one int32 message per row: k local ids, then the k fp32 weights' bits (exact, one collective)
         meta = torch.cat([local_ids.to(torch.int32), slot_w.contiguous().view(torch.int32)], dim=1)
