@@ -124,6 +124,8 @@ def test_kernel_info_is_the_one_instantiated_config():
     assert info["sf_vec_size"] == 16
     assert (info["alignment_a_elems"], info["alignment_b_elems"], info["alignment_d_elems"]) == (32, 32, 4)
     assert info["stages"] >= 2
+    assert 0 < info["shared_storage_bytes"] <= info["smem_capacity_bytes"] == 232448
+    assert info["threads_per_cta"] % 128 == 0
     assert info["expert_row_align"] == 128
 
 

@@ -129,6 +129,9 @@ void register_sm100(nb::module_& m) {
     d["tile_shape"] = nb::make_tuple(k.tile_m, k.tile_n, k.tile_k);
     d["cluster_shape"] = nb::make_tuple(k.cluster_m, k.cluster_n);
     d["stages"] = k.stages;
+    d["shared_storage_bytes"] = k.shared_storage_bytes;
+    d["smem_capacity_bytes"] = k.smem_capacity_bytes;
+    d["threads_per_cta"] = k.threads_per_cta;
     d["alignment_a_elems"] = k.alignment_a_elems;
     d["alignment_b_elems"] = k.alignment_b_elems;
     d["alignment_d_elems"] = k.alignment_d_elems;

@@ -302,6 +302,9 @@ KernelInfo kernel_info() {
   info.cluster_m = size<0>(ClusterShape{});
   info.cluster_n = size<1>(ClusterShape{});
   info.stages = CollectiveMainloop::DispatchPolicy::Stages;
+  info.shared_storage_bytes = GemmKernel::SharedStorageSize;
+  info.smem_capacity_bytes = cutlass::arch::sm100_smem_capacity_bytes;
+  info.threads_per_cta = int(GemmKernel::MaxThreadsPerBlock);
   info.alignment_a_elems = kAlignmentA;
   info.alignment_b_elems = kAlignmentB;
   info.alignment_d_elems = kAlignmentD;

@@ -30,6 +30,9 @@ struct KernelInfo {
   int tile_m = 0, tile_n = 0, tile_k = 0;
   int cluster_m = 0, cluster_n = 0;
   int stages = 0;
+  int shared_storage_bytes = 0;  // dynamic shared memory per CTA
+  int smem_capacity_bytes = 0;   // what an sm_100 CTA may use
+  int threads_per_cta = 0;
   int alignment_a_elems = 0;  // fp4 elements: K must be a multiple of this
   int alignment_b_elems = 0;
   int alignment_d_elems = 0;  // output elements: N and ldd must be multiples of this
