@@ -173,4 +173,4 @@ def test_token_count_sweep(gen, t):
     out = layer(x, ids, w)
     for r in {0, t // 2, t - 1}:
         single = layer(x[r:r + 1], ids[r:r + 1], w[r:r + 1])
-        assert rel_err(single[0], out[r]) < 1e-5
+        assert rel_err(single[0], out[r]) < 1e-4  # BLAS sums in another order for another T
