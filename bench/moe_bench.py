@@ -36,6 +36,7 @@ from megamoe.moe import MoEWeights  # noqa: E402
 from megamoe.presets import get_preset  # noqa: E402
 
 ROTATE = 8
+VARIANT_KERNELS = (0, 2, 4, 5)  # stream, tiled2, wgmma64, wgmma256 (megamoe.backends.cuda_sm90.KERNEL_NAMES)
 
 
 # ----------------------------------------------------------------------------- floors
@@ -181,12 +182,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
-    ap.add_argument("--force-kernel", type=int, default=-1, help="-1 auto, 0 streaming, 1 tiled, 2 tiled with 2 blocks/SM")
-    ap.add_argument("--variants", action="store_true", help="also time both GEMM kernels (W4A16) for T >= 2048")
+    ap.add_argument("--force-kernel", type=int, default=-1,
+                    help="-1 auto, 0 streaming, 1 tiled, 2 tiled with 2 blocks/SM, 3 wgmma, 4 wgmma tile 64, 5 wgmma tile 256")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time every GEMM kernel for T >= 128 (W4A16; the wgmma ones in W4A4 too)")
     args = ap.parse_args(argv)
 
     from megamoe.backends import get_backend
-    from megamoe.backends.cuda_sm90 import CudaSm90Backend
+    from megamoe.backends.cuda_sm90 import KERNEL_NAMES, CudaSm90Backend
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -236,19 +239,24 @@ def main(argv=None) -> int:
                     row["sm90_w4a16_unfused_us"] = statistics.median(times) * 1e6
                 finally:
                     be.fuse_w4a16 = True
-            if args.variants and t >= 2048:
-                # the other GEMM kernel at the same shape, to show where the automatic switch sits
-                for forced, label in ((0, "stream"), (1, "tiled"), (2, "tiled2")):
-                    cfg = base.with_(act_mode="w4a16")
-                    be.force_kernel = forced
-                    try:
-                        times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs,
-                                           max(10, reps // 2))
-                        row[f"sm90_w4a16_{label}_us"] = statistics.median(times) * 1e6
-                    except Exception as exc:  # noqa: BLE001
-                        row[f"sm90_w4a16_{label}_error"] = repr(exc)
-                    finally:
-                        be.force_kernel = args.force_kernel
+            if args.variants and t >= 128:
+                # every GEMM kernel at the same shape (W4A16; the wgmma ones in W4A4 too), to place the switch
+                for forced in VARIANT_KERNELS:
+                    label = KERNEL_NAMES[forced]
+                    for mode in (("w4a16", "w4a4") if forced >= 3 else ("w4a16",)):
+                        if mode not in args.modes:
+                            continue
+                        cfg = base.with_(act_mode=mode)
+                        be.force_kernel = forced
+                        key = f"sm90_{mode}_{label}_us"
+                        try:
+                            times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
+                                               bufs, max(10, reps // 4))
+                            row[key] = statistics.median(times) * 1e6
+                        except Exception as exc:  # noqa: BLE001
+                            row[key.replace("_us", "_error")] = repr(exc)
+                        finally:
+                            be.force_kernel = args.force_kernel
             if tw13 is not None:
                 try:
                     times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,
@@ -264,10 +272,22 @@ def main(argv=None) -> int:
                     row["torch_bf16_error"] = repr(exc)
             results.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            write_report(args, argv, copy_bw, bf16_rate, results)  # after every row: a killed run keeps its rows
         del weights, prepared, tw13, tw2
         be._workspaces.clear()
         torch.cuda.empty_cache()
 
+    report = write_report(args, argv, copy_bw, bf16_rate, results)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    try:
+        make_plot(report, plot, args.modes)
+    except Exception as exc:  # noqa: BLE001
+        print(f"plot failed: {exc!r}")
+    print_table(report, args.modes)
+    return 0
+
+
+def write_report(args, argv, copy_bw, bf16_rate, results) -> dict:
     report = {
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -280,15 +300,10 @@ def main(argv=None) -> int:
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(args.out + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
-    try:
-        make_plot(report, plot, args.modes)
-    except Exception as exc:  # noqa: BLE001
-        print(f"plot failed: {exc!r}")
-    print_table(report, args.modes)
-    return 0
+    os.replace(args.out + ".tmp", args.out)
+    return report
 
 
 def make_plot(report, path, modes):
@@ -334,6 +349,14 @@ def print_table(report, modes):
             cells.append(f"{sp:>8.2f}" if sp else f"{'-':>8}")
         cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
         print(" ".join(cells))
+    keys = [k for k in ("sm90_w4a16_stream_us", "sm90_w4a16_tiled2_us", "sm90_w4a16_wgmma64_us", "sm90_w4a16_wgmma256_us",
+                        "sm90_w4a4_wgmma64_us", "sm90_w4a4_wgmma256_us") if any(k in r for r in report["results"])]
+    if keys:
+        print("variants (us): " + " ".join(k[5:-3] for k in keys))
+        for r in report["results"]:
+            if any(k in r for k in keys):
+                print(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}" for k in keys)
+                      + f"  torch {r.get('torch_bf16_us', float('nan')):.1f}")
 
 
 if __name__ == "__main__":

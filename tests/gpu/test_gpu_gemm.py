@@ -6,16 +6,19 @@ import pytest
 import torch
 
 from megamoe import nvfp4
-from megamoe.backends.cuda_sm90 import KERNEL_STREAM, KERNEL_TILED, CudaSm90Backend
+from megamoe.backends.cuda_sm90 import (KERNEL_STREAM, KERNEL_TILED, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_SMALL,
+                                        CudaSm90Backend)
 
 from _gpu_util import cosine, random_nvfp4, rel_err, sm90_backend
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 256, 7168), (300, 4096, 512), (8, 2048, 4096)]
+SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 256, 7168), (300, 4096, 512), (8, 2048, 4096),
+          # token counts across the wgmma kernel's per-tile widths (8..256) and tile boundaries
+          (17, 200, 320), (70, 130, 192), (193, 384, 256), (257, 136, 128)]
 
 
-@pytest.mark.parametrize("kernel", [KERNEL_STREAM, KERNEL_TILED])
+@pytest.mark.parametrize("kernel", [KERNEL_STREAM, KERNEL_TILED, KERNEL_WGMMA_SMALL, KERNEL_WGMMA_LARGE])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
 def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):

@@ -1,0 +1,321 @@
+// NVFP4 grouped GEMM on Hopper warpgroup MMA (wgmma, sm_90a), swap-AB: the weights are the
+// M operand (from registers), the tokens of one expert the N operand (from shared memory).
+//
+// Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
+// one expert x one token tile of up to kMaxN tokens of that expert; K in steps of 64.
+// All 256 threads load (cp.async, kStages-deep ring of shared-memory stages) and compute:
+//  - activations (bf16, operand order, K-major) land in a 128-byte-swizzled tile, rows of
+//    128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7) (the SW128 K-major layout a
+//    wgmma descriptor reads; the same layout the tiled kernel uses for ldmatrix);
+//  - packed NVFP4 weights (32 bytes per row per stage) and their e4m3 scales land as raw bytes;
+//    each warp dequantizes exactly its own 16 rows into the A register fragment (every
+//    weight element is decoded once per block), then wgmma m64nNk16 with A in registers.
+// N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
+// instantiated widths, so a tile of 48 tokens runs n64 and one of 180 runs n192.
+//
+// Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
+// (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
+// so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
+//
+// Pipeline per k-tile kt (prefetch distance kStages-1):
+//   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
+//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
+//     warpgroup drained them at the end of iteration kt-1, before the barrier)
+//   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
+#pragma once
+#include "gemm_common.cuh"
+#include "grouped_gemm_tiled.cuh"  // cp_async helpers
+#include "megamoe/sm90_kernels.h"
+#include "wgmma_ops.cuh"
+
+namespace megamoe::sm90 {
+
+constexpr int kWgThreads = 256;
+constexpr int kWgRows = 128;     // weight rows per block
+constexpr int kWgK = 64;         // K per stage
+constexpr int kWgWRowBytes = 48;  // 32 bytes of packed weights per row and stage, padded (16-aligned, conflict-free)
+constexpr int kWgSmall = 64, kWgLarge = 256;  // the two token-tile configurations
+
+template <int kMaxN>
+struct WgCfg {
+  static constexpr int kStages = kMaxN <= 64 ? 6 : 4;
+  static constexpr int kMinBlocks = kMaxN <= 64 ? 2 : 1;
+  static constexpr int kABytes = kMaxN * 128;
+  static constexpr int kWBytes = kWgRows * kWgWRowBytes;
+  static constexpr int kRaw = kABytes + kWBytes + kWgRows * 4;
+  static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + 2 * 1024 * 4;
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+template <int M>
+__device__ __forceinline__ void acc_fence(float (&d)[M]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Descriptor of a K-major, 128-byte-swizzled bf16 tile: rows of 128 bytes, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t d = uint64_t((addr & 0x3FFFFu) >> 4);
+  d |= uint64_t(1) << 16;            // leading byte offset (unused for swizzled K-major)
+  d |= uint64_t(1024 >> 4) << 32;    // stride byte offset: next 8-row group
+  d |= uint64_t(1) << 62;            // swizzle mode: 128 B
+  return d;
+}
+
+inline bool wg_gemm_supported(const GroupedGemmArgs& a) { return a.K % kWgK == 0 && a.num_experts <= 1024; }
+
+// Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
+template <int N, int kMaxN>
+__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
+                                        int row_begin, int rows, int m0) {
+  using Cfg = WgCfg<kMaxN>;
+  constexpr int S = Cfg::kStages;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+  const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const int64_t I = Nw / 2;
+  const uint8_t* wd = a.w_data + int64_t(expert) * Nw * row_bytes;
+  const uint8_t* ws = a.w_scale + int64_t(expert) * Nw * Kb;
+
+  // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output
+  // columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
+  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens.
+  auto weight_row = [&](int lr, bool& valid) -> int64_t {
+    if (silu_mul) {
+      const int64_t col = int64_t(blockIdx.x) * 64 + (lr >> 4) * 8 + (lr & 7);
+      valid = col < I;
+      return valid ? (((lr >> 3) & 1) ? I + col : col) : 0;
+    }
+    const int64_t n = int64_t(blockIdx.x) * kWgRows + lr;
+    valid = n < Nw;
+    return valid ? n : 0;
+  };
+  const int w_lr = tid >> 1, w_half = tid & 1;  // 2 threads per weight row, 16 bytes each
+  bool w_valid;
+  const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * 16;
+  bool s_valid = false;
+  const uint8_t* s_src = ws;
+  if (tid < kWgRows) s_src = ws + weight_row(tid, s_valid) * Kb;
+
+  const int num_k_tiles = int(K / kWgK);
+  auto load_stage = [&](int slot, int kt) {
+    uint8_t* sa = stages + slot * Cfg::kStageBytes;
+    uint8_t* sw = sa + Cfg::kABytes;
+    uint8_t* ss = sw + Cfg::kWBytes;
+#pragma unroll
+    for (int i = 0; i < (N * 8 + kWgThreads - 1) / kWgThreads; ++i) {
+      const int c = tid + i * kWgThreads;
+      if (N * 8 % kWgThreads == 0 || c < N * 8) {
+        const int r = c >> 3, ch = c & 7;
+        const bool valid = m0 + r < rows;
+        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kWgK + ch * 8;
+        cp_async(sa + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
+      }
+    }
+    cp_async(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
+    if (tid < kWgRows) cp_async(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
+  };
+
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+
+  // Per-lane dequant constants: this lane extracts pair P_tig of each word.
+  const uint32_t pick_shift = tig >= 2 ? 8u : 0u;
+  const uint32_t pick_mask = (tig & 1) ? 0x00F000F0u : 0x000F000Fu;
+  const uint32_t pick_mul = (tig & 1) ? 0x0104u : 0x1040u;
+  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  uint32_t af[4][4];
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
+    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+    const int pf = kt + S - 1;
+    if (pf < num_k_tiles) load_stage(pf % S, pf);  // the slot of tile kt-1
+    cp_async_commit();
+
+    const uint8_t* sa = stages + (kt % S) * Cfg::kStageBytes;
+    const uint8_t* sw = sa + Cfg::kABytes;
+    const uint8_t* ss = sw + Cfg::kWBytes;
+    const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes);
+    const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes + 16);
+    const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes);
+    const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes + 16);
+    const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
+    const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
+    const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
+    const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
+      const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
+      af[ks][0] = bf16x2_mul(nibble_pair_bits((r0[2 * ks] >> pick_shift) & pick_mask, pick_mul), s0);
+      af[ks][1] = bf16x2_mul(nibble_pair_bits((r1[2 * ks] >> pick_shift) & pick_mask, pick_mul), s1);
+      af[ks][2] = bf16x2_mul(nibble_pair_bits((r0[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s0);
+      af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
+    }
+    acc_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) Wgmma<N>::mma(acc, af[ks], sw128_desc(sa + ks * 32));
+    wgmma_commit();
+    acc_fence(acc);
+    // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
+    // registers feeding one are written while an earlier group is in flight. The other
+    // warpgroup (and block) keep the tensor cores busy meanwhile.
+    wgmma_wait<0>();
+  }
+  acc_fence(acc);
+  cp_async_wait<0>();
+
+  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
+  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
+  const float alpha0 = a_gs * wgs[0];
+  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
+  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
+  if (silu_mul) {
+    const int64_t col = int64_t(blockIdx.x) * 64 + wg * 32 + wq * 8 + g;
+    if (col < I) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int tok = m0 + 8 * j + 2 * tig + t;
+          if (tok < rows) {
+            const int64_t out_row = int64_t(row_begin) + tok;
+            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+            a.out[out_row * I + col] = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
+                                              a.swiglu_clamp, a.swiglu_limit);
+          }
+        }
+      }
+    }
+  } else {
+    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + wg * 64 + wq * 16 + g;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int tok = m0 + 8 * j + 2 * tig + t;
+        if (tok < rows) {
+          const int64_t out_row = int64_t(row_begin) + tok;
+          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int64_t n = n0 + 8 * hh;
+            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int kMaxN>
+__global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
+  using Cfg = WgCfg<kMaxN>;
+  extern __shared__ uint8_t wg_smem_raw[];
+  // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
+  uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
+  int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
+  int32_t* warp_sums = tile_scan + 1024;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < 256; i += kWgThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+
+  // Which expert and which token tile of it: scan of ceil(tokens_e / kMaxN) (as the tiled kernel).
+  const int E = a.num_experts;
+  int carry = 0;
+  for (int base = 0; base < E; base += kWgThreads) {
+    const int e = base + tid;
+    int v = 0;
+    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kMaxN - 1) / kMaxN;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += t;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    int prefix = carry;
+    for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
+    if (e < E) tile_scan[e] = prefix + v;
+    int total = carry;
+    for (int w = 0; w < kWgThreads / 32; ++w) total += warp_sums[w];
+    carry = total;
+    __syncthreads();
+  }
+  const int tile = blockIdx.y;
+  if (tile >= carry) return;
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_scan[mid] > tile) hi = mid;
+    else lo = mid + 1;
+  }
+  const int expert = lo;
+  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
+  const int row_begin = a.expert_offsets[expert];
+  const int rows = a.expert_offsets[expert + 1] - row_begin;
+  const int m0 = (tile - tiles_before) * kMaxN;
+  const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
+  __syncthreads();  // scale_lut visible
+
+  if (kMaxN <= 64) {
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<(kMaxN < 64 ? kMaxN : 64), kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  } else {
+    if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 128) wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 192) wg_tile<192, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<256, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  }
+}
+
+// variant: 3 auto (token tile 64 up to kWgAutoLargeAbove tokens per expert, else 256), 4 tile 64, 5 tile 256.
+constexpr int kWgAutoLargeAbove = 48;
+
+template <int kMaxN>
+inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t stream) {
+  using Cfg = WgCfg<kMaxN>;
+  static bool attr_set = false;
+  if (!attr_set) {
+    cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err != cudaSuccess) return err;
+    attr_set = true;
+  }
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const unsigned gx = silu_mul ? unsigned((a.N / 2 + 63) / 64) : unsigned((a.N + kWgRows - 1) / kWgRows);
+  // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
+  const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), kWgThreads, Cfg::kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
+  const bool large = variant == 5 || (variant == 3 && a.max_tokens_per_expert > kWgAutoLargeAbove);
+  return large ? launch_wg_gemm_cfg<kWgLarge>(a, stream) : launch_wg_gemm_cfg<kWgSmall>(a, stream);
+}
+
+}  // namespace megamoe::sm90
