@@ -1,5 +1,5 @@
 // NVFP4 grouped GEMM for Hopper: dispatch between the streaming (decode) kernel, the
-// tiled mma.sync kernel and the wgmma kernel (force_kernel 3, 4, 5; grouped_gemm_wgmma.cuh).
+// tiled mma.sync kernel and the wgmma kernel (force_kernel 3..6; grouped_gemm_wgmma.cuh).
 #include "grouped_gemm_stream.cuh"
 #include "grouped_gemm_tiled.cuh"
 #include "grouped_gemm_wgmma.cuh"
@@ -18,7 +18,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   int kernel = a.force_kernel;
   if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 2 : 0;
   if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
-  if (kernel >= 3 && kernel <= 5 && wg_gemm_supported(a)) return launch_wg_gemm(a, stream, kernel);
+  if (kernel >= 3 && kernel <= 6 && wg_gemm_supported(a)) return launch_wg_gemm(a, stream, kernel);
   if (kernel >= 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream, kernel);
   if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
 

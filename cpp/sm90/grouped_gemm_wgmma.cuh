@@ -34,12 +34,14 @@ constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;     // weight rows per block
 constexpr int kWgK = 64;         // K per stage
 constexpr int kWgWRowBytes = 48;  // 32 bytes of packed weights per row and stage, padded (16-aligned, conflict-free)
-constexpr int kWgSmall = 64, kWgLarge = 256;  // the two token-tile configurations
+constexpr int kWgSmall = 64, kWgMid = 128, kWgLarge = 256;  // the token-tile configurations
 
+// kMaxN 64: 6 stages, 2 blocks/SM (weight streaming: bytes in flight); 128: 4 stages, 2 blocks/SM
+// (two independent blocks overlap one's dequantization with the other's MMAs); 256: 4 stages, 1 block/SM.
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kStages = kMaxN <= 64 ? 6 : 4;
-  static constexpr int kMinBlocks = kMaxN <= 64 ? 2 : 1;
+  static constexpr int kMinBlocks = kMaxN <= 128 ? 2 : 1;
   static constexpr int kABytes = kMaxN * 128;
   static constexpr int kWBytes = kWgRows * kWgWRowBytes;
   static constexpr int kRaw = kABytes + kWBytes + kWgRows * 4;
@@ -279,11 +281,15 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   __syncthreads();  // scale_lut visible
 
-  if (kMaxN <= 64) {
+  if (kMaxN == 64) {
     if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<(kMaxN < 64 ? kMaxN : 64), kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  } else if (kMaxN == 128) {
+    if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
   } else {
     if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 128) wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
@@ -292,7 +298,8 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   }
 }
 
-// variant: 3 auto (token tile 64 up to kWgAutoLargeAbove tokens per expert, else 256), 4 tile 64, 5 tile 256.
+// variant: 3 auto (token tile 64 up to kWgAutoLargeAbove tokens per expert, else 256), 4 tile 64, 5 tile 256,
+// 6 tile 128.
 constexpr int kWgAutoLargeAbove = 48;
 
 template <int kMaxN>
@@ -314,6 +321,7 @@ inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t str
 }
 
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
+  if (variant == 6) return launch_wg_gemm_cfg<kWgMid>(a, stream);
   const bool large = variant == 5 || (variant == 3 && a.max_tokens_per_expert > kWgAutoLargeAbove);
   return large ? launch_wg_gemm_cfg<kWgLarge>(a, stream) : launch_wg_gemm_cfg<kWgSmall>(a, stream);
 }

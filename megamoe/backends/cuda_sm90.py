@@ -32,10 +32,11 @@ __all__ = ["CudaSm90Backend", "PreparedSm90"]
 EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
 KERNEL_AUTO, KERNEL_STREAM, KERNEL_TILED, KERNEL_TILED_2BLOCKS = -1, 0, 1, 2
 #: wgmma (sm_90a) swap-AB kernel: 3 picks its token tile (64 or 256) from the expected tokens per
-#: expert, 4 forces tiles of up to 64 tokens, 5 tiles of up to 256 (cpp/sm90/grouped_gemm_wgmma.cuh).
-KERNEL_WGMMA, KERNEL_WGMMA_SMALL, KERNEL_WGMMA_LARGE = 3, 4, 5
+#: expert, 4 forces tiles of up to 64 tokens, 5 of up to 256, 6 of up to 128 (cpp/sm90/grouped_gemm_wgmma.cuh).
+KERNEL_WGMMA, KERNEL_WGMMA_SMALL, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_MID = 3, 4, 5, 6
 KERNEL_NAMES = {KERNEL_STREAM: "stream", KERNEL_TILED: "tiled", KERNEL_TILED_2BLOCKS: "tiled2",
-                KERNEL_WGMMA: "wgmma", KERNEL_WGMMA_SMALL: "wgmma64", KERNEL_WGMMA_LARGE: "wgmma256"}
+                KERNEL_WGMMA: "wgmma", KERNEL_WGMMA_SMALL: "wgmma64", KERNEL_WGMMA_LARGE: "wgmma256",
+                KERNEL_WGMMA_MID: "wgmma128"}
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

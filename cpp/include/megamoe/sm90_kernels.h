@@ -66,7 +66,8 @@ struct GroupedGemmArgs {
   uint16_t* out_operand = nullptr;  // streaming kSiluMul only: write h as bf16 [rows, I] in operand order instead
   int64_t max_tokens_per_expert = 0;  // host estimate of tokens per expert (picks tokens per pass)
   int64_t max_total_rows = 0;         // host bound on expert_offsets[E] (sizes the tiled grid)
-  int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill), 2 tiled, 2 blocks/SM
+  int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill), 2 tiled, 2 blocks/SM,
+                                      // 3 wgmma (tile from max_tokens_per_expert), 4/5/6 wgmma token tile 64/256/128
   int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
 };
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
