@@ -1,42 +1,44 @@
 #!/bin/bash
 # One bounded device call: wheels, build (90a), GPU tests (new wgmma kernel first), benchmark
 # with every GEMM variant, service load test on the GPU backend (last). Logs and JSON under $OUT.
-#   scripts/device_final.sh            (BENCH_S, TEST_S, LOAD_S: time caps in seconds)
+#   scripts/device_final.sh            (TEST_WG_S, TEST_S, BENCH_S, LOAD_S: time caps in seconds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t00=$(date +%s); summary=()
 el() { echo "$(( $(date +%s) - t00 ))s"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed (see pip.log)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$OUT/setup.log" 2>&1 || echo "pip install failed (see setup.log)"
 export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >"$OUT/nvidia_smi.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$OUT/setup.log" 2>&1
 cmake -S . -B build/device -G Ninja -DMEGAMOE_CUDA_ARCHS=90a -DMEGAMOE_REQUIRE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-  -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/build.log" 2>&1 && cmake --build build/device -j 16 >>"$OUT/build.log" 2>&1
-if [ $? -ne 0 ]; then tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; fi
+  -DPython_EXECUTABLE="$(command -v python3)" >>"$OUT/setup.log" 2>&1 && cmake --build build/device -j 16 >>"$OUT/setup.log" 2>&1
+if [ $? -ne 0 ]; then tail -40 "$OUT/setup.log"; echo "BUILD FAILED"; exit 1; fi
 cp build/device/_C*.so megamoe/
 export PYTHONPATH=$PWD:/tmp/site
 summary+=("build ok at $(el)")
 o=$(find build/device -name 'grouped_gemm.cu.o' | head -1)
-command -v cuobjdump >/dev/null && [ -n "$o" ] && { cuobjdump -sass "$o" | grep -oE "HGMMA\.[A-Z0-9.]+|LDL|STL" | sort | uniq -c >"$OUT/sass_counts.txt"; head -12 "$OUT/sass_counts.txt"; }
+command -v cuobjdump >/dev/null && [ -n "$o" ] && { cuobjdump -sass "$o" | grep -oE "HGMMA\.[A-Z0-9.]+|LDL|STL" | sort | uniq -c | tee -a "$OUT/setup.log" | head -12; }
 PT="python3 -m pytest -q -rs -s -p no:cacheprovider --timeout=60 --timeout-method=thread"
 # 1) the new kernel's tests (gemm + moe), 2) all the others (both files)
-timeout ${TEST_S:-75} $PT tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu_moe.py -k wgmma >"$OUT/pytest_wgmma.log" 2>&1
+timeout ${TEST_WG_S:-70} $PT tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu_moe.py -k wgmma >"$OUT/pytest_wgmma.log" 2>&1
 rc_wg=$?
 summary+=("tests wgmma: rc=$rc_wg at $(el): $(tail -1 "$OUT/pytest_wgmma.log")")
-timeout ${TEST_S:-75} $PT -x tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu_moe.py -k "not wgmma" >"$OUT/pytest_other.log" 2>&1
+timeout ${TEST_S:-80} $PT -x tests/gpu/test_gpu_gemm.py tests/gpu/test_gpu_moe.py -k "not wgmma" >"$OUT/pytest_other.log" 2>&1
 rc_o=$?
 summary+=("tests others: rc=$rc_o at $(el): $(tail -1 "$OUT/pytest_other.log")")
 grep -E "FAILED|Error|assert" "$OUT/pytest_wgmma.log" | head -12
 grep -E "wgmma.*cosine" "$OUT/pytest_wgmma.log" | sort -t' ' -k9 | head -4
-# the wgmma variants only if their tests passed (a faulting kernel would take the bench's CUDA context down)
-[ $rc_wg -eq 0 ] && export MEGAMOE_BENCH_VARIANTS=0,2,4,6,5 || export MEGAMOE_BENCH_VARIANTS=0,2
-timeout ${BENCH_S:-160} python3 bench/moe_bench.py --variants --tokens ${BENCH_T:-128 512 2048 8192} --out "$OUT/moe_h200.json" >"$OUT/bench.log" 2>&1
+# the wgmma variants unless their tests hit a CUDA fault (it would take the bench's CUDA context down);
+# wrong-but-running results are still timed (and then reported as wrong, never enabled)
+if grep -qiE "cuda error|illegal|misaligned|launch failure" "$OUT/pytest_wgmma.log"; then
+  export MEGAMOE_BENCH_VARIANTS=0,2; else export MEGAMOE_BENCH_VARIANTS=0,2,4,6,5; fi
+timeout ${BENCH_S:-150} python3 bench/moe_bench.py --variants --tokens ${BENCH_T:-128 512 2048 8192} --out "$OUT/moe_h200.json" >"$OUT/bench.log" 2>&1
 summary+=("bench: rc=$? at $(el) (variants $MEGAMOE_BENCH_VARIANTS)")
-timeout ${LOAD_S:-70} python3 bench/load_test.py --backend auto --preset small --tokens 1 32 512 --time-cap-s 12 \
-  --start-timeout-s 40 --out "$OUT/serve_h200.json" >"$OUT/load.log" 2>&1
+timeout ${LOAD_S:-60} python3 bench/load_test.py --backend auto --preset small --tokens 1 32 512 --time-cap-s 10 \
+  --start-timeout-s 30 --out "$OUT/serve_h200.json" >"$OUT/load.log" 2>&1
 summary+=("load test: rc=$? at $(el)")
-python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
+python3 - "$OUT" <<'PY'
 import json, sys, os
 o = sys.argv[1]
 try:
