@@ -66,17 +66,19 @@ def make_bodies(meta: dict, tokens: int, count: int = 8) -> list[tuple[bytes, di
     return bodies
 
 
-def batch_stats(metrics_text: str, model: str) -> tuple[float, float, float]:
-    """(batches, requests in them, tokens in them) so far."""
+_COUNTERS = ("megamoe_batch_size_requests_count", "megamoe_batch_size_requests_sum", "megamoe_batch_size_tokens_sum",
+             "megamoe_compute_latency_seconds_sum", "megamoe_queue_latency_seconds_sum",
+             "megamoe_queue_latency_seconds_count")
+
+
+def batch_stats(metrics_text: str, model: str) -> tuple[float, ...]:
+    """The server's counters named in _COUNTERS, so far."""
     values = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
-            if s.labels.get("model") == model and s.name in (
-                    "megamoe_batch_size_requests_count", "megamoe_batch_size_requests_sum",
-                    "megamoe_batch_size_tokens_sum"):
+            if s.labels.get("model") == model and s.name in _COUNTERS:
                 values[s.name] = s.value
-    return (values.get("megamoe_batch_size_requests_count", 0.0), values.get("megamoe_batch_size_requests_sum", 0.0),
-            values.get("megamoe_batch_size_tokens_sum", 0.0))
+    return tuple(values.get(name, 0.0) for name in _COUNTERS)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -124,7 +126,7 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, tokens: int
     await asyncio.gather(*(worker() for _ in range(clients)))
     wall_s = time.perf_counter() - started
     after = batch_stats((await client.get(f"{url}/metrics")).text, model)
-    batches, batched_requests, batched_tokens = (a - b for a, b in zip(after, before))
+    batches, batched_requests, batched_tokens, compute_s, queue_s, queued = (a - b for a, b in zip(after, before))
     lat_ms = sorted(x * 1e3 for x in latencies_s)
     return {
         "tokens_per_request": tokens,
@@ -143,6 +145,9 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, tokens: int
         "server_batches": int(batches),
         "mean_requests_per_batch": round(batched_requests / batches, 2) if batches else None,
         "mean_tokens_per_batch": round(batched_tokens / batches, 1) if batches else None,
+        # the server's own split of the latency: the forward itself vs waiting for the device
+        "mean_compute_ms_per_batch": round(1e3 * compute_s / batches, 2) if batches else None,
+        "mean_queue_ms_per_request": round(1e3 * queue_s / queued, 2) if queued else None,
     }
 
 
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--queue-delay-ms", type=float, default=2.0)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
-    ap.add_argument("--torch-threads", type=int, default=0, help="server's torch CPU threads (0: torch default)")
+    ap.add_argument("--torch-threads", type=int, default=0, help="server's torch CPU threads (0: the server's default)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512], help="T per request, one level each")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every level's request count")
     ap.add_argument("--time-cap-s", type=float, default=60.0, help="stop a level after this long")
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                    "backend": server_meta.get("parameters", {}).get("backend"),
                    "device": server_meta.get("parameters", {}).get("device"),
                    "queue_delay_ms": args.queue_delay_ms, "max_batch_tokens": args.max_batch_tokens,
-                   "torch_threads": args.torch_threads or "torch default",
+                   "torch_threads": server_meta.get("parameters", {}).get("torch_threads"),
                    "shape": {k: server_meta.get("parameters", {}).get(k)
                              for k in ("hidden_size", "intermediate_size", "num_experts", "top_k")}},
         "client": "httpx.AsyncClient in the same machine (shares its CPU with the server)",

@@ -102,6 +102,7 @@ class ServedModel:
         self.config = layer.config
         self.device = layer_device(layer)
         self.max_tokens_per_request = max_tokens_per_request
+        self.torch_threads = torch.get_num_threads()  # of the device thread; the app may change it
         # validate() has checked every request already; the layer's own check of topk_ids
         # would cost a device sync per batch, so it is skipped where the layer allows it
         params = inspect.signature(layer.forward).parameters
@@ -148,6 +149,7 @@ class ServedModel:
                 "top_k": top_k,
                 "has_router": self.has_router,
                 "max_tokens_per_request": self.max_tokens_per_request,
+                "torch_threads": self.torch_threads,
             },
         }
 

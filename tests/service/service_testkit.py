@@ -43,8 +43,11 @@ class ServerProcess:
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
         child_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), child_env.get("PYTHONPATH", "")])
         child_env.update(env or {})
+        # the test process's thread count: CPU GEMMs sum in an order that depends on it, and the
+        # tests compare the server's results bit for bit with this process's forward
         cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
-               "--preset", PRESET, "--log-level", "warning", *(args or [])]
+               "--preset", PRESET, "--log-level", "warning", "--torch-threads", str(torch.get_num_threads()),
+               *(args or [])]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=self._log, stderr=subprocess.STDOUT)
 
