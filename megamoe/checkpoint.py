@@ -277,28 +277,12 @@ def load(path, *, config: MoEConfig | None = None, top_k: int | None = None, pre
     e = w13.data.shape[0]
     h = w13.data.shape[2] * 2
     i = w2.data.shape[2] * 2
-    router = get("gate.weight", required=False)
-    bias = get("gate.e_score_correction_bias", required=False)
-    shared_gu = get("shared_experts.gate_up_proj.weight", required=False)
-    if shared_gu is None:
-        g = get("shared_experts.gate_proj.weight", required=False)
-        u = get("shared_experts.up_proj.weight", required=False)
-        shared_gu = torch.cat([g, u]) if g is not None and u is not None else None
-    shared_down = get("shared_experts.down_proj.weight", required=False)
-    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
-        if t is not None and t.dtype == torch.uint8:
-            raise CheckpointError(f"{prefix}{name}: NVFP4 shared experts are not supported; store them in bf16")
-
+    dense = read_dense_tensors(lambda name: get(name, required=False), prefix)
     if config is None:
-        config = _config_from(meta, path, e, h, i, top_k, shared_gu, config_overrides)
+        config = _config_from(meta, path, e, h, i, top_k, dense["shared_gate_up"], config_overrides)
     elif config_overrides:
         config = config.with_(**config_overrides)
-    weights = MoEWeights(
-        w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2,
-        router_weight=router, router_bias=None if bias is None else bias.float(),
-        shared_gate_up=None if shared_gu is None else shared_gu.to(torch.bfloat16),
-        shared_down=None if shared_down is None else shared_down.to(torch.bfloat16),
-    )
+    weights = assemble_weights(w13, w2, in1, in2, dense)
     try:
         weights.validate(config)
     except ValueError as exc:
@@ -306,6 +290,35 @@ def load(path, *, config: MoEConfig | None = None, top_k: int | None = None, pre
     if report.quantized_at_load:
         log.warning("quantized at load time (stored in higher precision): %s", ", ".join(report.quantized_at_load))
     return Loaded(weights.to(device), config, report)
+
+
+def read_dense_tensors(get_optional, prefix: str) -> dict:
+    """Router, correction bias and shared expert (every rank keeps these whole).
+
+    ``get_optional(name)`` returns the tensor or None. The shared expert may be stored as
+    ``gate_up_proj`` or as ``gate_proj`` + ``up_proj``; it must be a float dtype.
+    """
+    shared_gu = get_optional("shared_experts.gate_up_proj.weight")
+    if shared_gu is None:
+        g = get_optional("shared_experts.gate_proj.weight")
+        u = get_optional("shared_experts.up_proj.weight")
+        shared_gu = torch.cat([g, u]) if g is not None and u is not None else None
+    shared_down = get_optional("shared_experts.down_proj.weight")
+    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
+        if t is not None and t.dtype == torch.uint8:
+            raise CheckpointError(f"{prefix}{name}: NVFP4 shared experts are not supported; store them in bf16")
+    return {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
+            "shared_gate_up": shared_gu, "shared_down": shared_down}
+
+
+def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
+    bias, gu, down = dense["bias"], dense["shared_gate_up"], dense["shared_down"]
+    return MoEWeights(
+        w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
+        router_bias=None if bias is None else bias.float(),
+        shared_gate_up=None if gu is None else gu.to(torch.bfloat16),
+        shared_down=None if down is None else down.to(torch.bfloat16),
+    )
 
 
 def _check_k(name: str, data: torch.Tensor, scale: torch.Tensor | None) -> int:

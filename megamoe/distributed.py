@@ -289,31 +289,14 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
         report.tensors[full] = str(t.dtype).replace("torch.", "")
         return t
 
-    router = get_replicated("gate.weight")
-    bias = get_replicated("gate.e_score_correction_bias")
-    shared_gu = get_replicated("shared_experts.gate_up_proj.weight")
-    if shared_gu is None:
-        g = get_replicated("shared_experts.gate_proj.weight")
-        u = get_replicated("shared_experts.up_proj.weight")
-        shared_gu = torch.cat([g, u]) if g is not None and u is not None else None
-    shared_down = get_replicated("shared_experts.down_proj.weight")
-    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu),
-                    ("shared_experts.down_proj.weight", shared_down)):
-        if t is not None and t.dtype == torch.uint8:
-            raise ck.CheckpointError(f"{prefix}{name}: NVFP4 shared experts are not supported; store them in bf16")
-
+    dense = ck.read_dense_tensors(get_replicated, prefix)
     h = w13.data.shape[2] * 2
     i = w2.data.shape[2] * 2
     if config is None:
-        config = ck._config_from(meta, path, num_experts, h, i, top_k, shared_gu, config_overrides)
+        config = ck._config_from(meta, path, num_experts, h, i, top_k, dense["shared_gate_up"], config_overrides)
     elif config_overrides:
         config = config.with_(**config_overrides)
-    weights = MoEWeights(
-        w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2,
-        router_weight=router, router_bias=None if bias is None else bias.float(),
-        shared_gate_up=None if shared_gu is None else shared_gu.to(torch.bfloat16),
-        shared_down=None if shared_down is None else shared_down.to(torch.bfloat16),
-    )
+    weights = ck.assemble_weights(w13, w2, in1, in2, dense)
     try:
         _validate_shard(weights, config, start, end)
     except ValueError as exc:
