@@ -16,7 +16,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
 
   int kernel = a.force_kernel;
-  if (kernel < 0) kernel = a.max_tokens_per_expert > kStreamMaxTokens ? 2 : 0;
+  // auto: the wgmma kernel above kWgAutoAbove tokens per expert (run 6), else streaming; a K the wgmma
+  // (and tiled) kernels do not take (K % 64 != 0) falls through to streaming below.
+  if (kernel < 0) kernel = a.max_tokens_per_expert > kWgAutoAbove ? 3 : 0;
   if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
   if (kernel >= 3 && kernel <= 6 && wg_gemm_supported(a)) return launch_wg_gemm(a, stream, kernel);
   if (kernel >= 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream, kernel);

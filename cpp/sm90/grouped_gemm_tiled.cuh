@@ -17,7 +17,7 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kStreamMaxTokens = 24;  // above this many tokens per expert the tiled kernel wins (run 3)
+constexpr int kStreamMaxTokens = 24;  // run 3 switch streaming -> tiled; unused since run 6 (auto picks wgmma)
 constexpr int kTileM = 128, kTileN = 128, kTileK = 64, kStages = 3, kTiledThreads = 256;
 constexpr int kWRowBytes = 40;  // 32 bytes of packed weights per row and stage, padded (bank conflicts)
 constexpr int kSmemA = kTileM * kTileK * 2;

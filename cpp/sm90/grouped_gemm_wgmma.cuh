@@ -298,9 +298,11 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   }
 }
 
-// variant: 3 auto (token tile 64 up to kWgAutoLargeAbove tokens per expert, else 256), 4 tile 64, 5 tile 256,
-// 6 tile 128.
-constexpr int kWgAutoLargeAbove = 48;
+// variant: 3 auto (token tile 64 up to kWgAutoMidAbove expected tokens per expert, else 128), 4 tile 64,
+// 5 tile 256, 6 tile 128. Run 6 (H200): 12-16 tokens/expert tile 64 2-8 % ahead of 128; 48-64/expert tile 128
+// 2-14 % ahead of 64; 192-256/expert tile 128 2-5 % ahead of 256 (one block per SM) and 22-24 % ahead of 64.
+constexpr int kWgAutoMidAbove = 32;
+constexpr int kWgAutoAbove = 6;  // launch_grouped_gemm's auto: wgmma above this many tokens per expert (else streaming)
 
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t stream) {
@@ -321,9 +323,9 @@ inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t str
 }
 
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
-  if (variant == 6) return launch_wg_gemm_cfg<kWgMid>(a, stream);
-  const bool large = variant == 5 || (variant == 3 && a.max_tokens_per_expert > kWgAutoLargeAbove);
-  return large ? launch_wg_gemm_cfg<kWgLarge>(a, stream) : launch_wg_gemm_cfg<kWgSmall>(a, stream);
+  if (variant == 5) return launch_wg_gemm_cfg<kWgLarge>(a, stream);
+  if (variant == 6 || (variant == 3 && a.max_tokens_per_expert > kWgAutoMidAbove)) return launch_wg_gemm_cfg<kWgMid>(a, stream);
+  return launch_wg_gemm_cfg<kWgSmall>(a, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -81,8 +81,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     name = "cuda-sm90"
 
-    #: Above this many expected tokens per expert (T*k/E) the tiled kernel runs instead of the streaming one.
-    TILED_ABOVE_TOKENS_PER_EXPERT = 24  # run 3: streaming 4.2 ms vs torch 4.3 at 12/expert, tiled 7.0 vs 10.9 at 48
+    #: Above this many expected tokens per expert (T*k/E) the wgmma kernel runs instead of the streaming one
+    #: (run 6, bench/results/moe_h200.json: v4-flash 3/expert streaming 1.30 ms vs wgmma 2.28; 12/expert
+    #: streaming 4.17 ms vs wgmma 2.54; v3 4/expert 2.48 vs 4.11, 16/expert 7.85 vs 4.57). 6 is where the
+    #: streaming kernel leaves its one-token-tile variant (not measured between 4 and 12 per expert).
+    WGMMA_ABOVE_TOKENS_PER_EXPERT = 6
 
     def __init__(self, device: str | torch.device | None = None, force_kernel: int = KERNEL_AUTO,
                  tokens_per_pass: int = 0) -> None:
@@ -230,7 +233,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         expected = -(-r // e)  # tokens per expert under uniform routing
         kernel = self.force_kernel
         if kernel == KERNEL_AUTO:
-            kernel = KERNEL_TILED_2BLOCKS if expected > self.TILED_ABOVE_TOKENS_PER_EXPERT else KERNEL_STREAM
+            # KERNEL_WGMMA picks its token tile from `expected` (64 up to 32 per expert, else 128; C++ side)
+            kernel = KERNEL_WGMMA if expected > self.WGMMA_ABOVE_TOKENS_PER_EXPERT else KERNEL_STREAM
         limit = cfg.swiglu_limit
         tpp = self.tokens_per_pass
         # W4A16 on the streaming kernel: the L1 GEMM gathers x itself and writes h as the
