@@ -174,17 +174,11 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"torch": torch.__version__}
-    for dist in ("megamoe", "fastapi", "uvicorn", "starlette", "httpx"):
+    for dist in ("fastapi", "uvicorn", "starlette", "httpx"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
-    try:
-        import megamoe
-
-        out["megamoe"] = out["megamoe"] or getattr(megamoe, "__version__", None)
-    except ImportError:
-        pass
     return out
 
 
@@ -252,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or args.preset
     try:
         server_meta = httpx.get(f"{url}/v2/models/{model}", timeout=10).json()
+        server_version = httpx.get(f"{url}/v2", timeout=10).json().get("version")
         results = asyncio.run(run_all(args, url, model))
     finally:
         if proc is not None:
@@ -270,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                    "shape": {k: server_meta.get("parameters", {}).get(k)
                              for k in ("hidden_size", "intermediate_size", "num_experts", "top_k")}},
         "client": "httpx.AsyncClient in the same machine (shares its CPU with the server)",
-        "versions": versions(),
+        "versions": {**versions(), "megamoe": server_version},
         "machine": machine(),
         "results": results,
     }

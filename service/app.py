@@ -103,13 +103,9 @@ class ServiceState:
     def load_and_selftest(self) -> None:
         layer = self.preloaded_layer if self.preloaded_layer is not None else load_layer(self.settings)
         self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request)
-        threads = self.settings.torch_threads
-        if threads == 0 and self.model.device.type == "cpu":
-            # torch's intra-op threads spin at barriers; when they hold every core the event
-            # loop preempts one and each small op of a forward stalls (bench: 5x slower batches)
-            threads = max(1, torch.get_num_threads() - 1)
-        if threads:
-            torch.set_num_threads(threads)
+        if self.settings.torch_threads:
+            # set here, on the device thread that runs every forward (the setting is per thread)
+            torch.set_num_threads(self.settings.torch_threads)
             self.model.torch_threads = torch.get_num_threads()
         log.info("model %r loaded: backend %s on %s", self.model_name, self.model.backend_name, self.model.device)
         if self.settings.selftest_level != "off":

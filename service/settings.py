@@ -34,8 +34,8 @@ class ServiceSettings(BaseSettings):
     device: str | None = Field(None, description="torch device for the weights (default: the backend's)")
     torch_threads: int = Field(
         0, ge=0,
-        description="torch intra-op CPU threads; 0: when serving on the CPU, torch's default minus one, "
-        "leaving a core to HTTP (measured: with every core busy in a GEMM, small batches ran 5x slower)",
+        description="torch intra-op CPU threads (0: torch's default, one per core). On a CPU shared with other "
+        "busy processes, fewer threads avoid stalls at torch's spinning barriers (see bench/results/serve_cpu*.json)",
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
