@@ -3,10 +3,10 @@
 Validation happens here, before a request joins a batch, so a bad request is
 answered 400 and never reaches the device or anyone else's batch.
 
-NaN/Inf policy: rejected with 400. Activation quantization (SPEC §1) takes an
-amax over the whole batch, so one caller's NaN would decide the scales of every
-other caller batched with it (FIELD_BUGS #6); propagating is not an option for
-a batching server.
+NaN/Inf policy: rejected with 400. Callers share a batch, and so the kernels'
+buffers: a NaN that reaches a shared scale or padding row corrupts other callers'
+rows (FIELD_BUGS #6). Even where the math is row-local today, a batching server must
+not let one caller's bad value near another's result; the 400 names where it is.
 """
 
 from __future__ import annotations
