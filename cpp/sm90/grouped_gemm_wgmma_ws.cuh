@@ -1,0 +1,364 @@
+// NVFP4 grouped GEMM on Hopper wgmma, warp-specialized and pipelined (force_kernel 7 and 8).
+// Same problem, block tiling and epilogue as grouped_gemm_wgmma.cuh (swap-AB: 128 weight rows of
+// one expert = M, a tile of up to kMaxN tokens of that expert = N, K in steps of 64), but:
+//
+//  - warpgroup 0 is the PRODUCER (setmaxnreg.dec): it cp.asyncs the activation tile (bf16,
+//    operand order, 128-byte swizzled: 16-byte chunk c of row r at chunk c ^ (r & 7)), the packed
+//    NVFP4 weights (32 bytes per row per stage) and their e4m3 scales into a kStages-deep ring,
+//    then decodes the weights ONCE into a bf16 tile of the SAME layout (128 rows x 128 bytes,
+//    SW128 K-major, operand order: packed word c of a row = elements 8c..8c+7 -> chunk c), fences
+//    it for the async proxy and arrives on the stage's FULL mbarrier. Thread t owns weight row t:
+//    it loads that row's bytes and scales itself, so decode needs no barrier among producers.
+//  - warpgroups 1 and 2 are CONSUMERS (setmaxnreg.inc): 64 weight rows each (rows 64*cw..+63 of the
+//    tile), wgmma m64nNk16 with A AND B from shared memory (descriptors), one commit group per
+//    64-K stage, wait_group<1> (the group of stage kt stays in flight while stage kt+1 is issued),
+//    then release stage kt-1 on its EMPTY mbarrier.
+//
+// Producer loop (prefetch distance kStages-1), per k-tile kt:
+//   cp.async.wait_group (tile kt landed, own copies) -> decode into slot kt%S -> fence.proxy.async
+//   -> arrive FULL[kt%S];  then wait EMPTY of the slot of tile kt-1 (consumers finished its wgmmas)
+//   and issue the loads of tile kt+S-1 into it.
+// Consumer loop: wait FULL[kt%S] -> 4 x wgmma (k16 steps) -> commit -> wait_group<1> -> arrive
+//   EMPTY[(kt-1)%S].  No block-wide barrier after the setup; nothing else is shared.
+//
+// The accumulator fragment of wgmma is the same for A in registers or in shared memory, and a
+// block-local weight row lr sits at tile row lr in both kernels, so the epilogue below is the
+// epilogue of wg_tile() with the consumer warpgroup in place of the warpgroup (same alphas, row
+// scales, SiLU*up with clamp, output layout).
+#pragma once
+#include "gemm_common.cuh"
+#include "grouped_gemm_tiled.cuh"  // cp_async
+#include "grouped_gemm_wgmma.cuh"  // kWgRows, kWgK, kWgWRowBytes, sw128_desc, wgmma_fence/commit/wait, acc_fence
+#include "megamoe/sm90_kernels.h"
+#include "wgmma_ss_ops.cuh"
+
+namespace megamoe::sm90 {
+
+constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;  // 128*40 + 256*232 = 64512 <= 65536
+constexpr int kWsLarge = 256, kWsMid = 128;                // token-tile configurations (force_kernel 7, 8)
+
+// One block per SM (the ring is most of shared memory). Stage layout (every part 1024-aligned
+// where wgmma reads it): [activations kMaxN x 128 B][bf16 weights 128 x 128 B][packed weights
+// 128 x 48 B][scales 128 x 4 B].
+template <int kMaxN>
+struct WsCfg {
+  static constexpr int kStages = kMaxN >= 256 ? 4 : 5;
+  static constexpr int kABytes = kMaxN * 128;
+  static constexpr int kWTileBytes = kWgRows * 128;
+  static constexpr int kRawBytes = kWgRows * kWgWRowBytes;
+  static constexpr int kRaw = kABytes + kWTileBytes + kRawBytes + kWgRows * 4;
+  static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 /*LUT*/ + 2 * kStages * 8;
+  static_assert(kABytes % 1024 == 0 && kStageBytes % 1024 == 0, "SW128 tiles must be 1024-aligned");
+  static_assert(kSmem <= 232448, "over the sm_90 shared-memory limit per block");
+  static_assert(kStageBytes >= 1024 * 4 + 64, "stage 0 holds the tile scan during setup");
+};
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a 128-byte-swizzled K-major tile (1024-aligned):
+// the PTX 128B swizzle XORs address bits [4,7) with bits [7,10).
+__host__ __device__ constexpr uint32_t ws_sw128_offset(uint32_t r, uint32_t c) { return r * 128u + ((c ^ (r & 7u)) * 16u); }
+
+__device__ __forceinline__ uint32_t ws_smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void ws_mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(ws_smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ws_mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(ws_smem_u32(bar)) : "memory");
+}
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void ws_mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = ws_smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+template <int N>
+__device__ __forceinline__ void ws_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Block-local weight row lr -> global weight row (as wg_tile(): kSiluMul puts gate rows at lr & 8 == 0
+// and the matching up rows at lr & 8 == 8 so that one thread holds both in its D fragment).
+__device__ __forceinline__ int64_t ws_weight_row(const GroupedGemmArgs& a, int lr, bool& valid) {
+  if (a.epilogue == Epilogue::kSiluMul) {
+    const int64_t I = a.N / 2;
+    const int64_t col = int64_t(blockIdx.x) * 64 + (lr >> 4) * 8 + (lr & 7);
+    valid = col < I;
+    return valid ? (((lr >> 3) & 1) ? I + col : col) : 0;
+  }
+  const int64_t n = int64_t(blockIdx.x) * kWgRows + lr;
+  valid = n < a.N;
+  return valid ? n : 0;
+}
+
+template <int N, int kMaxN>
+__device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, uint64_t* full,
+                                            uint64_t* empty, int expert, int row_begin, int rows, int m0) {
+  using Cfg = WsCfg<kMaxN>;
+  constexpr int S = Cfg::kStages;
+  static_assert(N <= kMaxN && (N * 8) % 128 == 0, "activation chunks per producer thread");
+  const int pt = threadIdx.x;  // 0..127: weight row pt of the tile
+  const int64_t K = a.K, Kb = K / 16, row_bytes = K / 2;
+  bool w_valid;
+  const int64_t wrow = ws_weight_row(a, pt, w_valid);
+  const uint8_t* w_src = a.w_data + (int64_t(expert) * a.N + wrow) * row_bytes;
+  const uint8_t* s_src = a.w_scale + (int64_t(expert) * a.N + wrow) * Kb;
+  // Activation chunks of this thread: chunk pt & 7 of tile rows r0 + 16 i (i < N / 16); rows past the
+  // expert's last token are zero-filled (source size 0, address clamped to its first row).
+  const int r0 = pt >> 3, ch = pt & 7;
+  const int valid_chunks = min(N / 16, max(0, (rows - m0 - r0 + 15) / 16));
+  const uint16_t* act_first = a.act + int64_t(row_begin) * K + ch * 8;
+  const uint16_t* act_src = act_first + int64_t(m0 + r0) * K;
+  const uint32_t act_dst = ws_sw128_offset(r0, ch);  // + i * 2048 (16 rows, same row & 7)
+  const int num_k_tiles = int(K / kWgK);
+
+  auto load_stage = [&](int slot, int kt) {
+    uint8_t* sa = stages + slot * Cfg::kStageBytes;
+    uint8_t* sraw = sa + Cfg::kABytes + Cfg::kWTileBytes;
+    uint8_t* ss = sraw + Cfg::kRawBytes;
+    const uint16_t* src = act_src + int64_t(kt) * kWgK;
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i) {
+      const bool valid = i < valid_chunks;
+      cp_async(sa + act_dst + i * 2048, valid ? src : act_first, valid ? 16 : 0, 16);
+      src += 16 * K;
+    }
+    cp_async(sraw + pt * kWgWRowBytes, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
+    cp_async(sraw + pt * kWgWRowBytes + 16, w_src + int64_t(kt) * 32 + 16, w_valid ? 16 : 0, 16);
+    cp_async(ss + pt * 4, s_src + int64_t(kt) * 4, w_valid ? 4 : 0, 4);
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    const int slot = kt % S;
+    ws_cp_async_wait<S - 2>();  // this thread's copies of tile kt landed (committed groups: S-1+kt)
+    uint8_t* sa = stages + slot * Cfg::kStageBytes;
+    uint8_t* wt = sa + Cfg::kABytes;
+    const uint8_t* sraw = wt + Cfg::kWTileBytes;
+    const uint8_t* ss = sraw + Cfg::kRawBytes;
+    const uint4 wa = *reinterpret_cast<const uint4*>(sraw + pt * kWgWRowBytes);
+    const uint4 wb = *reinterpret_cast<const uint4*>(sraw + pt * kWgWRowBytes + 16);
+    const uint32_t sc = *reinterpret_cast<const uint32_t*>(ss + pt * 4);
+    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {  // word c = elements 8c..8c+7 = chunk c, scale block c/2
+      uint32_t p[4];
+      dequant_word(w[c], lut[(sc >> (8 * (c >> 1))) & 0xFFu], p);
+      *reinterpret_cast<uint4*>(wt + ws_sw128_offset(pt, c)) = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+    fence_proxy_async_smem();  // the bf16 tile and this thread's activation chunks -> async proxy (wgmma)
+    ws_mbar_arrive(&full[slot]);
+    const int pf = kt + S - 1;  // into the slot of tile kt-1
+    if (pf < num_k_tiles) {
+      if (pf >= S) ws_mbar_wait(&empty[pf % S], uint32_t((pf / S - 1) & 1));
+      load_stage(pf % S, pf);
+    }
+    cp_async_commit();
+  }
+  ws_cp_async_wait<0>();
+}
+
+template <int N, int kMaxN>
+__device__ __forceinline__ void ws_consumer(const GroupedGemmArgs& a, uint8_t* stages, uint64_t* full, uint64_t* empty,
+                                            int expert, int row_begin, int rows, int m0) {
+  using Cfg = WsCfg<kMaxN>;
+  constexpr int S = Cfg::kStages;
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int cw = ct >> 7;            // consumer warpgroup: tile rows 64*cw..+63
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, wq = (threadIdx.x >> 5) & 3;
+  const int num_k_tiles = int(a.K / kWgK);
+
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    const int slot = kt % S;
+    ws_mbar_wait(&full[slot], uint32_t((kt / S) & 1));
+    const uint8_t* sa = stages + slot * Cfg::kStageBytes;
+    const uint8_t* wt = sa + Cfg::kABytes + cw * (64 * 128);
+    acc_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) WgmmaSS<N>::mma(acc, sw128_desc(wt + ks * 32), sw128_desc(sa + ks * 32));
+    wgmma_commit();
+    acc_fence(acc);
+    wgmma_wait<1>();  // the group of tile kt-1 is done: its stage may be refilled
+    if (kt > 0) ws_mbar_arrive(&empty[(kt - 1) % S]);
+  }
+  wgmma_wait<0>();
+  acc_fence(acc);
+
+  // Epilogue: as wg_tile() (grouped_gemm_wgmma.cuh) with wg -> cw.
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const int64_t Nw = a.N, I = Nw / 2;
+  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
+  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
+  const float alpha0 = a_gs * wgs[0];
+  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
+  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
+  if (silu_mul) {
+    const int64_t col = int64_t(blockIdx.x) * 64 + cw * 32 + wq * 8 + g;
+    if (col < I) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int tok = m0 + 8 * j + 2 * tig + t;
+          if (tok < rows) {
+            const int64_t out_row = int64_t(row_begin) + tok;
+            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+            a.out[out_row * I + col] = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
+                                              a.swiglu_clamp, a.swiglu_limit);
+          }
+        }
+      }
+    }
+  } else {
+    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + cw * 64 + wq * 16 + g;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int tok = m0 + 8 * j + 2 * tig + t;
+        if (tok < rows) {
+          const int64_t out_row = int64_t(row_begin) + tok;
+          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int64_t n = n0 + 8 * hh;
+            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int kMaxN>
+__global__ void __launch_bounds__(kWsThreads, 1) wgws_gemm_kernel(GroupedGemmArgs a) {
+  using Cfg = WsCfg<kMaxN>;
+  constexpr int S = Cfg::kStages;
+  extern __shared__ uint8_t ws_smem_raw[];
+  const uint32_t raw_addr = ws_smem_u32(ws_smem_raw);
+  uint8_t* stages = ws_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * S);
+  uint64_t* full = reinterpret_cast<uint64_t*>(scale_lut + 256);
+  uint64_t* empty = full + S;
+  // The tile scan lives in stage 0 during setup (before any copy is issued).
+  int32_t* tile_scan = reinterpret_cast<int32_t*>(stages);  // [1024] inclusive tile counts
+  int32_t* warp_sums = tile_scan + 1024;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < 256; i += kWsThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      ws_mbar_init(&full[s], 128);   // every producer thread arrives once per fill
+      ws_mbar_init(&empty[s], 256);  // every consumer thread arrives once per release
+    }
+  }
+
+  // Which expert and which token tile of it (as wg_gemm_kernel).
+  const int E = a.num_experts;
+  int carry = 0;
+  for (int base = 0; base < E; base += kWsThreads) {
+    const int e = base + tid;
+    int v = 0;
+    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kMaxN - 1) / kMaxN;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += t;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    int prefix = carry;
+    for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
+    if (e < E) tile_scan[e] = prefix + v;
+    int total = carry;
+    for (int w = 0; w < kWsThreads / 32; ++w) total += warp_sums[w];
+    carry = total;
+    __syncthreads();
+  }
+  const int tile = blockIdx.y;
+  if (tile >= carry) return;  // block-uniform
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_scan[mid] > tile) hi = mid;
+    else lo = mid + 1;
+  }
+  const int expert = lo;
+  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
+  const int row_begin = a.expert_offsets[expert];
+  const int rows = a.expert_offsets[expert + 1] - row_begin;
+  const int m0 = (tile - tiles_before) * kMaxN;
+  const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();  // LUT and barriers ready; every thread done with the tile scan (stage 0 is free)
+
+  if (warp < 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    if constexpr (kMaxN == 256) {
+      if (count <= 64) ws_producer<64, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 128) ws_producer<128, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 160) ws_producer<160, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 192) ws_producer<192, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 224) ws_producer<224, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else ws_producer<256, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+    } else {
+      if (count <= 32) ws_producer<32, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 64) ws_producer<64, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 96) ws_producer<96, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else ws_producer<128, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+    if constexpr (kMaxN == 256) {
+      if (count <= 64) ws_consumer<64, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 128) ws_consumer<128, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 160) ws_consumer<160, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 192) ws_consumer<192, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 224) ws_consumer<224, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else ws_consumer<256, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+    } else {
+      if (count <= 32) ws_consumer<32, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 64) ws_consumer<64, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 96) ws_consumer<96, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else ws_consumer<128, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+    }
+  }
+}
+
+template <int kMaxN>
+inline cudaError_t launch_wgws_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t stream) {
+  using Cfg = WsCfg<kMaxN>;
+  static bool attr_set = false;
+  if (!attr_set) {
+    cudaError_t err = cudaFuncSetAttribute(wgws_gemm_kernel<kMaxN>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err != cudaSuccess) return err;
+    attr_set = true;
+  }
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const unsigned gx = silu_mul ? unsigned((a.N / 2 + 63) / 64) : unsigned((a.N + kWgRows - 1) / kWgRows);
+  const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  wgws_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), kWsThreads, Cfg::kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// variant: 7 token tile 256 (N 64/128/160/192/224/256), 8 token tile 128 (N 32/64/96/128).
+inline cudaError_t launch_wgws_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
+  if (variant == 8) return launch_wgws_gemm_cfg<kWsMid>(a, stream);
+  return launch_wgws_gemm_cfg<kWsLarge>(a, stream);
+}
+
+}  // namespace megamoe::sm90
