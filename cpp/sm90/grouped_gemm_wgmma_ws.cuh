@@ -66,17 +66,24 @@ __device__ __forceinline__ void ws_mbar_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void ws_mbar_arrive(uint64_t* bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(ws_smem_u32(bar)) : "memory");
 }
-// Blocks until the phase of parity `parity` of the barrier has completed.
+// Blocks until the phase of parity `parity` of the barrier has completed. Watchdog: a wait of more
+// than ~2^34 cycles (~9 s; a legitimate wait here is microseconds) traps, so that a pipeline bug
+// shows up as a launch failure instead of a hung device (this kernel was written without a GPU).
 __device__ __forceinline__ void ws_mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = ws_smem_u32(bar);
   uint32_t done = 0;
-  do {
+  long long start = 0;
+  for (;;) {
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(addr), "r"(parity)
         : "memory");
-  } while (!done);
+    if (done) break;
+    const long long now = clock64();
+    if (start == 0) start = now;
+    else if (now - start > (1ll << 34)) __trap();
+  }
 }
 template <int N>
 __device__ __forceinline__ void ws_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -7,7 +7,7 @@ import torch
 
 from megamoe import nvfp4
 from megamoe.backends.cuda_sm90 import (KERNEL_STREAM, KERNEL_TILED, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_MID, KERNEL_WGMMA_SMALL,
-                                        CudaSm90Backend)
+                                        KERNEL_WGMMA_WS, KERNEL_WGMMA_WS_MID, CudaSm90Backend)
 
 from _gpu_util import cosine, random_nvfp4, rel_err, sm90_backend
 
@@ -21,7 +21,9 @@ SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 2
 @pytest.mark.parametrize("kernel", [pytest.param(KERNEL_STREAM, id="stream"), pytest.param(KERNEL_TILED, id="tiled"),
                                     pytest.param(KERNEL_WGMMA_SMALL, id="wgmma64"),
                                     pytest.param(KERNEL_WGMMA_MID, id="wgmma128"),
-                                    pytest.param(KERNEL_WGMMA_LARGE, id="wgmma256")])
+                                    pytest.param(KERNEL_WGMMA_LARGE, id="wgmma256"),
+                                    pytest.param(KERNEL_WGMMA_WS, id="wgmma_ws256"),
+                                    pytest.param(KERNEL_WGMMA_WS_MID, id="wgmma_ws128")])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
 def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):

@@ -125,7 +125,8 @@ def test_cuda_graph_replay_equals_eager(t, gen):
 
 
 # ---------------------------------------------------------------- wgmma kernel (force_kernel 3, 4, 5)
-WGMMA_KERNELS = [3, 4, 5, 6]  # KERNEL_WGMMA (auto tile), KERNEL_WGMMA_SMALL (64), _LARGE (256), _MID (128)
+WGMMA_KERNELS = [3, 4, 5, 6, 7, 8]  # KERNEL_WGMMA (auto tile), KERNEL_WGMMA_SMALL (64), _LARGE (256), _MID (128),
+# KERNEL_WGMMA_WS (warp-specialized, tile 256), KERNEL_WGMMA_WS_MID (tile 128)
 
 
 @pytest.mark.parametrize("kernel", WGMMA_KERNELS)
@@ -149,7 +150,7 @@ def test_moe_wgmma_matches_torch_backend(kernel, mode, dynamic, gen):
         gpu.backend.force_kernel = -1
 
 
-@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 def test_moe_wgmma_t_sweep_partial_tiles(kernel, gen):
     """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64
     gate/up columns), T across the token-tile widths and boundaries; bit-identical reruns."""
