@@ -174,3 +174,14 @@ def test_token_count_sweep(gen, t):
     for r in {0, t // 2, t - 1}:
         single = layer(x[r:r + 1], ids[r:r + 1], w[r:r + 1])
         assert rel_err(single[0], out[r]) < 1e-4  # BLAS sums in another order for another T
+
+
+def test_dequantized_cache_gives_identical_results(gen):
+    from megamoe.backends.torch_ref import TorchBackend
+
+    wts = synthetic_weights(SMALL, seed=6)
+    x = torch.randn(17, 64, generator=gen)
+    cached = MoELayer(wts, SMALL, backend=TorchBackend(cache_dequantized=True))
+    plain = MoELayer(wts, SMALL, backend=TorchBackend(cache_dequantized=False))
+    assert type(cached._prepared).__name__ == "_DequantizedExperts"
+    assert torch.equal(cached(x), plain(x))
