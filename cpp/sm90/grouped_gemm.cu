@@ -37,12 +37,19 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const unsigned gx = silu_mul ? unsigned(a.N / 2 / 16) : unsigned((a.N + kStreamRows - 1) / kStreamRows);
   dim3 grid(gx, unsigned(a.grid_experts));
   const bool vec = a.K % 64 == 0;
-  if (nt == 1 && !a.act_rows && !a.out_operand) {
-    if (vec) stream_gemm_nt1_kernel<true><<<grid, kStreamThreads, 0, stream>>>(a);
-    else stream_gemm_nt1_kernel<false><<<grid, kStreamThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+  // Programmatic dependent launch of the streaming kernels (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0: off).
+  GroupedGemmArgs sa = a;
+  sa.pdl = pdl_enabled();
+  if (nt == 1) {
+    // One token tile per pass: the nt1 kernel, with the fused gather / bf16 h output (run 7) when given.
+    const bool fused = a.act_rows || a.out_operand;
+    if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
+    if (vec) return pdl_launch(stream_gemm_nt1_kernel<true>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
+    if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
+    return pdl_launch(stream_gemm_nt1_kernel<false>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
   }
-#define MEGAMOE_STREAM(V, NT, PF) stream_gemm_kernel<V, NT, PF><<<grid, kStreamThreads, 0, stream>>>(a)
+#define MEGAMOE_STREAM(V, NT, PF) \
+  return pdl_launch(stream_gemm_kernel<V, NT, PF>, grid, kStreamThreads, 0, stream, sa.pdl, sa)
   if (vec) {
     // Register prefetch of the next slice measured slower at decode (run 3: T=32 674 -> 995 us), so off.
     if (nt == 1) MEGAMOE_STREAM(true, 1, false);

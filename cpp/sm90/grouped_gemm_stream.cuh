@@ -18,6 +18,7 @@
 #pragma once
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "pdl.cuh"
 
 namespace megamoe::sm90 {
 
@@ -35,9 +36,7 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
 // Activation operand of one token row, 8 elements (one 16-byte word) at element `col`.
 // Either the staged operand-order buffer, or (fused gather) a bf16 row of x in natural
 // order, interleaved here with byte permutes.
-__device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool natural) {
-  uint4 u = __ldg(reinterpret_cast<const uint4*>(row + col));
-  if (!natural) return u;
+__device__ __forceinline__ uint4 interleave_act(uint4 u) {
   uint4 v;
   v.x = __byte_perm(u.x, u.z, 0x5410);  // (x0, x4)
   v.y = __byte_perm(u.x, u.z, 0x7632);  // (x1, x5)
@@ -45,9 +44,36 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
   v.w = __byte_perm(u.y, u.w, 0x7632);  // (x3, x7)
   return v;
 }
+__device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool natural) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + col));
+  return natural ? interleave_act(u) : u;
+}
 
 // Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
 __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
+
+// PDL prologue of the streaming kernels (a.pdl: launched with the PDL attribute, see pdl.cuh).
+// The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and
+// scales, contiguous ranges of one expert), which depend on nothing computed in this forward
+// except the expert list of the align kernel -- complete by pdl.cuh rule 3, read through L2 --
+// so the weight stream starts while the gate/up GEMM before it drains. Then every thread waits
+// for the predecessor grid and releases the next one.
+__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
+  if (!a.pdl) return;
+  if (a.epilogue == Epilogue::kStore && threadIdx.x == 0) {
+    const int slot = int(blockIdx.y);
+    const bool active = !a.num_active || slot < __ldcg(a.num_active);
+    const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;
+    const int64_t n0 = int64_t(blockIdx.x) * kStreamRows;
+    const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
+    if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
+      const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
+      prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
+      prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
+    }
+  }
+  griddep_sync_and_release();
+}
 
 // NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
 // kPrefetch: registers hold the next slice's weights while the current one is consumed.
@@ -58,6 +84,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   __shared__ float partial[4][2][NT][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
+  stream_pdl_prologue(a);
 
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
@@ -265,12 +292,18 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 
 // One token tile per pass, staged operand-order activations: the layout measured fastest at
 // decode (run 2: 62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
-template <bool kVec>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
-__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
+// kFused (W4A16 only, run 7): the activation rows are gathered from x (a.act_rows, natural
+// order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
+// write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
+// align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
+// h is rounded to bf16 once either way), so results are bit-identical to it.
+template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+__device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
   __shared__ float partial[4][2][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
+  stream_pdl_prologue(a);
 
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
@@ -318,7 +351,8 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
     const bool tvalid = tok0 + g < rows;
-    const uint16_t* arow = a.act + int64_t(row_begin + tok0 + (tvalid ? g : 0)) * K;
+    const int64_t grow = int64_t(row_begin + tok0 + (tvalid ? g : 0));
+    const uint16_t* arow = a.act + (kFused && a.act_rows ? int64_t(a.act_rows[grow]) : grow) * K;
 
     // The trip count must be the same for the whole warp (mma.sync is warp-collective):
     // lanes past the last slice load zeros.
@@ -363,6 +397,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         av[i] = make_uint4(0, 0, 0, 0);
+        // (kFused with act_rows: natural order here, interleaved at the MMA below: fewer live registers)
         if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
       }
 #pragma unroll
@@ -375,13 +410,14 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
           const int i = blk * 2 + wi;
+          const uint4 b = kFused && a.act_rows ? interleave_act(av[i]) : av[i];
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             uint32_t p0[4], p1[4];
             dequant_word(wv[mt][0][i], s2[mt][0], p0);
             dequant_word(wv[mt][1][i], s2[mt][1], p1);
-            mma_bf16_16816(acc[mt], p0[0], p1[0], p0[1], p1[1], av[i].x, av[i].y);
-            mma_bf16_16816(acc[mt], p0[2], p1[2], p0[3], p1[3], av[i].z, av[i].w);
+            mma_bf16_16816(acc[mt], p0[0], p1[0], p0[1], p1[1], b.x, b.y);
+            mma_bf16_16816(acc[mt], p0[2], p1[2], p0[3], p1[3], b.z, b.w);
           }
         }
       }
@@ -413,7 +449,15 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
             if (!rvalid[0][hh]) continue;
             const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
             const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
-            a.out[out_row * I + int64_t(blockIdx.x) * 16 + g + 8 * hh] = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
+            const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
+            const int64_t col = int64_t(blockIdx.x) * 16 + g + 8 * hh;
+            if (kFused && a.out_operand) {
+              const __nv_bfloat16 b = __float2bfloat16_rn(hv);
+              a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
+                  *reinterpret_cast<const uint16_t*>(&b);
+            } else {
+              a.out[out_row * I + col] = hv;
+            }
           } else {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
@@ -427,6 +471,17 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
     }
     __syncthreads();
   }
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_body<kVec, false>(a);
+}
+
+// The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_body<kVec, true>(a);
 }
 
 }  // namespace megamoe::sm90

@@ -5,12 +5,15 @@
 
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "pdl.cuh"
 
 namespace megamoe::sm90 {
 namespace {
 
 constexpr int kAlignThreads = 1024;
 
+// Kernels launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh) wait for their
+// predecessor before their first global access and release their dependents right after.
 // One block: count per expert, exclusive scan, then place every (token, expert) entry.
 template <typename Id>
 __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids, int64_t entries, int top_k, int E,
@@ -24,6 +27,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids,
   __shared__ int32_t warp_act[kAlignThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < E; e += kAlignThreads) count[e] = 0;
+  griddep_sync_and_release();  // no-op unless launched with PDL
   __syncthreads();
   for (int64_t i = tid; i < entries; i += kAlignThreads) {
     const int64_t e = static_cast<int64_t>(ids[i]);
@@ -89,6 +93,7 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { retu
 template <typename T>
 __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
                                   int64_t max_rows, int64_t cols, uint16_t* dst) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
   const int64_t groups = cols / 8;
   const int64_t rows = num_rows ? *num_rows : max_rows;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * groups;
@@ -138,6 +143,7 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <typename T>
 __global__ void combine_kernel(const float* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
                                int64_t hidden, T* out) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
   const int64_t n = tokens * hidden;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = idx / hidden, c = idx - t * hidden;
@@ -164,15 +170,14 @@ cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t token
   if (num_experts <= 0 || top_k <= 0) return cudaErrorInvalidValue;
   const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
   const int64_t entries = tokens * top_k;
+  const bool pdl = pdl_enabled();
   if (ids_int64)
-    moe_align_kernel<int64_t><<<1, kAlignThreads, smem, stream>>>(static_cast<const int64_t*>(topk_ids), entries,
-                                                                  top_k, num_experts, expert_offsets, active_experts,
-                                                                  num_active, row_token, entry_row);
-  else
-    moe_align_kernel<int32_t><<<1, kAlignThreads, smem, stream>>>(static_cast<const int32_t*>(topk_ids), entries,
-                                                                  top_k, num_experts, expert_offsets, active_experts,
-                                                                  num_active, row_token, entry_row);
-  return cudaGetLastError();
+    return pdl_launch(moe_align_kernel<int64_t>, 1, kAlignThreads, smem, stream, pdl,
+                      static_cast<const int64_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
+                      active_experts, num_active, row_token, entry_row);
+  return pdl_launch(moe_align_kernel<int32_t>, 1, kAlignThreads, smem, stream, pdl,
+                    static_cast<const int32_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
+                    active_experts, num_active, row_token, entry_row);
 }
 
 cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
@@ -181,22 +186,20 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   if (cols % 16 != 0) return cudaErrorInvalidValue;
   if (max_rows == 0) return cudaSuccess;
   const unsigned grid = grid_of(max_rows * (cols / 8), 256);
+  const bool pdl = pdl_enabled();
   switch (src_type) {
     case ElemType::kFloat32:
-      stage_bf16_kernel<float><<<grid, 256, 0, stream>>>(static_cast<const float*>(src), src_row_stride, src_rows,
-                                                         num_rows, max_rows, cols, dst);
-      break;
+      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, pdl, static_cast<const float*>(src),
+                        src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kFloat16:
-      stage_bf16_kernel<__half><<<grid, 256, 0, stream>>>(static_cast<const __half*>(src), src_row_stride, src_rows,
-                                                          num_rows, max_rows, cols, dst);
-      break;
+      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, pdl, static_cast<const __half*>(src),
+                        src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kBFloat16:
-      stage_bf16_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
-                                                                 src_row_stride, src_rows, num_rows, max_rows, cols,
-                                                                 dst);
-      break;
+      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream, pdl,
+                        static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
+                        dst);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_dynamic_global_scale_rows(const float* src, const int32_t* num_rows, int64_t max_rows,
@@ -218,21 +221,19 @@ cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const f
   const int64_t n = tokens * hidden;
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
+  const bool pdl = pdl_enabled();
   switch (out_type) {
     case ElemType::kFloat32:
-      combine_kernel<float><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
-                                                      static_cast<float*>(out));
-      break;
+      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens, top_k,
+                        hidden, static_cast<float*>(out));
     case ElemType::kFloat16:
-      combine_kernel<__half><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
-                                                       static_cast<__half*>(out));
-      break;
+      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens, top_k,
+                        hidden, static_cast<__half*>(out));
     case ElemType::kBFloat16:
-      combine_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(y, entry_row, topk_weights, tokens, top_k, hidden,
-                                                              static_cast<__nv_bfloat16*>(out));
-      break;
+      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens,
+                        top_k, hidden, static_cast<__nv_bfloat16*>(out));
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace megamoe::sm90

@@ -15,9 +15,18 @@ fixed T):
 6. combine            out[t] = sum_j w[t,j] * y[row(t,j)]
 
 Workspace grows with T (rows = T*k), never with E.
+
+Decode chain (run 7, bench/NOTES.md): the streaming GEMMs, align, bf16 staging and combine are
+launched with programmatic dependent launch (cpp/sm90/pdl.cuh), so each kernel's launch and the
+L2 GEMM's weight prefetch overlap the previous kernel's tail; W4A16 with one token tile per pass
+gathers x inside L1 and writes h as the bf16 L2 operand (align, L1, L2, combine: 4 kernels).
+Switches (read at every forward, so a process can flip them): ``MEGAMOE_SM90_PDL=0`` (C++ side,
+every launch) and ``MEGAMOE_SM90_FUSE_NT1=0`` (staging kernels again for one-tile W4A16); both
+at 0 give exactly the run-6 chain.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -244,9 +253,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         # bf16 operand of L2, so neither activation needs a staging kernel.
         # (Not with one token tile per pass: that case runs the separate decode kernel, measured
         # faster with staged operands than the fused variant; see bench/NOTES.md.)
+        # Since run 7 the one-tile (decode) kernel has a fused variant too (bit-identical results);
+        # MEGAMOE_SM90_FUSE_NT1=0 brings back the staged operands there.
         one_tile = (tpp or 8 * (1 if (expected * 3 + 1) // 2 <= 8 else 2)) == 8
+        fuse_nt1 = os.environ.get("MEGAMOE_SM90_FUSE_NT1", "1") != "0"
         fused = (self.fuse_w4a16 and cfg.act_mode == "w4a16" and kernel == KERNEL_STREAM
-                 and x.dtype == torch.bfloat16 and not one_tile)
+                 and x.dtype == torch.bfloat16 and (fuse_nt1 or not one_tile))
 
         if fused:
             a1, a1_rows, a_gs, per_e, a_rs = x, ws.row_token, None, False, None

@@ -70,6 +70,8 @@ struct GroupedGemmArgs {
                                       // 3 wgmma (tile from max_tokens_per_expert), 4/5/6 wgmma token tile 64/256/128
                                       // 7/8 warp-specialized wgmma, token tile 256/128 (kKernelWgmmaWs*)
   int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
+  bool pdl = false;  // set by launch_grouped_gemm (streaming kernels): launched with programmatic dependent
+                     // launch (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0 turns it off)
 };
 // force_kernel values of the warp-specialized wgmma kernel (cpp/sm90/grouped_gemm_wgmma_ws.cuh).
 constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8;
