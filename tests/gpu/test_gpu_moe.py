@@ -12,6 +12,19 @@ from _gpu_util import cosine, rel_err, sm90_backend
 pytestmark = pytest.mark.gpu
 
 
+#: Run-7 decode-chain switches (bench/NOTES.md): programmatic dependent launch (C++, read at every
+#: launch) and the fused one-tile W4A16 kernel (Python, read at every forward). "off" is the run-6 chain.
+SWITCHES = {"on": {"MEGAMOE_SM90_PDL": "1", "MEGAMOE_SM90_FUSE_NT1": "1"},
+            "off": {"MEGAMOE_SM90_PDL": "0", "MEGAMOE_SM90_FUSE_NT1": "0"}}
+
+
+@pytest.fixture(params=["on", "off"])
+def decode_switches(request, monkeypatch):
+    for key, val in SWITCHES[request.param].items():
+        monkeypatch.setenv(key, val)
+    return request.param
+
+
 def _layers(preset="small", seed=0, **over):
     sm90_backend()
     gpu = MoELayer.from_preset(preset, seed=seed, backend="cuda-sm90", **over)
@@ -76,7 +89,7 @@ def test_moe_v4_flash_shape_decode_and_prefill(gen):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_nan_padding_rows_do_not_leak(dynamic, gen):
+def test_nan_padding_rows_do_not_leak(dynamic, gen, decode_switches):
     """FIELD_BUGS 6: padded (graph) rows full of NaN/Inf leave the real rows bit-identical."""
     gpu, _ = _layers(dynamic_act_scale=dynamic)
     # T stays below the streaming/tiled switch for both runs, so both use the same kernels
@@ -90,7 +103,7 @@ def test_nan_padding_rows_do_not_leak(dynamic, gen):
     assert torch.equal(padded[:t], real), "padding rows changed real rows"
 
 
-def test_repeated_runs_bit_identical(gen):
+def test_repeated_runs_bit_identical(gen, decode_switches):
     gpu, _ = _layers()
     for t in (3, 129, 1000):
         x, ids, w = _route(gpu, t, gen)
@@ -99,9 +112,10 @@ def test_repeated_runs_bit_identical(gen):
             assert torch.equal(gpu.forward(x, ids, w), first), t
 
 
-@pytest.mark.parametrize("t", [1, 32, 257])
-def test_cuda_graph_replay_equals_eager(t, gen):
-    gpu, _ = _layers()
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("t", [1, 8, 32, 257])
+def test_cuda_graph_replay_equals_eager(t, mode, gen, decode_switches):
+    gpu, _ = _layers(act_mode=mode)
     x, ids, w = _route(gpu, t, gen)
     eager = gpu.forward(x, ids, w).clone()
     xs, ids_s, ws_ = x.clone(), ids.clone(), w.clone()
@@ -122,6 +136,33 @@ def test_cuda_graph_replay_equals_eager(t, gen):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gpu.forward(x2, ids2, w2))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4-dynamic"])
+@pytest.mark.parametrize("shape", [(1040, 464), (1088, 576)], ids=["K%64!=0", "K%64==0"])
+def test_decode_chain_switches_bit_identical(mode, shape, gen, monkeypatch):
+    """Run 7: PDL and the fused one-tile W4A16 kernel change no bit. Every combination of
+    MEGAMOE_SM90_PDL / MEGAMOE_SM90_FUSE_NT1 gives exactly the run-6 chain's output (both 0),
+    over T = 1..40 and a few larger T (one-tile streaming up to 26, multi-tile to 32, wgmma or
+    streaming fallback above: E = 16, k = 3), and matches the torch backend."""
+    act_mode, dynamic = mode.split("-")[0], mode.endswith("dynamic")
+    gpu, ref = _layers("tiny", act_mode=act_mode, dynamic_act_scale=dynamic, hidden_size=shape[0],
+                       intermediate_size=shape[1], num_experts=16, top_k=3)
+    for t in list(range(1, 41)) + [47, 97, 128]:
+        x, ids, w = _route(gpu, t, gen)
+        outs = {}
+        for pdl in "01":
+            for fuse in "01":
+                monkeypatch.setenv("MEGAMOE_SM90_PDL", pdl)
+                monkeypatch.setenv("MEGAMOE_SM90_FUSE_NT1", fuse)
+                outs[f"pdl={pdl} fuse_nt1={fuse}"] = gpu.forward(x, ids, w, validate=False)
+        base = outs["pdl=0 fuse_nt1=0"]
+        assert torch.isfinite(base).all(), t
+        for key, out in outs.items():
+            assert torch.equal(out, base), (t, key)
+        if t in (1, 8, 26, 33, 128):
+            c = cosine(base.float(), ref.forward(x, ids, w, validate=False).float())
+            assert c >= 0.9999, (t, c)
 
 
 # ---------------------------------------------------------------- wgmma kernel (force_kernel 3, 4, 5)
