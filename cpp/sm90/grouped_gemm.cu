@@ -40,6 +40,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // Programmatic dependent launch of the streaming kernels (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0: off).
   GroupedGemmArgs sa = a;
   sa.pdl = pdl_enabled();
+  sa.prefetch_silu = sa.pdl && pdl_prefetch_l1_enabled();
   if (nt == 1) {
     // One token tile per pass: the nt1 kernel, with the fused gather / bf16 h output (run 7) when given.
     const bool fused = a.act_rows || a.out_operand;

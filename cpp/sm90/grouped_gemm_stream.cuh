@@ -73,6 +73,25 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
     }
   }
   griddep_sync_and_release();
+  // Experimental (off by default, MEGAMOE_SM90_PREFETCH_L1=1): the gate/up GEMM also asks L2 for its
+  // block's whole weight footprint (gate and up rows) once the expert list is final, so every block
+  // has all its bytes in flight from the start instead of one 64-element slice per lane and step.
+  if (a.prefetch_silu && a.epilogue == Epilogue::kSiluMul && threadIdx.x == 0) {
+    const int slot = int(blockIdx.y);
+    if (!a.num_active || slot < *a.num_active) {
+      const int expert = a.active_experts ? a.active_experts[slot] : slot;
+      const int64_t I = a.N / 2, c0 = int64_t(blockIdx.x) * 16;
+      const int64_t nrows = I - c0 < 16 ? I - c0 : 16, row_bytes = a.K / 2, kb = a.K / 16;
+      if (expert >= 0 && expert < a.num_experts && nrows > 0) {
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          const int64_t first = int64_t(expert) * a.N + part * I + c0;
+          prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
+          prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
+        }
+      }
+    }
+  }
 }
 
 // NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).

@@ -36,6 +36,12 @@ inline bool pdl_enabled() {
   return !(v && v[0] == '0');
 }
 
+// Experimental, off unless MEGAMOE_SM90_PREFETCH_L1=1 (and PDL on): see stream_pdl_prologue.
+inline bool pdl_prefetch_l1_enabled() {
+  const char* v = std::getenv("MEGAMOE_SM90_PREFETCH_L1");
+  return v && v[0] == '1';
+}
+
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -72,6 +72,8 @@ struct GroupedGemmArgs {
   int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
   bool pdl = false;  // set by launch_grouped_gemm (streaming kernels): launched with programmatic dependent
                      // launch (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0 turns it off)
+  bool prefetch_silu = false;  // with pdl: the kSiluMul streaming GEMM prefetches its weight rows into L2
+                               // (experimental, MEGAMOE_SM90_PREFETCH_L1=1)
 };
 // force_kernel values of the warp-specialized wgmma kernel (cpp/sm90/grouped_gemm_wgmma_ws.cuh).
 constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8;
