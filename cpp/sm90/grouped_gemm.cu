@@ -41,6 +41,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   GroupedGemmArgs sa = a;
   sa.pdl = pdl_enabled();
   sa.prefetch_silu = sa.pdl && pdl_prefetch_l1_enabled();
+  sa.prefetch_blocks = sa.pdl ? 4 * sm_count() : 0;  // 4 resident blocks/SM (124 registers)
   if (nt == 1) {
     // One token tile per pass: the nt1 kernel, with the fused gather / bf16 h output (run 7) when given.
     const bool fused = a.act_rows || a.out_operand;

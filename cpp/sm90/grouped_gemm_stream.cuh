@@ -56,11 +56,14 @@ __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) |
 // The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and
 // scales, contiguous ranges of one expert), which depend on nothing computed in this forward
 // except the expert list of the align kernel -- complete by pdl.cuh rule 3, read through L2 --
-// so the weight stream starts while the gate/up GEMM before it drains. Then every thread waits
-// for the predecessor grid and releases the next one.
+// so the weight stream starts while the gate/up GEMM before it drains. Only the first
+// a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
+// tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
+// predecessor grid and releases the next one.
 __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   if (!a.pdl) return;
-  if (a.epilogue == Epilogue::kStore && threadIdx.x == 0) {
+  const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
     const int slot = int(blockIdx.y);
     const bool active = !a.num_active || slot < __ldcg(a.num_active);
     const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;

@@ -36,6 +36,19 @@ inline bool pdl_enabled() {
   return !(v && v[0] == '0');
 }
 
+// Multiprocessors of the current device (queried once per device).
+inline int sm_count() {
+  static int cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
 // Experimental, off unless MEGAMOE_SM90_PREFETCH_L1=1 (and PDL on): see stream_pdl_prologue.
 inline bool pdl_prefetch_l1_enabled() {
   const char* v = std::getenv("MEGAMOE_SM90_PREFETCH_L1");

@@ -72,6 +72,8 @@ struct GroupedGemmArgs {
   int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
   bool pdl = false;  // set by launch_grouped_gemm (streaming kernels): launched with programmatic dependent
                      // launch (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0 turns it off)
+  int prefetch_blocks = 0;     // with pdl: kStore blocks with linear index below this prefetch their weights into
+                               // L2 before the wait (set to 4 x SMs: the blocks that can overlap the previous GEMM)
   bool prefetch_silu = false;  // with pdl: the kSiluMul streaming GEMM prefetches its weight rows into L2
                                // (experimental, MEGAMOE_SM90_PREFETCH_L1=1)
 };
