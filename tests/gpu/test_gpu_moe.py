@@ -167,10 +167,14 @@ def test_decode_chain_switches_bit_identical(mode, shape, gen, monkeypatch):
 
 # ---------------------------------------------------------------- wgmma kernel (force_kernel 3, 4, 5)
 WGMMA_KERNELS = [3, 4, 5, 6, 7, 8]  # KERNEL_WGMMA (auto tile), KERNEL_WGMMA_SMALL (64), _LARGE (256), _MID (128),
-# KERNEL_WGMMA_WS (warp-specialized, tile 256), KERNEL_WGMMA_WS_MID (tile 128)
+# KERNEL_WGMMA_WS (warp-specialized, tile 256), KERNEL_WGMMA_WS_MID (tile 128): ids "ws256"/"ws128" (-k "wgmma and ws" selects them)
 
 
-@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
+def _kid(kernel):
+    return {7: "ws256", 8: "ws128"}.get(kernel, str(kernel))
+
+
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS, ids=_kid)
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_moe_wgmma_matches_torch_backend(kernel, mode, dynamic, gen):
@@ -191,7 +195,7 @@ def test_moe_wgmma_matches_torch_backend(kernel, mode, dynamic, gen):
         gpu.backend.force_kernel = -1
 
 
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8], ids=_kid)
 def test_moe_wgmma_t_sweep_partial_tiles(kernel, gen):
     """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64
     gate/up columns), T across the token-tile widths and boundaries; bit-identical reruns."""
