@@ -7,8 +7,9 @@
 //    NVFP4 weights (32 bytes per row per stage) and their e4m3 scales into a kStages-deep ring,
 //    then decodes the weights ONCE into a bf16 tile of the SAME layout (128 rows x 128 bytes,
 //    SW128 K-major, operand order: packed word c of a row = elements 8c..8c+7 -> chunk c), fences
-//    it for the async proxy and arrives on the stage's FULL mbarrier. Thread t owns weight row t:
-//    it loads that row's bytes and scales itself, so decode needs no barrier among producers.
+//    it for the async proxy and arrives on the stage's FULL mbarrier. Thread t decodes weight row t;
+//    the row's packed bytes are copied by lanes of the same warp (coalesced 32-byte sectors), so
+//    decode needs only a __syncwarp, no barrier among the producer warps.
 //  - warpgroups 1 and 2 are CONSUMERS (setmaxnreg.inc): 64 weight rows each (rows 64*cw..+63 of the
 //    tile), wgmma m64nNk16 with A AND B from shared memory (descriptors), one commit group per
 //    64-K stage, wait_group<1> (the group of stage kt stays in flight while stage kt+1 is issued),
@@ -35,7 +36,11 @@
 namespace megamoe::sm90 {
 
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;  // 128*40 + 256*232 = 64512 <= 65536
+// setmaxnreg: the consumers' increase is served from what the producer releases, within the block's
+// allocation at launch (384 threads x 168 registers under __launch_bounds__(384, 1)); asking for more
+// would make setmaxnreg.inc wait forever. The consumers use ~152 (ptxas, N = 256).
+constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;
+static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "setmaxnreg beyond the launch allocation");
 constexpr int kWsLarge = 256, kWsMid = 128;                // token-tile configurations (force_kernel 7, 8)
 
 // One block per SM (the ring is most of shared memory). Stage layout (every part 1024-aligned
@@ -108,12 +113,17 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
   using Cfg = WsCfg<kMaxN>;
   constexpr int S = Cfg::kStages;
   static_assert(N <= kMaxN && (N * 8) % 128 == 0, "activation chunks per producer thread");
-  const int pt = threadIdx.x;  // 0..127: weight row pt of the tile
+  const int pt = threadIdx.x;  // 0..127: decodes weight row pt of the tile
   const int64_t K = a.K, Kb = K / 16, row_bytes = K / 2;
-  bool w_valid;
-  const int64_t wrow = ws_weight_row(a, pt, w_valid);
-  const uint8_t* w_src = a.w_data + (int64_t(expert) * a.N + wrow) * row_bytes;
-  const uint8_t* s_src = a.w_scale + (int64_t(expert) * a.N + wrow) * Kb;
+  // Packed weights: the 32 bytes of a row per stage come as one coalesced 32-byte sector from two
+  // neighbouring lanes: lane l loads half l & 1 of rows 32w + (l >> 1) and 32w + 16 + (l >> 1) (w = warp),
+  // so decode reads bytes another lane of the same warp copied (__syncwarp after the wait).
+  const int lane = pt & 31, w_half = lane & 1;
+  const int w_lr0 = (pt & ~31) + (lane >> 1), w_lr1 = w_lr0 + 16;
+  bool w_valid0, w_valid1, s_valid;
+  const uint8_t* w_src0 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr0, w_valid0)) * row_bytes + w_half * 16;
+  const uint8_t* w_src1 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr1, w_valid1)) * row_bytes + w_half * 16;
+  const uint8_t* s_src = a.w_scale + (int64_t(expert) * a.N + ws_weight_row(a, pt, s_valid)) * Kb;
   // Activation chunks of this thread: chunk pt & 7 of tile rows r0 + 16 i (i < N / 16); rows past the
   // expert's last token are zero-filled (source size 0, address clamped to its first row).
   const int r0 = pt >> 3, ch = pt & 7;
@@ -134,9 +144,9 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
       cp_async(sa + act_dst + i * 2048, valid ? src : act_first, valid ? 16 : 0, 16);
       src += 16 * K;
     }
-    cp_async(sraw + pt * kWgWRowBytes, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
-    cp_async(sraw + pt * kWgWRowBytes + 16, w_src + int64_t(kt) * 32 + 16, w_valid ? 16 : 0, 16);
-    cp_async(ss + pt * 4, s_src + int64_t(kt) * 4, w_valid ? 4 : 0, 4);
+    cp_async(sraw + w_lr0 * kWgWRowBytes + w_half * 16, w_src0 + int64_t(kt) * 32, w_valid0 ? 16 : 0, 16);
+    cp_async(sraw + w_lr1 * kWgWRowBytes + w_half * 16, w_src1 + int64_t(kt) * 32, w_valid1 ? 16 : 0, 16);
+    cp_async(ss + pt * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
   };
 
 #pragma unroll
@@ -147,6 +157,7 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     const int slot = kt % S;
     ws_cp_async_wait<S - 2>();  // this thread's copies of tile kt landed (committed groups: S-1+kt)
+    __syncwarp();               // ... and those of the other lanes of this warp (packed weight halves)
     uint8_t* sa = stages + slot * Cfg::kStageBytes;
     uint8_t* wt = sa + Cfg::kABytes;
     const uint8_t* sraw = wt + Cfg::kWTileBytes;
