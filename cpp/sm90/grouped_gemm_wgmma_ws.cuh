@@ -90,6 +90,10 @@ __device__ __forceinline__ void ws_mbar_wait(uint64_t* bar, uint32_t parity) {
     else if (now - start > (1ll << 34)) __trap();
   }
 }
+// L2 prefetch hint of `bytes` (multiple of 16) contiguous global bytes at a 16-byte-aligned address.
+__device__ __forceinline__ void ws_prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void ws_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
@@ -123,7 +127,8 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
   bool w_valid0, w_valid1, s_valid;
   const uint8_t* w_src0 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr0, w_valid0)) * row_bytes + w_half * 16;
   const uint8_t* w_src1 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr1, w_valid1)) * row_bytes + w_half * 16;
-  const uint8_t* s_src = a.w_scale + (int64_t(expert) * a.N + ws_weight_row(a, pt, s_valid)) * Kb;
+  const int64_t wrow_pt = int64_t(expert) * a.N + ws_weight_row(a, pt, s_valid);  // the row this thread decodes
+  const uint8_t* s_src = a.w_scale + wrow_pt * Kb;
   // Activation chunks of this thread: chunk pt & 7 of tile rows r0 + 16 i (i < N / 16); rows past the
   // expert's last token are zero-filled (source size 0, address clamped to its first row).
   const int r0 = pt >> 3, ch = pt & 7;
@@ -133,7 +138,21 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
   const uint32_t act_dst = ws_sw128_offset(r0, ch);  // + i * 2048 (16 rows, same row & 7)
   const int num_k_tiles = int(K / kWgK);
 
+  // The packed weights and scales of a block are read exactly once (from HBM) and only 2-3 stages
+  // ahead of their decode, so every 8 k-tiles each producer thread asks L2 for the next 8 k-tiles of
+  // its row (256 bytes of packed weights, 32 of scales; a hint, no completion tracked).
+  const uint8_t* pf_w = a.w_data + wrow_pt * row_bytes;
+  const bool pf_s_ok = s_valid && (Kb % 16) == 0 && (reinterpret_cast<uintptr_t>(s_src) & 15) == 0;
+  const bool pf_w_ok = s_valid && (reinterpret_cast<uintptr_t>(pf_w) & 15) == 0;
+  auto prefetch_tiles = [&](int kt0) {  // k-tiles [kt0, kt0 + 8) that exist; kt0 % 8 == 0
+    if (kt0 >= num_k_tiles) return;
+    const int cnt = min(8, num_k_tiles - kt0);
+    if (pf_w_ok) ws_prefetch_l2(pf_w + int64_t(kt0) * 32, uint32_t(cnt) * 32u);
+    if (pf_s_ok && cnt == 8) ws_prefetch_l2(s_src + int64_t(kt0) * 4, 32u);
+  };
+
   auto load_stage = [&](int slot, int kt) {
+    if ((kt & 7) == 0) prefetch_tiles(kt + 8);
     uint8_t* sa = stages + slot * Cfg::kStageBytes;
     uint8_t* sraw = sa + Cfg::kABytes + Cfg::kWTileBytes;
     uint8_t* ss = sraw + Cfg::kRawBytes;
@@ -149,6 +168,7 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
     cp_async(ss + pt * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
   };
 
+  prefetch_tiles(0);
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
