@@ -22,3 +22,11 @@ def test_ws_smem_layout_matches_ptx_model(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ok" in res.stdout
+
+
+def test_ws_pipeline_protocol_model():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ws_pipeline_model", os.path.join(ROOT, "tests", "host", "ws_pipeline_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.check_all(seeds=15)
