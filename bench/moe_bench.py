@@ -36,10 +36,11 @@ from megamoe.moe import MoEWeights  # noqa: E402
 from megamoe.presets import get_preset  # noqa: E402
 
 ROTATE = 8
-# stream, tiled2, wgmma64, wgmma128, wgmma256, wgmma_ws256, wgmma_ws128 (megamoe.backends.cuda_sm90.KERNEL_NAMES);
-# MEGAMOE_BENCH_VARIANTS="0,2" overrides. The warp-specialized ones (7, 8) are timed from T = 512 up only.
-VARIANT_KERNELS = tuple(int(v) for v in os.environ.get("MEGAMOE_BENCH_VARIANTS", "0,2,4,6,5,7,8").split(",") if v.strip())
-WS_KERNELS = (7, 8)
+# stream, tiled2, wgmma64, wgmma128, wgmma256, wgmma_ws256, wgmma_ws128, wgmma_ws128p2
+# (megamoe.backends.cuda_sm90.KERNEL_NAMES); MEGAMOE_BENCH_VARIANTS="0,2" overrides. The warp-specialized ones
+# (7, 8, 9) are timed from T = 512 up only.
+VARIANT_KERNELS = tuple(int(v) for v in os.environ.get("MEGAMOE_BENCH_VARIANTS", "0,2,4,6,5,7,8,9").split(",") if v.strip())
+WS_KERNELS = (7, 8, 9)
 
 
 # ----------------------------------------------------------------------------- floors
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--force-kernel", type=int, default=-1,
                     help="-1 auto, 0 streaming, 1 tiled, 2 tiled with 2 blocks/SM, 3 wgmma, 4 wgmma tile 64, 5 wgmma tile 256, "
-                         "6 wgmma tile 128, 7/8 warp-specialized wgmma tile 256/128")
+                         "6 wgmma tile 128, 7/8 warp-specialized wgmma tile 256/128, 9 tile 128 with 2 producer warpgroups")
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMM kernel for T >= 128 (W4A16; the wgmma ones in W4A4 too)")
     args = ap.parse_args(argv)
@@ -359,8 +360,8 @@ def print_table(report, modes):
         print(" ".join(cells))
     keys = [k for k in ("sm90_w4a16_stream_us", "sm90_w4a16_tiled2_us", "sm90_w4a16_wgmma64_us", "sm90_w4a16_wgmma128_us",
                         "sm90_w4a16_wgmma256_us", "sm90_w4a4_wgmma64_us", "sm90_w4a4_wgmma128_us", "sm90_w4a4_wgmma256_us",
-                        "sm90_w4a16_wgmma_ws256_us", "sm90_w4a16_wgmma_ws128_us", "sm90_w4a4_wgmma_ws256_us",
-                        "sm90_w4a4_wgmma_ws128_us") if any(k in r for r in report["results"])]
+                        "sm90_w4a16_wgmma_ws256_us", "sm90_w4a16_wgmma_ws128_us", "sm90_w4a16_wgmma_ws128p2_us",
+                        "sm90_w4a4_wgmma_ws256_us", "sm90_w4a4_wgmma_ws128_us", "sm90_w4a4_wgmma_ws128p2_us") if any(k in r for r in report["results"])]
     if keys:
         print("variants (us): " + " ".join(k[5:-3] for k in keys))
         for r in report["results"]:

@@ -23,7 +23,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.act_rows || a.out_operand) kernel = 0;  // fused gather / operand output exist in the streaming kernel only
   if (kernel >= 3 && kernel <= 6 && wg_gemm_supported(a)) return launch_wg_gemm(a, stream, kernel);
   // warp-specialized wgmma (grouped_gemm_wgmma_ws.cuh): only when forced, never chosen by auto (yet)
-  if ((kernel == kKernelWgmmaWsLarge || kernel == kKernelWgmmaWsMid) && wg_gemm_supported(a))
+  if (kernel >= kKernelWgmmaWsLarge && kernel <= kKernelWgmmaWs2Mid && wg_gemm_supported(a))
     return launch_wgws_gemm(a, stream, kernel);
   if (kernel >= 1 && tiled_gemm_supported(a)) return launch_tiled_gemm(a, stream, kernel);
   if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;

@@ -35,12 +35,18 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-// setmaxnreg: the consumers' increase is served from what the producer releases, within the block's
-// allocation at launch (384 threads x 168 registers under __launch_bounds__(384, 1)); asking for more
-// would make setmaxnreg.inc wait forever. The consumers use ~152 (ptxas, N = 256).
-constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;
-static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "setmaxnreg beyond the launch allocation");
+// kPWG producer warpgroups (1: force_kernel 7/8, 2: 9) + 2 consumer warpgroups.
+// setmaxnreg: the consumers' increase is served from what the producers release, within the block's
+// allocation at launch (threads x the __launch_bounds__(threads, 1) cap: 168 for 384 threads, 128 for
+// 512); asking for more would make setmaxnreg.inc wait forever. The consumers use ~152 (ptxas, N = 256).
+template <int kPWG>
+struct WsRoles {
+  static constexpr int kProducers = 128 * kPWG, kThreads = kProducers + 256;
+  static constexpr int kEntryRegs = kPWG == 1 ? 168 : 128;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = kPWG == 1 ? 224 : 200;
+  static_assert(kProducers * kProducerRegs + 256 * kConsumerRegs <= kThreads * kEntryRegs, "setmaxnreg beyond the launch allocation");
+  static_assert(kThreads * kEntryRegs <= 65536, "register file");
+};
 constexpr int kWsLarge = 256, kWsMid = 128;                // token-tile configurations (force_kernel 7, 8)
 
 // One block per SM (the ring is most of shared memory). Stage layout (every part 1024-aligned
@@ -111,39 +117,47 @@ __device__ __forceinline__ int64_t ws_weight_row(const GroupedGemmArgs& a, int l
   return valid ? n : 0;
 }
 
-template <int N, int kMaxN>
+template <int N, int kMaxN, int kPWG>
 __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, uint64_t* full,
                                             uint64_t* empty, int expert, int row_begin, int rows, int m0) {
   using Cfg = WsCfg<kMaxN>;
   constexpr int S = Cfg::kStages;
-  static_assert(N <= kMaxN && (N * 8) % 128 == 0, "activation chunks per producer thread");
-  const int pt = threadIdx.x;  // 0..127: decodes weight row pt of the tile
+  constexpr int P = WsRoles<kPWG>::kProducers;
+  constexpr int kWords = 8 / kPWG;     // packed 32-bit words (8 elements each) decoded per thread and stage
+  constexpr int kRowStep = P / 8;      // activation rows between a thread's chunks
+  constexpr int kChunks = N * 8 / P;   // activation chunks per thread and stage
+  static_assert(N <= kMaxN && (N * 8) % P == 0, "activation chunks per producer thread");
+  const int pt = threadIdx.x;          // 0..P-1: decodes words w0..w0+kWords-1 of weight row d_row
+  const int d_row = pt / kPWG, w0 = (pt % kPWG) * kWords;
+  const bool scale_owner = (pt % kPWG) == 0;  // copies the row's 4 scale bytes (kPWG 2: for both halves)
   const int64_t K = a.K, Kb = K / 16, row_bytes = K / 2;
   // Packed weights: the 32 bytes of a row per stage come as one coalesced 32-byte sector from two
-  // neighbouring lanes: lane l loads half l & 1 of rows 32w + (l >> 1) and 32w + 16 + (l >> 1) (w = warp),
-  // so decode reads bytes another lane of the same warp copied (__syncwarp after the wait).
+  // neighbouring lanes. kPWG 1: lane l loads half l & 1 of rows 32w + (l >> 1) and 32w + 16 + (l >> 1)
+  // (w = warp); kPWG 2: thread pt loads half pt & 1 of row pt >> 1 (its own words). Decode may read bytes
+  // another lane of the same warp copied (scales too): __syncwarp after the wait.
   const int lane = pt & 31, w_half = lane & 1;
-  const int w_lr0 = (pt & ~31) + (lane >> 1), w_lr1 = w_lr0 + 16;
-  bool w_valid0, w_valid1, s_valid;
+  const int w_lr0 = kPWG == 1 ? (pt & ~31) + (lane >> 1) : (pt >> 1), w_lr1 = w_lr0 + 16;
+  bool w_valid0, w_valid1 = false, s_valid;
   const uint8_t* w_src0 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr0, w_valid0)) * row_bytes + w_half * 16;
-  const uint8_t* w_src1 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr1, w_valid1)) * row_bytes + w_half * 16;
-  const int64_t wrow_pt = int64_t(expert) * a.N + ws_weight_row(a, pt, s_valid);  // the row this thread decodes
+  const uint8_t* w_src1 = w_src0;
+  if (kPWG == 1) w_src1 = a.w_data + (int64_t(expert) * a.N + ws_weight_row(a, w_lr1, w_valid1)) * row_bytes + w_half * 16;
+  const int64_t wrow_pt = int64_t(expert) * a.N + ws_weight_row(a, d_row, s_valid);  // the row this thread decodes
   const uint8_t* s_src = a.w_scale + wrow_pt * Kb;
-  // Activation chunks of this thread: chunk pt & 7 of tile rows r0 + 16 i (i < N / 16); rows past the
-  // expert's last token are zero-filled (source size 0, address clamped to its first row).
+  // Activation chunks of this thread: chunk pt & 7 of tile rows r0 + kRowStep i (i < kChunks); rows past
+  // the expert's last token are zero-filled (source size 0, address clamped to its first row).
   const int r0 = pt >> 3, ch = pt & 7;
-  const int valid_chunks = min(N / 16, max(0, (rows - m0 - r0 + 15) / 16));
+  const int valid_chunks = min(kChunks, max(0, (rows - m0 - r0 + kRowStep - 1) / kRowStep));
   const uint16_t* act_first = a.act + int64_t(row_begin) * K + ch * 8;
   const uint16_t* act_src = act_first + int64_t(m0 + r0) * K;
-  const uint32_t act_dst = ws_sw128_offset(r0, ch);  // + i * 2048 (16 rows, same row & 7)
+  const uint32_t act_dst = ws_sw128_offset(r0, ch);  // + i * 128 * kRowStep (same row & 7)
   const int num_k_tiles = int(K / kWgK);
 
   // The packed weights and scales of a block are read exactly once (from HBM) and only 2-3 stages
   // ahead of their decode, so every 8 k-tiles each producer thread asks L2 for the next 8 k-tiles of
   // its row (256 bytes of packed weights, 32 of scales; a hint, no completion tracked).
   const uint8_t* pf_w = a.w_data + wrow_pt * row_bytes;
-  const bool pf_s_ok = s_valid && (Kb % 16) == 0 && (reinterpret_cast<uintptr_t>(s_src) & 15) == 0;
-  const bool pf_w_ok = s_valid && (reinterpret_cast<uintptr_t>(pf_w) & 15) == 0;
+  const bool pf_s_ok = scale_owner && s_valid && (Kb % 16) == 0 && (reinterpret_cast<uintptr_t>(s_src) & 15) == 0;
+  const bool pf_w_ok = scale_owner && s_valid && (reinterpret_cast<uintptr_t>(pf_w) & 15) == 0;
   auto prefetch_tiles = [&](int kt0) {  // k-tiles [kt0, kt0 + 8) that exist; kt0 % 8 == 0
     if (kt0 >= num_k_tiles) return;
     const int cnt = min(8, num_k_tiles - kt0);
@@ -158,14 +172,14 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
     uint8_t* ss = sraw + Cfg::kRawBytes;
     const uint16_t* src = act_src + int64_t(kt) * kWgK;
 #pragma unroll
-    for (int i = 0; i < N / 16; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const bool valid = i < valid_chunks;
-      cp_async(sa + act_dst + i * 2048, valid ? src : act_first, valid ? 16 : 0, 16);
-      src += 16 * K;
+      cp_async(sa + act_dst + i * (128 * kRowStep), valid ? src : act_first, valid ? 16 : 0, 16);
+      src += kRowStep * K;
     }
     cp_async(sraw + w_lr0 * kWgWRowBytes + w_half * 16, w_src0 + int64_t(kt) * 32, w_valid0 ? 16 : 0, 16);
-    cp_async(sraw + w_lr1 * kWgWRowBytes + w_half * 16, w_src1 + int64_t(kt) * 32, w_valid1 ? 16 : 0, 16);
-    cp_async(ss + pt * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
+    if (kPWG == 1) cp_async(sraw + w_lr1 * kWgWRowBytes + w_half * 16, w_src1 + int64_t(kt) * 32, w_valid1 ? 16 : 0, 16);
+    if (scale_owner) cp_async(ss + d_row * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
   };
 
   prefetch_tiles(0);
@@ -182,15 +196,19 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
     uint8_t* wt = sa + Cfg::kABytes;
     const uint8_t* sraw = wt + Cfg::kWTileBytes;
     const uint8_t* ss = sraw + Cfg::kRawBytes;
-    const uint4 wa = *reinterpret_cast<const uint4*>(sraw + pt * kWgWRowBytes);
-    const uint4 wb = *reinterpret_cast<const uint4*>(sraw + pt * kWgWRowBytes + 16);
-    const uint32_t sc = *reinterpret_cast<const uint32_t*>(ss + pt * 4);
-    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    uint32_t w[kWords];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {  // word c = elements 8c..8c+7 = chunk c, scale block c/2
+    for (int h = 0; h < kWords / 4; ++h) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sraw + d_row * kWgWRowBytes + w0 * 4 + h * 16);
+      w[4 * h] = v.x, w[4 * h + 1] = v.y, w[4 * h + 2] = v.z, w[4 * h + 3] = v.w;
+    }
+    const uint32_t sc = *reinterpret_cast<const uint32_t*>(ss + d_row * 4);
+#pragma unroll
+    for (int j = 0; j < kWords; ++j) {  // word c = elements 8c..8c+7 = chunk c, scale block c/2
+      const int c = w0 + j;
       uint32_t p[4];
-      dequant_word(w[c], lut[(sc >> (8 * (c >> 1))) & 0xFFu], p);
-      *reinterpret_cast<uint4*>(wt + ws_sw128_offset(pt, c)) = make_uint4(p[0], p[1], p[2], p[3]);
+      dequant_word(w[j], lut[(sc >> (8 * (c >> 1))) & 0xFFu], p);
+      *reinterpret_cast<uint4*>(wt + ws_sw128_offset(d_row, c)) = make_uint4(p[0], p[1], p[2], p[3]);
     }
     fence_proxy_async_smem();  // the bf16 tile and this thread's activation chunks -> async proxy (wgmma)
     ws_mbar_arrive(&full[slot]);
@@ -204,12 +222,12 @@ __device__ __forceinline__ void ws_producer(const GroupedGemmArgs& a, uint8_t* s
   ws_cp_async_wait<0>();
 }
 
-template <int N, int kMaxN>
+template <int N, int kMaxN, int kPWG>
 __device__ __forceinline__ void ws_consumer(const GroupedGemmArgs& a, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                             int expert, int row_begin, int rows, int m0) {
   using Cfg = WsCfg<kMaxN>;
   constexpr int S = Cfg::kStages;
-  const int ct = threadIdx.x - 128;  // 0..255
+  const int ct = threadIdx.x - WsRoles<kPWG>::kProducers;  // 0..255
   const int cw = ct >> 7;            // consumer warpgroup: tile rows 64*cw..+63
   const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, wq = (threadIdx.x >> 5) & 3;
   const int num_k_tiles = int(a.K / kWgK);
@@ -281,9 +299,11 @@ __device__ __forceinline__ void ws_consumer(const GroupedGemmArgs& a, uint8_t* s
   }
 }
 
-template <int kMaxN>
-__global__ void __launch_bounds__(kWsThreads, 1) wgws_gemm_kernel(GroupedGemmArgs a) {
+template <int kMaxN, int kPWG>
+__global__ void __launch_bounds__(WsRoles<kPWG>::kThreads, 1) wgws_gemm_kernel(GroupedGemmArgs a) {
   using Cfg = WsCfg<kMaxN>;
+  using Roles = WsRoles<kPWG>;
+  constexpr int kWsThreads = Roles::kThreads;
   constexpr int S = Cfg::kStages;
   extern __shared__ uint8_t ws_smem_raw[];
   const uint32_t raw_addr = ws_smem_u32(ws_smem_raw);
@@ -299,7 +319,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgws_gemm_kernel(GroupedGemmArg
   for (int i = tid; i < 256; i += kWsThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      ws_mbar_init(&full[s], 128);   // every producer thread arrives once per fill
+      ws_mbar_init(&full[s], Roles::kProducers);  // every producer thread arrives once per fill
       ws_mbar_init(&empty[s], 256);  // every consumer thread arrives once per release
     }
   }
@@ -343,45 +363,45 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgws_gemm_kernel(GroupedGemmArg
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();  // LUT and barriers ready; every thread done with the tile scan (stage 0 is free)
 
-  if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+  if (warp < 4 * kPWG) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Roles::kProducerRegs));
     if constexpr (kMaxN == 256) {
-      if (count <= 64) ws_producer<64, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 128) ws_producer<128, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 160) ws_producer<160, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 192) ws_producer<192, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 224) ws_producer<224, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else ws_producer<256, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      if (count <= 64) ws_producer<64, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 128) ws_producer<128, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 160) ws_producer<160, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 192) ws_producer<192, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 224) ws_producer<224, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else ws_producer<256, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
     } else {
-      if (count <= 32) ws_producer<32, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 64) ws_producer<64, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 96) ws_producer<96, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
-      else ws_producer<128, kMaxN>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      if (count <= 32) ws_producer<32, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 64) ws_producer<64, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 96) ws_producer<96, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
+      else ws_producer<128, kMaxN, kPWG>(a, stages, scale_lut, full, empty, expert, row_begin, rows, m0);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Roles::kConsumerRegs));
     if constexpr (kMaxN == 256) {
-      if (count <= 64) ws_consumer<64, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 128) ws_consumer<128, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 160) ws_consumer<160, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 192) ws_consumer<192, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 224) ws_consumer<224, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else ws_consumer<256, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      if (count <= 64) ws_consumer<64, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 128) ws_consumer<128, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 160) ws_consumer<160, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 192) ws_consumer<192, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 224) ws_consumer<224, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else ws_consumer<256, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
     } else {
-      if (count <= 32) ws_consumer<32, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 64) ws_consumer<64, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else if (count <= 96) ws_consumer<96, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
-      else ws_consumer<128, kMaxN>(a, stages, full, empty, expert, row_begin, rows, m0);
+      if (count <= 32) ws_consumer<32, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 64) ws_consumer<64, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else if (count <= 96) ws_consumer<96, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
+      else ws_consumer<128, kMaxN, kPWG>(a, stages, full, empty, expert, row_begin, rows, m0);
     }
   }
 }
 
-template <int kMaxN>
+template <int kMaxN, int kPWG>
 inline cudaError_t launch_wgws_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WsCfg<kMaxN>;
   static bool attr_set = false;
   if (!attr_set) {
-    cudaError_t err = cudaFuncSetAttribute(wgws_gemm_kernel<kMaxN>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    cudaError_t err = cudaFuncSetAttribute(wgws_gemm_kernel<kMaxN, kPWG>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
     if (err != cudaSuccess) return err;
     attr_set = true;
   }
@@ -389,14 +409,18 @@ inline cudaError_t launch_wgws_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t s
   const unsigned gx = silu_mul ? unsigned((a.N / 2 + 63) / 64) : unsigned((a.N + kWgRows - 1) / kWgRows);
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
-  wgws_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), kWsThreads, Cfg::kSmem, stream>>>(a);
+  wgws_gemm_kernel<kMaxN, kPWG><<<dim3(gx, unsigned(tiles)), WsRoles<kPWG>::kThreads, Cfg::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
-// variant: 7 token tile 256 (N 64/128/160/192/224/256), 8 token tile 128 (N 32/64/96/128).
+// variant: 7 token tile 256 (N 64/128/160/192/224/256), 8 token tile 128 (N 32/64/96/128), one producer
+// warpgroup; 9: token tile 128 with two producer warpgroups (512 threads, each producer thread decodes half
+// a row). ptxas allocates the whole kernel within the entry cap (128 registers at 512 threads: setmaxnreg
+// does not raise it), so the m64n256 accumulators (~154 registers) cannot have two producer warpgroups.
 inline cudaError_t launch_wgws_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
-  if (variant == 8) return launch_wgws_gemm_cfg<kWsMid>(a, stream);
-  return launch_wgws_gemm_cfg<kWsLarge>(a, stream);
+  if (variant == 8) return launch_wgws_gemm_cfg<kWsMid, 1>(a, stream);
+  if (variant == 9) return launch_wgws_gemm_cfg<kWsMid, 2>(a, stream);
+  return launch_wgws_gemm_cfg<kWsLarge, 1>(a, stream);
 }
 
 }  // namespace megamoe::sm90

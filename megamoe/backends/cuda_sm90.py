@@ -44,11 +44,13 @@ KERNEL_AUTO, KERNEL_STREAM, KERNEL_TILED, KERNEL_TILED_2BLOCKS = -1, 0, 1, 2
 #: expert, 4 forces tiles of up to 64 tokens, 5 of up to 256, 6 of up to 128 (cpp/sm90/grouped_gemm_wgmma.cuh).
 KERNEL_WGMMA, KERNEL_WGMMA_SMALL, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_MID = 3, 4, 5, 6
 #: warp-specialized wgmma kernel (producer warpgroup decodes NVFP4 into shared memory, consumers keep
-#: wgmma in flight; cpp/sm90/grouped_gemm_wgmma_ws.cuh), token tile 256 / 128. Only when forced.
-KERNEL_WGMMA_WS, KERNEL_WGMMA_WS_MID = 7, 8
+#: wgmma in flight; cpp/sm90/grouped_gemm_wgmma_ws.cuh), token tile 256 / 128, and tile 128 with two
+#: producer warpgroups. Only when forced.
+KERNEL_WGMMA_WS, KERNEL_WGMMA_WS_MID, KERNEL_WGMMA_WS2_MID = 7, 8, 9
 KERNEL_NAMES = {KERNEL_STREAM: "stream", KERNEL_TILED: "tiled", KERNEL_TILED_2BLOCKS: "tiled2",
                 KERNEL_WGMMA: "wgmma", KERNEL_WGMMA_SMALL: "wgmma64", KERNEL_WGMMA_LARGE: "wgmma256",
-                KERNEL_WGMMA_MID: "wgmma128", KERNEL_WGMMA_WS: "wgmma_ws256", KERNEL_WGMMA_WS_MID: "wgmma_ws128"}
+                KERNEL_WGMMA_MID: "wgmma128", KERNEL_WGMMA_WS: "wgmma_ws256", KERNEL_WGMMA_WS_MID: "wgmma_ws128",
+                KERNEL_WGMMA_WS2_MID: "wgmma_ws128p2"}
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from megamoe import nvfp4
 from megamoe.backends.cuda_sm90 import (KERNEL_STREAM, KERNEL_TILED, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_MID, KERNEL_WGMMA_SMALL,
-                                        KERNEL_WGMMA_WS, KERNEL_WGMMA_WS_MID, CudaSm90Backend)
+                                        KERNEL_WGMMA_WS, KERNEL_WGMMA_WS2_MID, KERNEL_WGMMA_WS_MID, CudaSm90Backend)
 
 from _gpu_util import cosine, random_nvfp4, rel_err, sm90_backend
 
@@ -23,7 +23,8 @@ SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 2
                                     pytest.param(KERNEL_WGMMA_MID, id="wgmma128"),
                                     pytest.param(KERNEL_WGMMA_LARGE, id="wgmma256"),
                                     pytest.param(KERNEL_WGMMA_WS, id="wgmma_ws256"),
-                                    pytest.param(KERNEL_WGMMA_WS_MID, id="wgmma_ws128")])
+                                    pytest.param(KERNEL_WGMMA_WS_MID, id="wgmma_ws128"),
+                                    pytest.param(KERNEL_WGMMA_WS2_MID, id="wgmma_ws128p2")])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
 def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):

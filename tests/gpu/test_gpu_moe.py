@@ -166,12 +166,13 @@ def test_decode_chain_switches_bit_identical(mode, shape, gen, monkeypatch):
 
 
 # ---------------------------------------------------------------- wgmma kernel (force_kernel 3, 4, 5)
-WGMMA_KERNELS = [3, 4, 5, 6, 7, 8]  # KERNEL_WGMMA (auto tile), KERNEL_WGMMA_SMALL (64), _LARGE (256), _MID (128),
-# KERNEL_WGMMA_WS (warp-specialized, tile 256), KERNEL_WGMMA_WS_MID (tile 128): ids "ws256"/"ws128" (-k "wgmma and ws" selects them)
+WGMMA_KERNELS = [3, 4, 5, 6, 7, 8, 9]  # KERNEL_WGMMA (auto tile), KERNEL_WGMMA_SMALL (64), _LARGE (256), _MID (128),
+# KERNEL_WGMMA_WS (warp-specialized, tile 256), KERNEL_WGMMA_WS_MID (tile 128), KERNEL_WGMMA_WS2_MID (tile 128, two
+# producer warpgroups): ids "ws256"/"ws128"/"ws128p2" (-k "wgmma and ws" selects them)
 
 
 def _kid(kernel):
-    return {7: "ws256", 8: "ws128"}.get(kernel, str(kernel))
+    return {7: "ws256", 8: "ws128", 9: "ws128p2"}.get(kernel, str(kernel))
 
 
 @pytest.mark.parametrize("kernel", WGMMA_KERNELS, ids=_kid)
@@ -195,7 +196,7 @@ def test_moe_wgmma_matches_torch_backend(kernel, mode, dynamic, gen):
         gpu.backend.force_kernel = -1
 
 
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8], ids=_kid)
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8, 9], ids=_kid)
 def test_moe_wgmma_t_sweep_partial_tiles(kernel, gen):
     """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64
     gate/up columns), T across the token-tile widths and boundaries; bit-identical reruns."""

@@ -28,24 +28,48 @@ int main() {
   for (uint32_t r = 0; r < 256; ++r)
     for (uint32_t c = 0; c < 8; ++c) CHECK(ws_sw128_offset(r, c) == swz(r * 128 + c * 16), "swizzle r=%u c=%u", r, c);
 
-  // 2) producer activation chunks: thread pt, i -> row (pt>>3) + 16 i, chunk pt & 7 at
-  //    ws_sw128_offset(pt>>3, pt&7) + 2048 i; every (row < N, chunk) exactly once; valid_chunks rule
-  for (int N : {32, 64, 96, 128, 160, 192, 224, 256}) {
-    std::vector<int> seen(N * 8, 0);
-    for (int pt = 0; pt < 128; ++pt)
-      for (int i = 0; i < N / 16; ++i) {
-        const int r = (pt >> 3) + 16 * i, ch = pt & 7;
-        CHECK(ws_sw128_offset(pt >> 3, ch) + 2048u * i == ws_sw128_offset(r, ch), "act dst N=%d pt=%d i=%d", N, pt, i);
-        seen[r * 8 + ch]++;
-      }
-    for (int x = 0; x < N * 8; ++x) CHECK(seen[x] == 1, "act chunk coverage N=%d chunk %d seen %d", N, x, seen[x]);
-    for (int left = -20; left <= 300; ++left)  // left = rows - m0
-      for (int r0 = 0; r0 < 16; ++r0) {
-        int want = 0;
-        for (int i = 0; i < N / 16; ++i) want += (r0 + 16 * i < left);
-        int got = std::min(N / 16, std::max(0, (left - r0 + 15) / 16));
-        CHECK(want == got, "valid_chunks N=%d left=%d r0=%d: %d vs %d", N, left, r0, got, want);
-      }
+  // 2) producer activation chunks (P = 128 or 256 producer threads, kRowStep = P / 8): thread pt, i ->
+  //    row (pt>>3) + kRowStep i, chunk pt & 7 at ws_sw128_offset(pt>>3, pt&7) + 128 kRowStep i; every
+  //    (row < N, chunk) exactly once; the valid_chunks rule of ws_producer
+  for (int P : {128, 256})
+    for (int N : {32, 64, 96, 128, 160, 192, 224, 256}) {
+      const int step = P / 8, chunks = N * 8 / P;
+      CHECK(N * 8 % P == 0, "N=%d P=%d", N, P);
+      std::vector<int> seen(N * 8, 0);
+      for (int pt = 0; pt < P; ++pt)
+        for (int i = 0; i < chunks; ++i) {
+          const int r = (pt >> 3) + step * i, ch = pt & 7;
+          CHECK(ws_sw128_offset(pt >> 3, ch) + 128u * step * i == ws_sw128_offset(r, ch), "act dst N=%d pt=%d i=%d", N, pt, i);
+          seen[r * 8 + ch]++;
+        }
+      for (int x = 0; x < N * 8; ++x) CHECK(seen[x] == 1, "act chunk coverage P=%d N=%d chunk %d seen %d", P, N, x, seen[x]);
+      for (int left = -40; left <= 300; ++left)  // left = rows - m0
+        for (int r0 = 0; r0 < step; ++r0) {
+          int want = 0;
+          for (int i = 0; i < chunks; ++i) want += (r0 + step * i < left);
+          int got = std::min(chunks, std::max(0, (left - r0 + step - 1) / step));
+          CHECK(want == got, "valid_chunks P=%d N=%d left=%d r0=%d: %d vs %d", P, N, left, r0, got, want);
+        }
+    }
+
+  // 2b) packed-weight copies and decode ownership: every (row, 16-byte half) of the 128 x 32-byte stage is
+  //     copied exactly once, and (kPWG 2) each decoding thread copied its own half; every word decoded once.
+  for (int pwg : {1, 2}) {
+    const int P = 128 * pwg, words = 8 / pwg;
+    std::vector<int> copied(256, 0), decoded(128 * 8, 0);
+    for (int pt = 0; pt < P; ++pt) {
+      const int lane = pt & 31, half = lane & 1;
+      const int lr0 = pwg == 1 ? (pt & ~31) + (lane >> 1) : (pt >> 1);
+      copied[lr0 * 2 + half]++;
+      if (pwg == 1) copied[(lr0 + 16) * 2 + half]++;
+      const int d_row = pt / pwg, w0 = (pt % pwg) * words;
+      for (int j = 0; j < words; ++j) decoded[d_row * 8 + w0 + j]++;
+      if (pwg == 2) CHECK(lr0 == d_row && half * 4 == w0, "kPWG 2: thread %d decodes bytes it did not copy", pt);
+      // the copy of the row a thread decodes comes from a lane of the same warp
+      if (pwg == 1) CHECK(((d_row & ~31) == (pt & ~31)), "copy of row %d outside warp", d_row);
+    }
+    for (int x = 0; x < 256; ++x) CHECK(copied[x] == 1, "kPWG %d: row half %d copied %d times", pwg, x, copied[x]);
+    for (int x = 0; x < 128 * 8; ++x) CHECK(decoded[x] == 1, "kPWG %d: word %d decoded %d times", pwg, x, decoded[x]);
   }
 
   // 3) one 64-K stage end to end: weights decoded word c -> chunk c in pair order (n_j, n_j+4),

@@ -68,7 +68,8 @@ struct GroupedGemmArgs {
   int64_t max_total_rows = 0;         // host bound on expert_offsets[E] (sizes the tiled grid)
   int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill), 2 tiled, 2 blocks/SM,
                                       // 3 wgmma (tile from max_tokens_per_expert), 4/5/6 wgmma token tile 64/256/128
-                                      // 7/8 warp-specialized wgmma, token tile 256/128 (kKernelWgmmaWs*)
+                                      // 7/8 warp-specialized wgmma, token tile 256/128 (kKernelWgmmaWs*),
+                                      // 9 token tile 128 with two producer warpgroups
   int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
   bool pdl = false;  // set by launch_grouped_gemm (streaming kernels): launched with programmatic dependent
                      // launch (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0 turns it off)
@@ -78,7 +79,7 @@ struct GroupedGemmArgs {
                                // (experimental, MEGAMOE_SM90_PREFETCH_L1=1)
 };
 // force_kernel values of the warp-specialized wgmma kernel (cpp/sm90/grouped_gemm_wgmma_ws.cuh).
-constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8;
+constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8, kKernelWgmmaWs2Mid = 9;
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
