@@ -8,6 +8,44 @@
 
 namespace megamoe::sm90 {
 
+// Resident blocks per SM of one persistent decode kernel (occupancy query, once per instantiation).
+template <bool kVec, bool kFused>
+int nt1_persistent_blocks_per_sm() {
+  static int cached = 0;
+  if (cached == 0) {
+    void (*kernel)(GroupedGemmArgs) =
+        kFused ? stream_gemm_nt1_fused_persistent_kernel<kVec> : stream_gemm_nt1_persistent_kernel<kVec>;
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kStreamThreads, 0) != cudaSuccess || n <= 0) {
+      (void)cudaGetLastError();
+      n = 4;
+    }
+    cached = n;
+  }
+  return cached;
+}
+
+// Persistent one-tile decode GEMM (MEGAMOE_SM90_DECODE_PERSISTENT=1, grouped_gemm_stream.cuh): a grid of exactly
+// blocks/SM x SMs blocks (fewer when there are fewer work items) looping over (slot, row block) items.
+template <bool kVec, bool kFused>
+cudaError_t launch_nt1_persistent(GroupedGemmArgs sa, unsigned row_blocks, cudaStream_t stream) {
+  const int64_t items = int64_t(row_blocks) * sa.grid_experts;  // host bound; the kernel reads num_active
+  const int64_t resident = int64_t(nt1_persistent_blocks_per_sm<kVec, kFused>()) * sm_count();
+  const int64_t grid = items < resident ? items : resident;
+  sa.row_blocks = int(row_blocks);
+  if (sa.pdl && sa.prefetch_blocks < grid) sa.prefetch_blocks = int(grid);
+  // Next-item L2 prefetch: blocks with a second item share half of L2, 32 rows each.
+  const int64_t prefetchers = items - grid < grid ? items - grid : grid;
+  sa.prefetch_row_bytes = 0;
+  if (prefetchers > 0 && decode_prefetch_next_enabled()) {
+    const int64_t per_row = (l2_bytes() / 2) / (prefetchers * kStreamRows);
+    sa.prefetch_row_bytes = per_row & ~int64_t(15);
+  }
+  void (*kernel)(GroupedGemmArgs) =
+      kFused ? stream_gemm_nt1_fused_persistent_kernel<kVec> : stream_gemm_nt1_persistent_kernel<kVec>;
+  return pdl_launch(kernel, dim3(unsigned(grid)), kStreamThreads, 0, stream, sa.pdl, sa);
+}
+
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.K % 16 != 0 || a.K <= 0 || a.N <= 0 || !a.act || !a.w_data || !a.w_scale || !a.w_global_scale ||
       !a.expert_offsets || a.grid_experts <= 0)
@@ -45,6 +83,12 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (nt == 1) {
     // One token tile per pass: the nt1 kernel, with the fused gather / bf16 h output (run 7) when given.
     const bool fused = a.act_rows || a.out_operand;
+    if (decode_persistent_enabled()) {
+      if (vec && fused) return launch_nt1_persistent<true, true>(sa, gx, stream);
+      if (vec) return launch_nt1_persistent<true, false>(sa, gx, stream);
+      if (fused) return launch_nt1_persistent<false, true>(sa, gx, stream);
+      return launch_nt1_persistent<false, false>(sa, gx, stream);
+    }
     if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
     if (vec) return pdl_launch(stream_gemm_nt1_kernel<true>, grid, kStreamThreads, 0, stream, sa.pdl, sa);
     if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false>, grid, kStreamThreads, 0, stream, sa.pdl, sa);

@@ -60,14 +60,14 @@ __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) |
 // a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
 // tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
 // predecessor grid and releases the next one.
-__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
+// slot / rb: the block's (first) work item -- blockIdx.y / blockIdx.x, or the persistent kernel's first item.
+__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a, int slot, int rb) {
   if (!a.pdl) return;
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
-    const int slot = int(blockIdx.y);
     const bool active = !a.num_active || slot < __ldcg(a.num_active);
     const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;
-    const int64_t n0 = int64_t(blockIdx.x) * kStreamRows;
+    const int64_t n0 = int64_t(rb) * kStreamRows;
     const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
     if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
       const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
@@ -80,10 +80,9 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   // block's whole weight footprint (gate and up rows) once the expert list is final, so every block
   // has all its bytes in flight from the start instead of one 64-element slice per lane and step.
   if (a.prefetch_silu && a.epilogue == Epilogue::kSiluMul && threadIdx.x == 0) {
-    const int slot = int(blockIdx.y);
     if (!a.num_active || slot < *a.num_active) {
       const int expert = a.active_experts ? a.active_experts[slot] : slot;
-      const int64_t I = a.N / 2, c0 = int64_t(blockIdx.x) * 16;
+      const int64_t I = a.N / 2, c0 = int64_t(rb) * 16;
       const int64_t nrows = I - c0 < 16 ? I - c0 : 16, row_bytes = a.K / 2, kb = a.K / 16;
       if (expert >= 0 && expert < a.num_experts && nrows > 0) {
 #pragma unroll
@@ -106,7 +105,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   __shared__ float partial[4][2][NT][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
-  stream_pdl_prologue(a);
+  stream_pdl_prologue(a, int(blockIdx.y), int(blockIdx.x));
 
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
@@ -319,16 +318,14 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
 // align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
 // h is rounded to bf16 once either way), so results are bit-identical to it.
+// One work item: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
+// Called once per block (grid = row blocks x slots) or, persistent, for every item of the block.
 template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
-__device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
-  __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][4][32];
-  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  __syncthreads();
-  stream_pdl_prologue(a);
-
+// (slot, rb unsigned like blockIdx: the non-persistent kernel compiles to the same code as before the split)
+__device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
+                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][4][32]) {
   int expert, row_begin, rows;
-  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
+  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
@@ -348,11 +345,11 @@ __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
       const int r = g + 8 * hh;
       int64_t n;
       if (silu_mul) {
-        const int64_t col = int64_t(blockIdx.x) * 16 + r;
+        const int64_t col = int64_t(rb) * 16 + r;
         rvalid[mt][hh] = col < I;
         n = mt * I + col;
       } else {
-        n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + r;
+        n = int64_t(rb) * kStreamRows + mt * 16 + r;
         rvalid[mt][hh] = n < N;
       }
       if (!rvalid[mt][hh]) n = 0;
@@ -472,7 +469,7 @@ __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
             const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
             const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
             const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
-            const int64_t col = int64_t(blockIdx.x) * 16 + g + 8 * hh;
+            const int64_t col = int64_t(rb) * 16 + g + 8 * hh;
             if (kFused && a.out_operand) {
               const __nv_bfloat16 b = __float2bfloat16_rn(hv);
               a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
@@ -484,7 +481,7 @@ __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
               if (!rvalid[mt][hh]) continue;
-              const int64_t n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + g + 8 * hh;
+              const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
               a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
             }
           }
@@ -492,6 +489,74 @@ __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
       }
     }
     __syncthreads();
+  }
+}
+
+template <bool kVec, bool kFused>
+__device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
+  __shared__ uint32_t scale_lut[256];
+  __shared__ float partial[4][2][4][32];
+  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  __syncthreads();
+  stream_pdl_prologue(a, int(blockIdx.y), int(blockIdx.x));
+  stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
+}
+
+// ---------------------------------------------------------------- persistent decode variant
+// MEGAMOE_SM90_DECODE_PERSISTENT=1 (grouped_gemm.cu). At T = 1 the one-tile grid is 1.45 (v4-flash) to 3.4 (v3 L2)
+// waves of the 528 resident blocks, and a block of the last wave starts streaming its weights from HBM only when
+// a block of the previous one has finished: the tail runs at a fraction of the bandwidth. Here the grid is exactly
+// (resident blocks per SM x SMs) blocks; block b takes the work items b, b + G, b + 2G, ... of the flattened
+// (expert slot, row block) list (slot-major; slots past the device-side num_active are skipped, so no block is
+// spent on unused slots), and at the start of each item warp 0 asks L2 for the weight rows of its NEXT item
+// (cp.async.bulk.prefetch.L2, the first a.prefetch_row_bytes of each row -- the part consumed first -- sized on
+// the host to a share of L2). So every byte of the GEMM is requested while the first items stream, and the
+// later items read L2. Each item runs exactly the code of one block of the non-persistent grid
+// (stream_nt1_item: same lanes, same K slices, same fixed-order warp reduction), so results are bit-identical.
+
+// L2 prefetch of work item (slot, rb): lane r of the calling warp takes weight row r of the item (kSiluMul:
+// lanes 0-15 gate columns, 16-31 up columns), the first a.prefetch_row_bytes bytes of its data and the scale
+// bytes of that prefix (a hint: skipped for rows that are not 16-byte aligned).
+__device__ __forceinline__ void stream_prefetch_item(const GroupedGemmArgs& a, int slot, int rb) {
+  const int lane = threadIdx.x & 31;
+  int expert, row_begin, rows;
+  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
+  const int64_t row_bytes = a.K / 2, kb = a.K / 16;
+  int64_t n;
+  if (a.epilogue == Epilogue::kSiluMul) {
+    const int64_t I = a.N / 2, col = int64_t(rb) * 16 + (lane & 15);
+    if (col >= I) return;
+    n = int64_t(lane >> 4) * I + col;
+  } else {
+    n = int64_t(rb) * kStreamRows + lane;
+    if (n >= a.N) return;
+  }
+  const int64_t data = a.prefetch_row_bytes < row_bytes ? a.prefetch_row_bytes : row_bytes;
+  const int64_t sc = data == row_bytes ? kb : data / 8;
+  const int64_t r = int64_t(expert) * a.N + n;
+  prefetch_l2_bulk(a.w_data + r * row_bytes, uint32_t(data & ~int64_t(15)));
+  prefetch_l2_bulk(a.w_scale + r * kb, uint32_t(sc & ~int64_t(15)));
+}
+
+template <bool kVec, bool kFused>
+__device__ __forceinline__ void stream_gemm_nt1_persistent_body(const GroupedGemmArgs& a) {
+  __shared__ uint32_t scale_lut[256];
+  __shared__ float partial[4][2][4][32];
+  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  __syncthreads();
+  const int rbs = a.row_blocks;  // row blocks per expert slot
+  // PDL: the pre-wait weight prefetch of the kStore GEMM covers this block's first item.
+  stream_pdl_prologue(a, int(blockIdx.x) / rbs, int(blockIdx.x) % rbs);
+  int slots = a.grid_experts;
+  if (a.num_active) {
+    const int na = *a.num_active;  // after the wait (pdl) or the kernel boundary
+    slots = na < slots ? na : slots;
+  }
+  const int items = slots * rbs;
+  for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
+    const int next = item + int(gridDim.x);
+    if (a.prefetch_row_bytes > 0 && threadIdx.x < 32 && next < items) stream_prefetch_item(a, next / rbs, next % rbs);
+    stream_nt1_item<kVec, kFused>(a, unsigned(item / rbs), unsigned(item % rbs), scale_lut, partial);
   }
 }
 
@@ -504,6 +569,18 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
   stream_gemm_nt1_body<kVec, true>(a);
+}
+
+// Persistent variants: held to 128 registers (4 blocks per SM) when K % 64 == 0 (126, no spills); the K % 64 != 0
+// variants (not a preset shape) would spill under that cap and run uncapped. The grid comes from the occupancy query.
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamThreads, kVec ? 4 : 1) stream_gemm_nt1_persistent_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_persistent_body<kVec, false>(a);
+}
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamThreads, kVec ? 4 : 1)
+    stream_gemm_nt1_fused_persistent_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_persistent_body<kVec, true>(a);
 }
 
 }  // namespace megamoe::sm90

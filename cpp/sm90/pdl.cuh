@@ -55,6 +55,30 @@ inline bool pdl_prefetch_l1_enabled() {
   return v && v[0] == '1';
 }
 
+// Persistent one-tile decode GEMM (grouped_gemm_stream.cuh): MEGAMOE_SM90_DECODE_PERSISTENT=1 turns it on (default
+// off until measured); MEGAMOE_SM90_DECODE_PREFETCH_NEXT=0 keeps the persistent grid without the next-item L2 prefetch.
+inline bool decode_persistent_enabled() {
+  const char* v = std::getenv("MEGAMOE_SM90_DECODE_PERSISTENT");
+  return v && v[0] == '1';
+}
+inline bool decode_prefetch_next_enabled() {
+  const char* v = std::getenv("MEGAMOE_SM90_DECODE_PREFETCH_NEXT");
+  return !(v && v[0] == '0');
+}
+
+// L2 size of the current device in bytes (queried once per device; 50 MB if the query fails).
+inline int64_t l2_bytes() {
+  static int64_t cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 50ll << 20;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess || n <= 0) n = 50 << 20;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

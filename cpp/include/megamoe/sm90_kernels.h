@@ -77,6 +77,9 @@ struct GroupedGemmArgs {
                                // L2 before the wait (set to 4 x SMs: the blocks that can overlap the previous GEMM)
   bool prefetch_silu = false;  // with pdl: the kSiluMul streaming GEMM prefetches its weight rows into L2
                                // (experimental, MEGAMOE_SM90_PREFETCH_L1=1)
+  // Set by launch_grouped_gemm for the persistent one-tile decode kernel (MEGAMOE_SM90_DECODE_PERSISTENT=1):
+  int row_blocks = 0;              // work items per expert slot (row blocks of 32 rows / 16 gate+up columns)
+  int64_t prefetch_row_bytes = 0;  // bytes of each weight row of a block's next item prefetched into L2 (0: none)
 };
 // force_kernel values of the warp-specialized wgmma kernel (cpp/sm90/grouped_gemm_wgmma_ws.cuh).
 constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8, kKernelWgmmaWs2Mid = 9;
