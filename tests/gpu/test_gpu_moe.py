@@ -13,9 +13,10 @@ pytestmark = pytest.mark.gpu
 
 
 #: Run-7 decode-chain switches (bench/NOTES.md): programmatic dependent launch (C++, read at every
-#: launch) and the fused one-tile W4A16 kernel (Python, read at every forward). "off" is the run-6 chain.
-SWITCHES = {"on": {"MEGAMOE_SM90_PDL": "1", "MEGAMOE_SM90_FUSE_NT1": "1"},
-            "off": {"MEGAMOE_SM90_PDL": "0", "MEGAMOE_SM90_FUSE_NT1": "0"}}
+#: launch) and the fused one-tile W4A16 kernel (Python, read at every forward); run 9: the persistent
+#: one-tile decode GEMM (C++, every launch). "off" is the run-6 chain.
+SWITCHES = {"on": {"MEGAMOE_SM90_PDL": "1", "MEGAMOE_SM90_FUSE_NT1": "1", "MEGAMOE_SM90_DECODE_PERSISTENT": "1"},
+            "off": {"MEGAMOE_SM90_PDL": "0", "MEGAMOE_SM90_FUSE_NT1": "0", "MEGAMOE_SM90_DECODE_PERSISTENT": "0"}}
 
 
 @pytest.fixture(params=["on", "off"])
@@ -141,28 +142,126 @@ def test_cuda_graph_replay_equals_eager(t, mode, gen, decode_switches):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4-dynamic"])
 @pytest.mark.parametrize("shape", [(1040, 464), (1088, 576)], ids=["K%64!=0", "K%64==0"])
 def test_decode_chain_switches_bit_identical(mode, shape, gen, monkeypatch):
-    """Run 7: PDL and the fused one-tile W4A16 kernel change no bit. Every combination of
-    MEGAMOE_SM90_PDL / MEGAMOE_SM90_FUSE_NT1 gives exactly the run-6 chain's output (both 0),
-    over T = 1..40 and a few larger T (one-tile streaming up to 26, multi-tile to 32, wgmma or
-    streaming fallback above: E = 16, k = 3), and matches the torch backend."""
+    """Run 7: PDL and the fused one-tile W4A16 kernel change no bit; run 9: nor does the persistent
+    one-tile decode GEMM. Every combination of MEGAMOE_SM90_PDL / MEGAMOE_SM90_FUSE_NT1 /
+    MEGAMOE_SM90_DECODE_PERSISTENT gives exactly the run-6 chain's output (all 0), over T = 1..40
+    and a few larger T (one-tile streaming up to 26, multi-tile to 32, wgmma or streaming fallback
+    above: E = 16, k = 3), and matches the torch backend."""
     act_mode, dynamic = mode.split("-")[0], mode.endswith("dynamic")
     gpu, ref = _layers("tiny", act_mode=act_mode, dynamic_act_scale=dynamic, hidden_size=shape[0],
                        intermediate_size=shape[1], num_experts=16, top_k=3)
+    monkeypatch.delenv("MEGAMOE_SM90_DECODE_PREFETCH_NEXT", raising=False)
     for t in list(range(1, 41)) + [47, 97, 128]:
         x, ids, w = _route(gpu, t, gen)
         outs = {}
         for pdl in "01":
             for fuse in "01":
-                monkeypatch.setenv("MEGAMOE_SM90_PDL", pdl)
-                monkeypatch.setenv("MEGAMOE_SM90_FUSE_NT1", fuse)
-                outs[f"pdl={pdl} fuse_nt1={fuse}"] = gpu.forward(x, ids, w, validate=False)
-        base = outs["pdl=0 fuse_nt1=0"]
+                for pers in "01":
+                    monkeypatch.setenv("MEGAMOE_SM90_PDL", pdl)
+                    monkeypatch.setenv("MEGAMOE_SM90_FUSE_NT1", fuse)
+                    monkeypatch.setenv("MEGAMOE_SM90_DECODE_PERSISTENT", pers)
+                    outs[f"pdl={pdl} fuse_nt1={fuse} persistent={pers}"] = gpu.forward(x, ids, w, validate=False)
+        base = outs["pdl=0 fuse_nt1=0 persistent=0"]
         assert torch.isfinite(base).all(), t
         for key, out in outs.items():
             assert torch.equal(out, base), (t, key)
         if t in (1, 8, 26, 33, 128):
             c = cosine(base.float(), ref.forward(x, ids, w, validate=False).float())
             assert c >= 0.9999, (t, c)
+
+
+def _persistent_outputs(gpu, x, ids, w, monkeypatch):
+    """Forward under: the old one-tile grid, the persistent decode GEMM with and without the
+    next-item L2 prefetch; PDL on (default) and off for the persistent one. Workspace poisoned first."""
+    outs = {}
+    for key, env in {"old": {"MEGAMOE_SM90_DECODE_PERSISTENT": "0"},
+                     "persistent": {"MEGAMOE_SM90_DECODE_PERSISTENT": "1"},
+                     "persistent-noprefetch": {"MEGAMOE_SM90_DECODE_PERSISTENT": "1",
+                                               "MEGAMOE_SM90_DECODE_PREFETCH_NEXT": "0"},
+                     "persistent-nopdl": {"MEGAMOE_SM90_DECODE_PERSISTENT": "1", "MEGAMOE_SM90_PDL": "0"}}.items():
+        for name in ("MEGAMOE_SM90_DECODE_PERSISTENT", "MEGAMOE_SM90_DECODE_PREFETCH_NEXT", "MEGAMOE_SM90_PDL"):
+            monkeypatch.delenv(name, raising=False)
+        for name, val in env.items():
+            monkeypatch.setenv(name, val)
+        # Poison the reused workspace (h, the bf16 L2 operand, y): an item the persistent grid skipped would
+        # otherwise leave the previous run's (identical) values there and pass unseen.
+        ws = gpu.backend.workspace(x.shape[0], gpu.config)
+        for buf in (ws.h, ws.a2, ws.y):
+            buf.fill_(float("nan"))
+        outs[key] = gpu.forward(x, ids, w, validate=False)
+        torch.cuda.synchronize()
+    for name in ("MEGAMOE_SM90_DECODE_PERSISTENT", "MEGAMOE_SM90_DECODE_PREFETCH_NEXT", "MEGAMOE_SM90_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_persistent_decode_v4_flash_bit_identical(mode, gen, monkeypatch):
+    """Run 9: the persistent one-tile decode GEMM on the v4-flash shapes (H 4096, I 2048; E = 32 to keep
+    the weights small, k = 6): more work items (6..32 slots x 128 row blocks) than resident blocks, so
+    blocks take several items and prefetch the next one into L2. Bit-identical to the old grid over
+    T = 1..8 and a few larger T, with and without the prefetch and PDL; cosine against the torch backend."""
+    gpu, ref = _layers("v4-flash", act_mode=mode, num_experts=32)
+    for t in (1, 2, 3, 5, 8, 13, 32, 40):
+        x, ids, w = _route(gpu, t, gen)
+        outs = _persistent_outputs(gpu, x, ids, w, monkeypatch)
+        base = outs["old"]
+        assert torch.isfinite(base.float()).all(), t
+        for key, out in outs.items():
+            assert torch.equal(out, base), (t, key)
+        if t in (1, 8, 40):
+            c = cosine(base.float(), ref.forward(x, ids, w, validate=False).float())
+            print(f"persistent decode v4-flash(E=32) {mode} T={t}: cosine vs torch backend {c:.7f}")
+            assert c >= 0.9999, (t, c)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4-dynamic"])
+@pytest.mark.parametrize("shape", [(1040, 464), (1088, 576)], ids=["K%64!=0", "K%64==0"])
+def test_persistent_decode_many_items_bit_identical(mode, shape, gen, monkeypatch):
+    """Run 9: E = 64, k = 8 on small odd shapes: up to 64 slots x 29-36 row blocks (well over the resident
+    grid, also for the uncapped K % 64 != 0 variants), weight rows not 16-byte aligned (prefetch skipped)
+    and aligned (prefetched); T = 1..40 bit-identical to the old grid."""
+    act_mode, dynamic = mode.split("-")[0], mode.endswith("dynamic")
+    gpu, ref = _layers("tiny", act_mode=act_mode, dynamic_act_scale=dynamic, hidden_size=shape[0],
+                       intermediate_size=shape[1], num_experts=64, top_k=8)
+    for t in range(1, 41):
+        x, ids, w = _route(gpu, t, gen)
+        outs = _persistent_outputs(gpu, x, ids, w, monkeypatch)
+        base = outs["old"]
+        assert torch.isfinite(base.float()).all(), t
+        for key, out in outs.items():
+            assert torch.equal(out, base), (t, key)
+        if t in (1, 17, 40):
+            c = cosine(base.float(), ref.forward(x, ids, w, validate=False).float())
+            assert c >= 0.9999, (t, c)
+
+
+def test_persistent_decode_cuda_graph(gen, monkeypatch):
+    """Run 9: the persistent decode GEMM (with PDL and the next-item prefetch) captured in a CUDA graph:
+    replay equals eager, and new inputs copied into the captured buffers give the new eager result."""
+    monkeypatch.setenv("MEGAMOE_SM90_DECODE_PERSISTENT", "1")
+    gpu, _ = _layers("v4-flash", num_experts=32)
+    for t in (1, 8):
+        x, ids, w = _route(gpu, t, gen)
+        eager = gpu.forward(x, ids, w).clone()
+        xs, ids_s, ws_ = x.clone(), ids.clone(), w.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            gpu.forward(xs, ids_s, ws_, validate=False)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = gpu.forward(xs, ids_s, ws_, validate=False)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), t
+        x2, ids2, w2 = _route(gpu, t, gen)
+        xs.copy_(x2), ids_s.copy_(ids2), ws_.copy_(w2)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gpu.forward(x2, ids2, w2)), t
 
 
 # ---------------------------------------------------------------- wgmma kernel (force_kernel 3, 4, 5)
