@@ -22,7 +22,10 @@ L2 GEMM's weight prefetch overlap the previous kernel's tail; W4A16 with one tok
 gathers x inside L1 and writes h as the bf16 L2 operand (align, L1, L2, combine: 4 kernels).
 Switches (read at every forward, so a process can flip them): ``MEGAMOE_SM90_PDL=0`` (C++ side,
 every launch) and ``MEGAMOE_SM90_FUSE_NT1=0`` (staging kernels again for one-tile W4A16); both
-at 0 give exactly the run-6 chain.
+at 0 give exactly the run-6 chain. ``MEGAMOE_SM90_DECODE_PERSISTENT=1`` (C++ side, every launch; off
+by default until measured) runs the one-tile decode GEMMs as a persistent grid of resident blocks
+looping over (expert, row block) items with an L2 prefetch of each block's next item
+(``MEGAMOE_SM90_DECODE_PREFETCH_NEXT=0``: without it); bit-identical results.
 """
 from __future__ import annotations
 
