@@ -45,6 +45,9 @@ class SwappedScaleLayout(Backend):
     def swizzle_scales_grouped(self, scale, group_sizes, out=None):
         return self.inner.swizzle_scales_grouped(scale, group_sizes, out=out)
 
+    def unswizzle_scales_grouped(self, buf, group_sizes, cols):
+        return self.inner.unswizzle_scales_grouped(buf, group_sizes, cols)
+
     def gemm(self, a, b, alpha=None, out_dtype=torch.float32):
         from megamoe.backends.torch_ref import TorchBackend
 

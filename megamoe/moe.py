@@ -127,7 +127,7 @@ class MoELayer:
         if router_logits is None:
             if self.weights.router_weight is None:
                 raise ValueError("this layer has no router weight: pass topk_ids/topk_weights or router_logits")
-            router_logits = hidden_states.float() @ self.weights.router_weight.float().T
+            router_logits = hidden_states.float() @ self._float32("router_weight").T
         if router_logits.shape[-1] != cfg.num_experts or router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         return route(router_logits, cfg.top_k, cfg.scoring, self.weights.router_bias, cfg.n_group,
@@ -188,10 +188,20 @@ class MoELayer:
 
     __call__ = forward
 
+    def _float32(self, name: str) -> torch.Tensor:
+        """A float32 copy of a dense weight (router, shared expert), made once, not per forward.
+        The weights are treated as immutable once the layer is built."""
+        cache = self.__dict__.setdefault("_f32_cache", {})
+        src = getattr(self.weights, name)
+        hit = cache.get(name)
+        if hit is None or hit[0] is not src:
+            hit = cache[name] = (src, src.float())
+        return hit[1]
+
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weights
-        gu = x.float() @ w.shared_gate_up.float().T
-        return swiglu(gu, w.shared_down.shape[1], self.config.swiglu_limit) @ w.shared_down.float().T
+        down = self._float32("shared_down")
+        gu = x.float() @ self._float32("shared_gate_up").T
+        return swiglu(gu, down.shape[1], self.config.swiglu_limit) @ down.T
 
     def reference_bf16(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None,
                        router_logits=None) -> torch.Tensor:

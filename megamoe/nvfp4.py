@@ -127,10 +127,18 @@ def _global_scale_rows(gs: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     )
 
 
-def default_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """``amax(|x|) / (6 * 448)`` as float32 (1.0 for an all-zero tensor); NaN is ignored."""
+def default_global_scale(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``amax(|x|) / (6 * 448)`` as float32 (1.0 where the amax is 0); NaN is ignored.
+
+    ``dim=None``: one scale for the whole tensor; ``dim=-1``: one per row (dynamic
+    activation scales).
+    """
     xa = x.detach().float().abs()
-    amax = torch.where(torch.isnan(xa), torch.zeros_like(xa), xa).amax() if xa.numel() else torch.zeros(())
+    xa = torch.where(torch.isnan(xa), torch.zeros_like(xa), xa)
+    if dim is None:
+        amax = xa.amax() if xa.numel() else torch.zeros((), device=x.device)
+    else:
+        amax = xa.amax(dim=dim)
     amax = amax.to(torch.float32)
     gs = amax / torch.tensor(FP4_MAX * FP8_MAX, dtype=torch.float32, device=amax.device)
     return torch.where(amax > 0, gs, torch.ones_like(gs))

@@ -11,6 +11,7 @@ thread; while one runs, the next batch gathers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from concurrent.futures import Executor
@@ -20,6 +21,8 @@ from typing import Callable
 import torch
 
 from .model import ModelRequest
+
+log = logging.getLogger("megamoe.service.batching")
 
 
 @dataclass
@@ -123,6 +126,8 @@ class DynamicBatcher:
             requests = [w.request for w in batch]
             try:
                 outputs = await loop.run_in_executor(self._executor, self._run_batch, requests)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(f"batch of {len(batch)} requests produced {len(outputs)} outputs")
             except Exception as exc:  # the device failed: every caller in the batch hears why
                 for waiting in batch:
                     if not waiting.future.done():
@@ -130,10 +135,13 @@ class DynamicBatcher:
                 continue
             compute_s = time.perf_counter() - started
             tokens = sum(r.tokens for r in requests)
-            if self._on_batch is not None:
-                self._on_batch(len(batch), tokens, compute_s)
             for waiting, output in zip(batch, outputs):
                 if not waiting.future.done():
                     waiting.future.set_result(
                         BatchResult(output, started - waiting.enqueued_s, compute_s, len(batch), tokens)
                     )
+            if self._on_batch is not None:
+                try:  # metrics must never stop the loop that every caller waits on
+                    self._on_batch(len(batch), tokens, compute_s)
+                except Exception:
+                    log.exception("batch metrics callback failed")

@@ -41,6 +41,10 @@ class Backend:
         """Per-expert activation scales -> grouped SF buffer (each group at a 128-row boundary)."""
         return nvfp4.swizzle_scales_grouped(scale, group_sizes, out=out)
 
+    def unswizzle_scales_grouped(self, buf: torch.Tensor, group_sizes, cols: int) -> torch.Tensor:
+        """Inverse of :meth:`swizzle_scales_grouped`."""
+        return nvfp4.unswizzle_scales_grouped(buf, group_sizes, cols)
+
     def verify_sf_roundtrip(self, scale: torch.Tensor) -> dict:
         """SPEC §2 verifier run against this backend's swizzle and unswizzle."""
         return nvfp4.verify_sf_roundtrip(scale, self.swizzle_scales, self.unswizzle_scales)

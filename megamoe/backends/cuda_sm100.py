@@ -233,11 +233,7 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
     unswizzle_scales = _primitive("unswizzle_scales")
     swizzle_scales_grouped = _primitive("swizzle_scales_grouped")
     verify_sf_roundtrip = _primitive("verify_sf_roundtrip")
-
-    def unswizzle_scales_grouped(self, buf: torch.Tensor, group_sizes, cols: int) -> torch.Tensor:
-        if self._gpu_primitives:
-            return CudaCommonMixin.unswizzle_scales_grouped(self, buf, group_sizes, cols)
-        return nvfp4.unswizzle_scales_grouped(buf, group_sizes, cols)
+    unswizzle_scales_grouped = _primitive("unswizzle_scales_grouped")
 
     # ------------------------------------------------------------------ availability
     @classmethod

@@ -30,6 +30,7 @@ looping over (expert, row block) items with an L2 prefetch of each block's next 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self.force_kernel = force_kernel
         self.tokens_per_pass = tokens_per_pass
         self.fuse_w4a16 = True  # W4A16: gather x inside L1 and write h as the L2 operand (no staging kernels)
-        self._workspaces: dict[tuple, _Workspace] = {}
+        # Workspaces by batch shape, least recently used first. A service sees many token
+        # counts, so only MAX_WORKSPACES stay allocated; one captured into a CUDA graph is
+        # pinned (the graph replays its addresses) and never evicted.
+        self._workspaces: OrderedDict[tuple, _Workspace] = OrderedDict()
+        self._pinned: set[tuple] = set()
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -206,12 +211,21 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w2_input_scale=None if w.w2_input_scale is None else w.w2_input_scale.to(dev, torch.float32).contiguous(),
         )
 
+    MAX_WORKSPACES = 8
+
     def workspace(self, t: int, cfg) -> _Workspace:
         key = (t, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.num_experts)
         ws = self._workspaces.get(key)
         if ws is None:
             ws = _Workspace(t, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.num_experts, self.device)
             self._workspaces[key] = ws
+            unpinned = [k for k in self._workspaces if k not in self._pinned and k != key]
+            for old in unpinned[: max(0, len(self._workspaces) - self.MAX_WORKSPACES)]:
+                del self._workspaces[old]
+        else:
+            self._workspaces.move_to_end(key)
+        if torch.cuda.is_current_stream_capturing():
+            self._pinned.add(key)
         return ws
 
     def _stage(self, src, src_rows, ws_offsets, dst, dst_rs, cfg, static_scale, stream, rows: int):
@@ -234,7 +248,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         """Routed experts of SPEC §3; returns ``[T, H]`` in x's dtype (fp32 sums, one rounding)."""
         ext = _ext.ext
         t, h = x.shape
-        e, i, k = cfg.num_experts, cfg.intermediate_size, cfg.top_k
+        e, k = cfg.num_experts, cfg.top_k
+        if t == 0:  # the launchers refuse an empty grid; nothing to compute
+            return torch.zeros((0, h), dtype=x.dtype, device=self.device)
         if x.stride(-1) != 1:
             x = x.contiguous()
         if topk_ids.dtype not in (torch.int32, torch.int64):

@@ -14,10 +14,7 @@ from megamoe.backends.base import Backend
 
 def row_global_scales(x: torch.Tensor) -> torch.Tensor:
     """Dynamic activation scales: one per row, ``amax(|row|) / 2688`` (1.0 for a zero row)."""
-    xa = x.float().abs()
-    amax = torch.where(torch.isnan(xa), torch.zeros_like(xa), xa).amax(dim=-1)
-    gs = amax / torch.tensor(nvfp4.FP4_MAX * nvfp4.FP8_MAX, dtype=torch.float32, device=x.device)
-    return torch.where(amax > 0, gs, torch.ones_like(gs))
+    return nvfp4.default_global_scale(x, dim=-1)
 
 
 def activation_to_gemm_input(x: torch.Tensor, cfg, static_scale: torch.Tensor | None) -> torch.Tensor:
