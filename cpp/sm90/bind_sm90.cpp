@@ -45,19 +45,6 @@ void register_sm90(nb::module_& m) {
       nb::arg("src"), nb::arg("src_rows").none(), nb::arg("num_rows").none(), nb::arg("dst"), nb::arg("stream"));
 
   m.def(
-      "sm90_dynamic_global_scale_rows",
-      [](const Array& src, OptArray num_rows, const Array& scratch, const Array& out, uintptr_t stream) {
-        if (src.ndim() != 2) throw std::invalid_argument("dynamic_global_scale_rows: src must be 2-D");
-        check(sm90::launch_dynamic_global_scale_rows(ptr<const float>(src, "src", 4),
-                                                     opt_ptr<const int32_t>(num_rows, "num_rows", 4),
-                                                     int64_t(src.shape(0)), int64_t(src.shape(1)),
-                                                     ptr<uint32_t>(scratch, "scratch", 4), ptr<float>(out, "out", 4),
-                                                     stream_of(stream)),
-              "dynamic_global_scale_rows");
-      },
-      nb::arg("src"), nb::arg("num_rows").none(), nb::arg("scratch"), nb::arg("out"), nb::arg("stream"));
-
-  m.def(
       "sm90_grouped_gemm",
       [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,

@@ -114,23 +114,6 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
-__global__ void amax_rows_kernel(const float* src, const int32_t* num_rows, int64_t max_rows, int64_t cols,
-                                 uint32_t* out) {
-  const int64_t rows = num_rows ? min(int64_t(*num_rows), max_rows) : max_rows;
-  const int64_t n = rows * cols;
-  float m = 0.f;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    m = fmaxf(m, fabsf(src[i]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
-}
-
-__global__ void finish_scale_kernel(const uint32_t* amax_bits, float* out) {
-  const float amax = __uint_as_float(*amax_bits);
-  *out = amax == 0.f ? 1.0f : __fdiv_rn(amax, 6.0f * 448.0f);
-}
-
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -200,20 +183,6 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
                         dst);
   }
   return cudaErrorInvalidValue;
-}
-
-cudaError_t launch_dynamic_global_scale_rows(const float* src, const int32_t* num_rows, int64_t max_rows,
-                                             int64_t cols, uint32_t* scratch, float* out, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(scratch, 0, sizeof(uint32_t), stream);
-  if (err != cudaSuccess) return err;
-  if (max_rows * cols > 0) {
-    amax_rows_kernel<<<grid_of(max_rows * cols / 8, 256, 1024), 256, 0, stream>>>(src, num_rows, max_rows, cols,
-                                                                                  scratch);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  finish_scale_kernel<<<1, 1, 0, stream>>>(scratch, out);
-  return cudaGetLastError();
 }
 
 cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,

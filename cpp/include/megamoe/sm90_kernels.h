@@ -33,11 +33,6 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
                               const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
                               cudaStream_t stream);
 
-// amax(|x|) over rows [0, *num_rows) of a [max_rows, cols] fp32 tensor -> SPEC §1 default
-// global scale in out[0] (NaN ignored; 1.0 when all zero). scratch: one uint32.
-cudaError_t launch_dynamic_global_scale_rows(const float* src, const int32_t* num_rows, int64_t max_rows,
-                                             int64_t cols, uint32_t* scratch, float* out, cudaStream_t stream);
-
 enum class Epilogue : int {
   kStore = 0,    // out[row, n] = alpha * acc  (fp32, ldo = N)
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
