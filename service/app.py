@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .batching import DynamicBatcher
+from .batching import DynamicBatcher, ShuttingDown
 from .metrics import ServiceMetrics
 from .model import OUTPUT_NAME, ServedModel, default_model_name, load_layer
 from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_header_length, parse_infer_request
@@ -50,6 +50,7 @@ class ServiceState:
         self.load_error: str | None = None
         self.selftest_error: str | None = None
         self.device_error: str | None = None
+        self._last_forward_failure: BaseException | None = None
 
     def not_ready_reason(self) -> str | None:
         if self.load_error:
@@ -85,6 +86,13 @@ class ServiceState:
             self.selftest_error = f"{level} check(s) failed: {failed}"
         self.refresh_ready_gauge()
         return report
+
+    def first_report_of(self, exc: BaseException) -> bool:
+        """Every request of a failed batch receives the same exception: log and probe once."""
+        if exc is self._last_forward_failure:
+            return False
+        self._last_forward_failure = exc
+        return True
 
     def probe_device(self) -> None:
         """After a failed forward: is the device still usable? A sticky CUDA error (illegal
@@ -321,9 +329,12 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             return _error(exc.status, exc.message)
         try:
             result = await state.batcher.submit(model_request)
+        except ShuttingDown as exc:
+            return _error(503, str(exc))
         except Exception as exc:  # noqa: BLE001 - a device failure, not the caller's input
-            log.exception("forward failed")
-            await asyncio.get_running_loop().run_in_executor(state.executor, state.probe_device)
+            if state.first_report_of(exc):
+                log.exception("forward failed")
+                await asyncio.get_running_loop().run_in_executor(state.executor, state.probe_device)
             return _error(500, f"forward failed: {type(exc).__name__}: {exc}")
         as_binary = parsed.outputs.get(OUTPUT_NAME, parsed.binary_output_default)
         body, headers = await off_loop_if_large(

@@ -25,6 +25,10 @@ from .model import ModelRequest
 log = logging.getLogger("megamoe.service.batching")
 
 
+class ShuttingDown(RuntimeError):
+    """A request that arrived after shutdown began (not a device failure)."""
+
+
 @dataclass
 class BatchResult:
     output: torch.Tensor
@@ -77,7 +81,7 @@ class DynamicBatcher:
 
     async def submit(self, request: ModelRequest) -> BatchResult:
         if self._stopping:
-            raise RuntimeError("server is shutting down")
+            raise ShuttingDown("server is shutting down")
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(request, future, time.perf_counter()))
         self._arrived.set()

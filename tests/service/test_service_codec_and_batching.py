@@ -139,6 +139,32 @@ def test_batcher_failure_reaches_every_caller_of_the_batch_and_it_keeps_serving(
     assert torch.equal(good.output, torch.full((2, 4), 8.0))
 
 
+def test_batcher_survives_a_failing_metrics_callback_and_a_short_output_list():
+    def on_batch(n, tokens, seconds):
+        raise ValueError("metrics backend down")
+
+    def run_batch(reqs):
+        outs = [r.hidden_states * 3 for r in reqs]
+        return outs[:-1] if float(reqs[0].hidden_states[0, 0]) == 5 else outs  # value 5: one output lost
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = DynamicBatcher(run_batch, executor, max_batch_tokens=64, queue_delay_s=0.02, on_batch=on_batch)
+        batcher.start()
+        first = await asyncio.wait_for(batcher.submit(request(2, 1)), 5)  # callback raises after the results
+        short = await asyncio.wait_for(asyncio.gather(batcher.submit(request(1, 5)), batcher.submit(request(1, 6)),
+                                                      return_exceptions=True), 5)
+        after = await asyncio.wait_for(batcher.submit(request(1, 2)), 5)  # the loop is still alive
+        await batcher.stop()
+        executor.shutdown()
+        return first, short, after
+
+    first, short, after = asyncio.run(scenario())
+    assert torch.equal(first.output, torch.full((2, 4), 3.0))
+    assert all(isinstance(r, RuntimeError) and "outputs" in str(r) for r in short)
+    assert torch.equal(after.output, torch.full((1, 4), 6.0))
+
+
 # --- settings ---------------------------------------------------------------------------
 
 def test_settings_env_then_flags(monkeypatch):
