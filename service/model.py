@@ -80,15 +80,7 @@ def default_model_name(settings: ServiceSettings) -> str:
 
 def layer_device(layer) -> torch.device:
     """Where the layer's weights live (inputs are moved there before forward)."""
-    device = getattr(layer, "device", None)
-    if device is not None:
-        return torch.device(device)
-    weights = getattr(layer, "weights", None)
-    w13 = getattr(weights, "w13", None)
-    data = getattr(w13, "data", None)
-    if isinstance(data, torch.Tensor):
-        return data.device
-    return torch.device("cpu")
+    return torch.device(layer.device)
 
 
 class ServedModel:
@@ -110,9 +102,7 @@ class ServedModel:
 
     @property
     def has_router(self) -> bool:
-        if hasattr(self.config, "has_router"):
-            return bool(self.config.has_router)
-        return getattr(getattr(self.layer, "weights", None), "router_weight", None) is not None
+        return self.layer.weights.router_weight is not None
 
     @property
     def backend_name(self) -> str:
