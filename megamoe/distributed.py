@@ -315,23 +315,8 @@ def _expert_part(w: MoEWeights) -> MoEWeights:
 
 
 def _validate_shard(weights: MoEWeights, cfg: MoEConfig, start: int, end: int) -> None:
-    """Experts against the local config, router and shared expert against the global one."""
-    _expert_part(weights).validate(_local_config(cfg, end - start))
-    replicated = MoEWeights(w13=None, w2=None, router_weight=weights.router_weight, router_bias=weights.router_bias,
-                            shared_gate_up=weights.shared_gate_up, shared_down=weights.shared_down)
-    e, h = cfg.num_experts, cfg.hidden_size
-    if replicated.router_weight is not None and tuple(replicated.router_weight.shape) != (e, h):
-        raise ValueError(f"gate.weight: shape {tuple(replicated.router_weight.shape)}, expected {(e, h)}")
-    if replicated.router_bias is not None and tuple(replicated.router_bias.shape) != (e,):
-        raise ValueError(f"gate.e_score_correction_bias: shape {tuple(replicated.router_bias.shape)}, expected {(e,)}")
-    if cfg.n_shared_experts:
-        is_ = (cfg.shared_intermediate_size or cfg.intermediate_size) * cfg.n_shared_experts
-        for name, t, shape in (("shared_experts.gate_up_proj.weight", weights.shared_gate_up, (2 * is_, h)),
-                               ("shared_experts.down_proj.weight", weights.shared_down, (h, is_))):
-            if t is None:
-                raise ValueError(f"{name}: missing")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+    """Experts against the shard's size, router and shared expert against the global config."""
+    weights.validate(cfg, num_local_experts=end - start)
 
 
 def shard_weights(weights: MoEWeights, rank: int, world_size: int) -> tuple[MoEWeights, int]:

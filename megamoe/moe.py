@@ -49,9 +49,14 @@ class MoEWeights:
     def num_experts(self) -> int:
         return self.w13.data.shape[0]
 
-    def validate(self, cfg: MoEConfig) -> None:
-        """Raise ValueError naming the first tensor whose shape or dtype disagrees with ``cfg``."""
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
+        """Raise ValueError naming the first tensor whose shape or dtype disagrees with ``cfg``.
+
+        ``num_local_experts``: the expert tensors hold this many experts (a rank's shard);
+        the router still covers all ``cfg.num_experts``.
+        """
+        e_all, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        e = e_all if num_local_experts is None else num_local_experts
         want = {
             "w13_weight": (self.w13.data, (e, 2 * i, h // 2), torch.uint8),
             "w13_weight_scale": (self.w13.scale, (e, 2 * i, h // 16), torch.float8_e4m3fn),
@@ -65,9 +70,9 @@ class MoEWeights:
         if self.w2_input_scale is not None:
             want["w2_input_scale"] = (self.w2_input_scale, (e,), torch.float32)
         if self.router_weight is not None:
-            want["gate.weight"] = (self.router_weight, (e, h), None)
+            want["gate.weight"] = (self.router_weight, (e_all, h), None)
         if self.router_bias is not None:
-            want["gate.e_score_correction_bias"] = (self.router_bias, (e,), None)
+            want["gate.e_score_correction_bias"] = (self.router_bias, (e_all,), None)
         if cfg.n_shared_experts:
             is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
             want["shared_experts.gate_up_proj.weight"] = (self.shared_gate_up, (2 * is_, h), None)
