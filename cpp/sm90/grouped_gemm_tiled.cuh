@@ -58,41 +58,13 @@ __global__ void __launch_bounds__(kTiledThreads, kMinBlocks) tiled_gemm_kernel(G
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   for (int i = tid; i < 256; i += kTiledThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
 
-  // Which expert and which 128-token tile of it: scan of ceil(tokens_e / 128).
+  // Which expert and which 128-token tile of it (m0: its first token within the expert).
   const int E = a.num_experts;
-  int carry = 0;
-  for (int base = 0; base < E; base += kTiledThreads) {
-    const int e = base + tid;
-    int v = 0;
-    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kTileM - 1) / kTileM;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += t;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    int prefix = carry;
-    for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
-    if (e < E) tile_scan[e] = prefix + v;
-    int total = carry;
-    for (int w = 0; w < kTiledThreads / 32; ++w) total += warp_sums[w];
-    carry = total;
-    __syncthreads();
-  }
+  const int num_tiles = expert_tile_scan<kTiledThreads, kTileM>(a, E, tile_scan, warp_sums, tid, warp, lane);
   const int tile = blockIdx.y;
-  if (tile >= carry) return;
-  int lo = 0, hi = E - 1;  // first expert whose inclusive tile count exceeds `tile`
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (tile_scan[mid] > tile) hi = mid;
-    else lo = mid + 1;
-  }
-  const int expert = lo;
-  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
-  const int row_begin = a.expert_offsets[expert];
-  const int rows = a.expert_offsets[expert + 1] - row_begin;
-  const int m0 = (tile - tiles_before) * kTileM;  // first token of this tile within the expert
+  if (tile >= num_tiles) return;
+  const ExpertTile et = find_expert_tile<kTileM>(a, E, tile_scan, tile);
+  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
 
   const int64_t K = a.K, N = a.N, Kb = K / 16, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;

@@ -74,6 +74,57 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem) {
 
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) { return a.K % kWgK == 0 && a.num_experts <= 1024; }
 
+// Epilogue of wg_tile() and ws_consumer() (grouped_gemm_wgmma_ws.cuh): acc is warp wq of
+// warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
+// 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
+// silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
+template <int N>
+__device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
+                                            int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
+                                            int wg, int wq, int g, int tig) {
+  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
+  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
+  const float alpha0 = a_gs * wgs[0];
+  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
+  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
+  if (silu_mul) {
+    const int64_t col = int64_t(blockIdx.x) * 64 + wg * 32 + wq * 8 + g;
+    if (col < I) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int tok = m0 + 8 * j + 2 * tig + t;
+          if (tok < rows) {
+            const int64_t out_row = int64_t(row_begin) + tok;
+            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+            a.out[out_row * I + col] = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
+                                              a.swiglu_clamp, a.swiglu_limit);
+          }
+        }
+      }
+    }
+  } else {
+    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + wg * 64 + wq * 16 + g;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int tok = m0 + 8 * j + 2 * tig + t;
+        if (tok < rows) {
+          const int64_t out_row = int64_t(row_begin) + tok;
+          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int64_t n = n0 + 8 * hh;
+            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
@@ -186,47 +237,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   acc_fence(acc);
   cp_async_wait<0>();
 
-  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
-  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
-  const float alpha0 = a_gs * wgs[0];
-  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
-  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
-  if (silu_mul) {
-    const int64_t col = int64_t(blockIdx.x) * 64 + wg * 32 + wq * 8 + g;
-    if (col < I) {
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const int tok = m0 + 8 * j + 2 * tig + t;
-          if (tok < rows) {
-            const int64_t out_row = int64_t(row_begin) + tok;
-            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-            a.out[out_row * I + col] = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
-                                              a.swiglu_clamp, a.swiglu_limit);
-          }
-        }
-      }
-    }
-  } else {
-    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + wg * 64 + wq * 16 + g;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int tok = m0 + 8 * j + 2 * tig + t;
-        if (tok < rows) {
-          const int64_t out_row = int64_t(row_begin) + tok;
-          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int64_t n = n0 + 8 * hh;
-            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
-          }
-        }
-      }
-    }
-  }
+  wg_epilogue<N>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
 template <int kMaxN>
@@ -243,41 +254,13 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += kWgThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
 
-  // Which expert and which token tile of it: scan of ceil(tokens_e / kMaxN) (as the tiled kernel).
+  // Which expert and which token tile of it.
   const int E = a.num_experts;
-  int carry = 0;
-  for (int base = 0; base < E; base += kWgThreads) {
-    const int e = base + tid;
-    int v = 0;
-    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kMaxN - 1) / kMaxN;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += t;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    int prefix = carry;
-    for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
-    if (e < E) tile_scan[e] = prefix + v;
-    int total = carry;
-    for (int w = 0; w < kWgThreads / 32; ++w) total += warp_sums[w];
-    carry = total;
-    __syncthreads();
-  }
+  const int num_tiles = expert_tile_scan<kWgThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
   const int tile = blockIdx.y;
-  if (tile >= carry) return;
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (tile_scan[mid] > tile) hi = mid;
-    else lo = mid + 1;
-  }
-  const int expert = lo;
-  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
-  const int row_begin = a.expert_offsets[expert];
-  const int rows = a.expert_offsets[expert + 1] - row_begin;
-  const int m0 = (tile - tiles_before) * kMaxN;
+  if (tile >= num_tiles) return;
+  const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
+  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   __syncthreads();  // scale_lut visible
 

@@ -23,9 +23,9 @@
 //   EMPTY[(kt-1)%S].  No block-wide barrier after the setup; nothing else is shared.
 //
 // The accumulator fragment of wgmma is the same for A in registers or in shared memory, and a
-// block-local weight row lr sits at tile row lr in both kernels, so the epilogue below is the
-// epilogue of wg_tile() with the consumer warpgroup in place of the warpgroup (same alphas, row
-// scales, SiLU*up with clamp, output layout).
+// block-local weight row lr sits at tile row lr in both kernels, so the consumers run wg_tile()'s
+// epilogue (wg_epilogue(), grouped_gemm_wgmma.cuh) with the consumer warpgroup in place of the
+// warpgroup (same alphas, row scales, SiLU*up with clamp, output layout).
 #pragma once
 #include "gemm_common.cuh"
 #include "grouped_gemm_tiled.cuh"  // cp_async
@@ -253,50 +253,10 @@ __device__ __forceinline__ void ws_consumer(const GroupedGemmArgs& a, uint8_t* s
   wgmma_wait<0>();
   acc_fence(acc);
 
-  // Epilogue: as wg_tile() (grouped_gemm_wgmma.cuh) with wg -> cw.
+  // Epilogue: as wg_tile() with wg -> cw.
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int64_t Nw = a.N, I = Nw / 2;
-  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
-  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
-  const float alpha0 = a_gs * wgs[0];
-  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
-  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
-  if (silu_mul) {
-    const int64_t col = int64_t(blockIdx.x) * 64 + cw * 32 + wq * 8 + g;
-    if (col < I) {
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const int tok = m0 + 8 * j + 2 * tig + t;
-          if (tok < rows) {
-            const int64_t out_row = int64_t(row_begin) + tok;
-            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-            a.out[out_row * I + col] = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
-                                              a.swiglu_clamp, a.swiglu_limit);
-          }
-        }
-      }
-    }
-  } else {
-    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + cw * 64 + wq * 16 + g;
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int tok = m0 + 8 * j + 2 * tig + t;
-        if (tok < rows) {
-          const int64_t out_row = int64_t(row_begin) + tok;
-          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int64_t n = n0 + 8 * hh;
-            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
-          }
-        }
-      }
-    }
-  }
+  wg_epilogue<N>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, cw, wq, g, tig);
 }
 
 template <int kMaxN, int kPWG>
@@ -324,41 +284,13 @@ __global__ void __launch_bounds__(WsRoles<kPWG>::kThreads, 1) wgws_gemm_kernel(G
     }
   }
 
-  // Which expert and which token tile of it (as wg_gemm_kernel).
+  // Which expert and which token tile of it (block-uniform return past the last tile).
   const int E = a.num_experts;
-  int carry = 0;
-  for (int base = 0; base < E; base += kWsThreads) {
-    const int e = base + tid;
-    int v = 0;
-    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kMaxN - 1) / kMaxN;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += t;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    int prefix = carry;
-    for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
-    if (e < E) tile_scan[e] = prefix + v;
-    int total = carry;
-    for (int w = 0; w < kWsThreads / 32; ++w) total += warp_sums[w];
-    carry = total;
-    __syncthreads();
-  }
+  const int num_tiles = expert_tile_scan<kWsThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
   const int tile = blockIdx.y;
-  if (tile >= carry) return;  // block-uniform
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (tile_scan[mid] > tile) hi = mid;
-    else lo = mid + 1;
-  }
-  const int expert = lo;
-  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
-  const int row_begin = a.expert_offsets[expert];
-  const int rows = a.expert_offsets[expert + 1] - row_begin;
-  const int m0 = (tile - tiles_before) * kMaxN;
+  if (tile >= num_tiles) return;
+  const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
+  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();  // LUT and barriers ready; every thread done with the tile scan (stage 0 is free)
