@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from megamoe import nvfp4
-from megamoe.moe import MoEWeights
 from megamoe.presets import MoEConfig, get_preset
+from megamoe.weights import MoEWeights
 
 log = logging.getLogger("megamoe.checkpoint")
 

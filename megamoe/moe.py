@@ -1,89 +1,19 @@
-"""The MoE layer of SPEC §3: routing, routed NVFP4 experts (on a backend), shared expert."""
-from __future__ import annotations
+"""The MoE layer of docs/SPEC.md §3: routing, routed NVFP4 experts (on a backend), shared expert.
 
-from dataclasses import dataclass, fields
+The math of the reference forward is :mod:`megamoe.reference`; the weights are
+:class:`megamoe.weights.MoEWeights` (re-exported here).
+"""
+from __future__ import annotations
 
 import torch
 
-from megamoe import nvfp4
+from megamoe import checkpoint, nvfp4, reference
 from megamoe.backends import Backend, get_backend
-from megamoe.backends.torch_ref import swiglu
 from megamoe.presets import MoEConfig, get_preset
 from megamoe.routing import route
+from megamoe.weights import MoEWeights
 
 __all__ = ["MoEWeights", "MoELayer", "MoEConfig"]
-
-
-@dataclass
-class MoEWeights:
-    """Weights of one MoE layer (ModelOpt NVFP4 naming, SPEC §3).
-
-    Attributes:
-        w13: NVFP4 ``[E, 2I, H]`` gate rows then up rows; global_scale ``[E, 2]`` (gate, up).
-        w2: NVFP4 ``[E, H, I]``; global_scale ``[E]``.
-        w13_input_scale: float32 ``[E]`` static global scale of the L1 input, or None (dynamic).
-        w2_input_scale: float32 ``[E]`` static global scale of the L2 input, or None (dynamic).
-        router_weight: ``[E, H]`` router (gate) weight, or None (caller routes).
-        router_bias: float32 ``[E]`` e_score_correction_bias (selection only), or None.
-        shared_gate_up: bf16 ``[2*Is, H]`` shared expert gate and up rows, or None.
-        shared_down: bf16 ``[H, Is]`` shared expert down projection, or None.
-    """
-
-    w13: nvfp4.NVFP4Tensor
-    w2: nvfp4.NVFP4Tensor
-    w13_input_scale: torch.Tensor | None = None
-    w2_input_scale: torch.Tensor | None = None
-    router_weight: torch.Tensor | None = None
-    router_bias: torch.Tensor | None = None
-    shared_gate_up: torch.Tensor | None = None
-    shared_down: torch.Tensor | None = None
-
-    def to(self, device) -> "MoEWeights":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if v is not None else None
-        return MoEWeights(**kw)
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.data.shape[0]
-
-    def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
-        """Raise ValueError naming the first tensor whose shape or dtype disagrees with ``cfg``.
-
-        ``num_local_experts``: the expert tensors hold this many experts (a rank's shard);
-        the router still covers all ``cfg.num_experts``.
-        """
-        e_all, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        e = e_all if num_local_experts is None else num_local_experts
-        want = {
-            "w13_weight": (self.w13.data, (e, 2 * i, h // 2), torch.uint8),
-            "w13_weight_scale": (self.w13.scale, (e, 2 * i, h // 16), torch.float8_e4m3fn),
-            "w13_weight_scale_2": (self.w13.global_scale, (e, 2), torch.float32),
-            "w2_weight": (self.w2.data, (e, h, i // 2), torch.uint8),
-            "w2_weight_scale": (self.w2.scale, (e, h, i // 16), torch.float8_e4m3fn),
-            "w2_weight_scale_2": (self.w2.global_scale, (e,), torch.float32),
-        }
-        if self.w13_input_scale is not None:
-            want["w13_input_scale"] = (self.w13_input_scale, (e,), torch.float32)
-        if self.w2_input_scale is not None:
-            want["w2_input_scale"] = (self.w2_input_scale, (e,), torch.float32)
-        if self.router_weight is not None:
-            want["gate.weight"] = (self.router_weight, (e_all, h), None)
-        if self.router_bias is not None:
-            want["gate.e_score_correction_bias"] = (self.router_bias, (e_all,), None)
-        if cfg.n_shared_experts:
-            is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
-            want["shared_experts.gate_up_proj.weight"] = (self.shared_gate_up, (2 * is_, h), None)
-            want["shared_experts.down_proj.weight"] = (self.shared_down, (h, is_), None)
-        for name, (t, shape, dtype) in want.items():
-            if t is None:
-                raise ValueError(f"{name}: missing")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            if dtype is not None and t.dtype != dtype:
-                raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
 
 
 class MoELayer:
@@ -108,19 +38,15 @@ class MoELayer:
     def from_preset(cls, preset: str, seed: int = 0, backend: str | Backend = "auto", device=None,
                     **config_overrides) -> "MoELayer":
         """A layer with synthetic weights (see :func:`megamoe.checkpoint.synthetic_weights`)."""
-        from megamoe.checkpoint import synthetic_weights
-
         cfg = get_preset(preset).with_(**config_overrides) if config_overrides else get_preset(preset)
         be = get_backend(backend, device=device)
-        weights = synthetic_weights(cfg, seed=seed, device=be.device)
+        weights = checkpoint.synthetic_weights(cfg, seed=seed, device=be.device)
         return cls(weights, cfg, backend=be)
 
     @classmethod
     def from_checkpoint(cls, path, backend: str | Backend = "auto", device=None, **load_kw) -> "MoELayer":
         """Load a ModelOpt NVFP4 checkpoint (see :func:`megamoe.checkpoint.load`)."""
-        from megamoe.checkpoint import load
-
-        loaded = load(path, **load_kw)
+        loaded = checkpoint.load(path, **load_kw)
         layer = cls(loaded.weights, loaded.config, backend=backend, device=device)
         layer.load_report = loaded.report
         return layer
@@ -137,6 +63,13 @@ class MoELayer:
             raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         return route(router_logits, cfg.top_k, cfg.scoring, self.weights.router_bias, cfg.n_group,
                      cfg.topk_group, cfg.renormalize, cfg.routed_scaling_factor)
+
+    def _routing(self, x, topk_ids, topk_weights, router_logits):
+        """``(topk_ids int32, topk_weights float32)`` on the layer's device: the given ones, or routed."""
+        if topk_ids is None:
+            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device))
+            return topk_ids, topk_weights
+        return topk_ids.to(self.device, torch.int32), topk_weights.to(self.device, torch.float32)
 
     def _check_inputs(self, x, topk_ids, topk_weights, router_logits):
         cfg = self.config
@@ -164,14 +97,16 @@ class MoELayer:
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None, router_logits: torch.Tensor | None = None,
                 validate: bool = True) -> torch.Tensor:
-        """MoE forward (SPEC §3).
+        """MoE forward (docs/SPEC.md §3).
 
         Args:
             hidden_states: ``[T, H]`` bfloat16 / float16 / float32.
             topk_ids: ``[T, k]`` int expert ids and topk_weights ``[T, k]`` float, or
             router_logits: ``[T, E]``; with neither, the layer's own router is used.
-            validate: check shapes and id ranges (costs a device sync for ``topk_ids``;
-                pass False inside CUDA-graph capture).
+            validate: check shapes, dtypes and that ``topk_ids`` are in ``[0, E)`` (the range
+                check costs a device sync; pass False inside CUDA-graph capture). Unvalidated,
+                a top-k id outside ``[0, E)`` (the mask value -1) is a masked slot: it
+                contributes nothing (docs/SPEC.md §3.1).
 
         Returns:
             ``[T, H]`` in the dtype of ``hidden_states``.
@@ -179,11 +114,7 @@ class MoELayer:
         if validate:
             self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
         x = hidden_states.to(self.device)
-        if topk_ids is None:
-            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device))
-        else:
-            topk_ids = topk_ids.to(self.device, torch.int32)
-            topk_weights = topk_weights.to(self.device, torch.float32)
+        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         y = self.backend.moe_forward(self._prepared, self.config, x, topk_ids, topk_weights).float()
@@ -204,34 +135,33 @@ class MoELayer:
         return hit[1]
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        down = self._float32("shared_down")
-        gu = x.float() @ self._float32("shared_gate_up").T
-        return swiglu(gu, down.shape[1], self.config.swiglu_limit) @ down.T
+        return reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
+                                   self.config.swiglu_limit)
 
     def reference_bf16(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None,
-                       router_logits=None) -> torch.Tensor:
-        """The yardstick of SPEC §3: the same forward with dequantized weights and no
-        activation quantization, computed in float32. Returns float32 ``[T, H]``."""
-        self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
+                       router_logits=None, validate: bool = True) -> torch.Tensor:
+        """The yardstick of docs/SPEC.md §3: the same forward (:mod:`megamoe.reference`) with
+        dequantized weights and no activation quantization, computed in float32. Returns
+        float32 ``[T, H]``. Arguments as for :meth:`forward`."""
+        if validate:
+            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
         cfg, w = self.config, self.weights
         x = hidden_states.to(self.device).float()
-        if topk_ids is None:
-            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device))
-        ids = topk_ids.to(self.device).long()
-        tw = topk_weights.to(self.device).float()
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            gu = x[tok] @ nvfp4.dequantize(w.w13[e]).T
-            he = swiglu(gu, cfg.intermediate_size, cfg.swiglu_limit)
-            out.index_add_(0, tok, (he @ nvfp4.dequantize(w.w2[e]).T) * tw[tok, slot].unsqueeze(1))
+        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e]), nvfp4.dequantize(w.w2[e]), cfg,
+                                        quantize_activations=False)
+
+        out = reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)
         if cfg.n_shared_experts:
             out = out + self._shared_expert(x)
         return out
 
     def expert_weight_bytes(self, topk_ids: torch.Tensor) -> int:
-        """NVFP4 bytes (data + scales) of the experts that ``topk_ids`` uses."""
-        used = torch.unique(topk_ids).numel()
+        """NVFP4 bytes (data + scales) of the experts that ``topk_ids`` uses (masked ids use none)."""
+        ids = torch.unique(topk_ids)
+        used = int(reference.valid_slots(ids, self.config.num_experts).sum())
         per = (self.weights.w13.nbytes() + self.weights.w2.nbytes()) // self.config.num_experts
         return used * per
 

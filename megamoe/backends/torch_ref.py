@@ -1,40 +1,18 @@
-"""The ``torch`` backend: the reference computation of SPEC §3 on any torch device.
+"""The ``torch`` backend: the reference computation (:mod:`megamoe.reference`,
+docs/SPEC.md §3) on any torch device.
 
 Weights stay NVFP4; each expert is dequantized on the fly (never all experts at once),
-activations are quantized with the reference quantizer, GEMMs run in float32.
+activations are quantized with the reference quantizer, GEMMs run in float32. Top-k ids
+outside ``[0, E)`` (masked, -1) are skipped.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from megamoe import nvfp4
+from megamoe import nvfp4, reference
 from megamoe.backends.base import Backend
-
-
-def row_global_scales(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic activation scales: one per row, ``amax(|row|) / 2688`` (1.0 for a zero row)."""
-    return nvfp4.default_global_scale(x, dim=-1)
-
-
-def activation_to_gemm_input(x: torch.Tensor, cfg, static_scale: torch.Tensor | None) -> torch.Tensor:
-    """What the expert GEMM sees of an activation, as float32 (SPEC §3).
-
-    w4a4: NVFP4 quantize (static per-expert scale, or per-row dynamic) then exact decode.
-    w4a16: rounded to bfloat16.
-    """
-    if cfg.act_mode == "w4a16":
-        return x.to(torch.bfloat16).float()
-    gs = row_global_scales(x) if (cfg.dynamic_act_scale or static_scale is None) else static_scale
-    return nvfp4.dequantize(nvfp4.quantize(x, gs))
-
-
-def swiglu(gu: torch.Tensor, intermediate: int, limit: float | None) -> torch.Tensor:
-    gate, up = gu[:, :intermediate], gu[:, intermediate:]
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return F.silu(gate) * up
+# The reference math lives in megamoe.reference; these names stay importable from here.
+from megamoe.reference import activation_to_gemm_input, row_global_scales, swiglu  # noqa: F401
 
 
 class _DequantizedExperts:
@@ -92,26 +70,12 @@ class TorchBackend(Backend):
     def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
         cached = prepared if isinstance(prepared, _DequantizedExperts) else None
         w = cached.weights if cached is not None else prepared
-        t, h = x.shape
-        inter = cfg.intermediate_size
-        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
-        flat_ids = topk_ids.reshape(-1).long()
-        flat_w = topk_weights.reshape(-1).float()
-        token_of = torch.arange(t, device=x.device).repeat_interleave(topk_ids.shape[1])
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=cfg.num_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tok = token_of[sel]
-            xe = x[tok].float()
-            a1 = activation_to_gemm_input(xe, cfg, None if w.w13_input_scale is None else w.w13_input_scale[e])
-            gu = a1 @ (cached.w13[e] if cached is not None else nvfp4.dequantize(w.w13[e])).T
-            hmid = swiglu(gu, inter, cfg.swiglu_limit)
-            a2 = activation_to_gemm_input(hmid, cfg, None if w.w2_input_scale is None else w.w2_input_scale[e])
-            ye = a2 @ (cached.w2[e] if cached is not None else nvfp4.dequantize(w.w2[e])).T
-            out.index_add_(0, tok, ye * flat_w[sel].unsqueeze(1))
-        return out
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            w13 = cached.w13[e] if cached is not None else nvfp4.dequantize(w.w13[e])
+            w2 = cached.w2[e] if cached is not None else nvfp4.dequantize(w.w2[e])
+            in1 = None if w.w13_input_scale is None else w.w13_input_scale[e]
+            in2 = None if w.w2_input_scale is None else w.w2_input_scale[e]
+            return reference.expert_mlp(rows, w13, w2, cfg, in1, in2)
+
+        return reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)

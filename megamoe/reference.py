@@ -1,0 +1,119 @@
+"""The reference MoE computation of docs/SPEC.md §3: the one copy of its math.
+
+The NVFP4 format's own math (quantize, dequantize, scale-factor layout) is
+:mod:`megamoe.nvfp4`; this module composes it into the MoE layer:
+
+* :func:`swiglu`: ``silu(gate) * up`` with the optional clamp;
+* :func:`activation_to_gemm_input`: what an expert GEMM sees of an activation
+  (w4a4: NVFP4 quantize with the static per-expert scale or per-row dynamic scales,
+  then exact decode; w4a16: rounded to bfloat16);
+* :func:`expert_mlp`: one expert on its rows (GEMM, SwiGLU, GEMM);
+* :func:`routed_experts`: the loop over experts that sums each token's top-k
+  weighted contributions, expert by expert in ascending id order;
+* :func:`dense_mlp`: the shared expert (dense, unquantized).
+
+The torch backend (:mod:`megamoe.backends.torch_ref`) runs :func:`routed_experts` with
+quantized activations; :meth:`megamoe.moe.MoELayer.reference_bf16` runs it on decoded
+weights without activation quantization; the layer's shared expert is :func:`dense_mlp`.
+
+Masked slots (docs/SPEC.md §3.1): a top-k id outside ``[0, E)`` (``-1`` is the mask value)
+contributes nothing: its slot is skipped (its weight is never read, no expert runs for
+it). The masking is elementwise on the device and adds no host synchronisation.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megamoe import nvfp4
+
+__all__ = ["row_global_scales", "activation_to_gemm_input", "swiglu", "expert_mlp", "valid_slots",
+           "routed_experts", "dense_mlp"]
+
+
+def row_global_scales(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic activation scales: one per row, ``amax(|row|) / 2688`` (1.0 for a zero row)."""
+    return nvfp4.default_global_scale(x, dim=-1)
+
+
+def activation_to_gemm_input(x: torch.Tensor, cfg, static_scale: torch.Tensor | None,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What the expert GEMM sees of an activation, in ``dtype`` (docs/SPEC.md §3).
+
+    w4a4: NVFP4 quantize (static per-expert scale, or per-row dynamic) then exact decode.
+    w4a16: rounded to bfloat16.
+    """
+    if cfg.act_mode == "w4a16":
+        return x.to(torch.bfloat16).to(dtype)
+    gs = row_global_scales(x) if (cfg.dynamic_act_scale or static_scale is None) else static_scale
+    return nvfp4.dequantize(nvfp4.quantize(x, gs), dtype)
+
+
+def swiglu(gu: torch.Tensor, intermediate: int, limit: float | None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu = [gate | up]`` (``intermediate`` columns each); with ``limit``,
+    gate is clamped to at most ``limit`` and up to ``[-limit, limit]`` first."""
+    gate, up = gu[:, :intermediate], gu[:, intermediate:]
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: torch.Tensor | None = None,
+               in2: torch.Tensor | None = None, quantize_activations: bool = True) -> torch.Tensor:
+    """One expert on its rows: ``[n, H]`` -> ``[n, H]`` in the dtype of the decoded weights.
+
+    ``w13`` ``[2I, H]`` (gate rows, then up rows) and ``w2`` ``[H, I]`` are the expert's decoded
+    weights; ``in1`` / ``in2`` its static input scales (None: dynamic). With
+    ``quantize_activations`` False the activations enter the GEMMs unchanged (the bf16 yardstick).
+    """
+    dtype = w13.dtype
+    a1 = activation_to_gemm_input(x, cfg, in1, dtype) if quantize_activations else x.to(dtype)
+    hmid = swiglu(a1 @ w13.T, cfg.intermediate_size, cfg.swiglu_limit)
+    # the second activation is quantized from float32, as a kernel's epilogue holds it
+    a2 = activation_to_gemm_input(hmid.float(), cfg, in2, dtype) if quantize_activations else hmid
+    return a2 @ w2.T
+
+
+def valid_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Boolean mask of the top-k slots whose id is in ``[0, num_experts)`` (the others are masked)."""
+    return (topk_ids >= 0) & (topk_ids < num_experts)
+
+
+def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * expert(ids[t, j], x[t])`` over the valid slots, float32 ``[T, H]``.
+
+    ``expert(e, rows)`` maps expert ``e``'s rows (float32 ``[n, H]``, tokens in ascending order,
+    a token's slots in slot order) to its outputs ``[n, H]``. Each expert runs once on all
+    its rows; contributions are added expert by expert in ascending id order. Slots with an
+    id outside ``[0, num_experts)`` are skipped.
+    """
+    t, h = x.shape
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    # masked slots go to bin E, sorted after every expert's rows, and are never read
+    flat_ids = torch.where(valid_slots(ids, num_experts), ids, torch.full_like(ids, num_experts))
+    flat_w = topk_weights.reshape(-1).float()
+    token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        tok = token_of[sel]
+        out.index_add_(0, tok, expert(e, x[tok].float()) * flat_w[sel].unsqueeze(1))
+    return out
+
+
+def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The shared expert: ``swiglu(x @ gate_up.T) @ down.T`` in the dtype of the weights
+    (``gate_up`` ``[2Is, H]``, ``down`` ``[H, Is]``)."""
+    gu = x.to(gate_up.dtype) @ gate_up.T
+    return swiglu(gu, down.shape[1], limit) @ down.T

@@ -1,0 +1,87 @@
+"""The weights of one NVFP4 MoE layer (:class:`MoEWeights`), shared by the layer
+(:mod:`megamoe.moe`), the loaders (:mod:`megamoe.checkpoint`, :mod:`megamoe.distributed`)
+and the backends. Depends only on the NVFP4 format and the config, so every one of those
+modules can import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from megamoe import nvfp4
+from megamoe.presets import MoEConfig
+
+__all__ = ["MoEWeights"]
+
+
+@dataclass
+class MoEWeights:
+    """Weights of one MoE layer (ModelOpt NVFP4 naming, docs/SPEC.md §3).
+
+    Attributes:
+        w13: NVFP4 ``[E, 2I, H]`` gate rows then up rows; global_scale ``[E, 2]`` (gate, up).
+        w2: NVFP4 ``[E, H, I]``; global_scale ``[E]``.
+        w13_input_scale: float32 ``[E]`` static global scale of the L1 input, or None (dynamic).
+        w2_input_scale: float32 ``[E]`` static global scale of the L2 input, or None (dynamic).
+        router_weight: ``[E, H]`` router (gate) weight, or None (caller routes).
+        router_bias: float32 ``[E]`` e_score_correction_bias (selection only), or None.
+        shared_gate_up: bf16 ``[2*Is, H]`` shared expert gate and up rows, or None.
+        shared_down: bf16 ``[H, Is]`` shared expert down projection, or None.
+    """
+
+    w13: nvfp4.NVFP4Tensor
+    w2: nvfp4.NVFP4Tensor
+    w13_input_scale: torch.Tensor | None = None
+    w2_input_scale: torch.Tensor | None = None
+    router_weight: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    shared_gate_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+    def to(self, device) -> "MoEWeights":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if v is not None else None
+        return MoEWeights(**kw)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.data.shape[0]
+
+    def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
+        """Raise ValueError naming the first tensor whose shape or dtype disagrees with ``cfg``.
+
+        ``num_local_experts``: the expert tensors hold this many experts (a rank's shard);
+        the router still covers all ``cfg.num_experts``.
+        """
+        e_all, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        e = e_all if num_local_experts is None else num_local_experts
+        want = {
+            "w13_weight": (self.w13.data, (e, 2 * i, h // 2), torch.uint8),
+            "w13_weight_scale": (self.w13.scale, (e, 2 * i, h // 16), torch.float8_e4m3fn),
+            "w13_weight_scale_2": (self.w13.global_scale, (e, 2), torch.float32),
+            "w2_weight": (self.w2.data, (e, h, i // 2), torch.uint8),
+            "w2_weight_scale": (self.w2.scale, (e, h, i // 16), torch.float8_e4m3fn),
+            "w2_weight_scale_2": (self.w2.global_scale, (e,), torch.float32),
+        }
+        if self.w13_input_scale is not None:
+            want["w13_input_scale"] = (self.w13_input_scale, (e,), torch.float32)
+        if self.w2_input_scale is not None:
+            want["w2_input_scale"] = (self.w2_input_scale, (e,), torch.float32)
+        if self.router_weight is not None:
+            want["gate.weight"] = (self.router_weight, (e_all, h), None)
+        if self.router_bias is not None:
+            want["gate.e_score_correction_bias"] = (self.router_bias, (e_all,), None)
+        if cfg.n_shared_experts:
+            is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
+            want["shared_experts.gate_up_proj.weight"] = (self.shared_gate_up, (2 * is_, h), None)
+            want["shared_experts.down_proj.weight"] = (self.shared_down, (h, is_), None)
+        for name, (t, shape, dtype) in want.items():
+            if t is None:
+                raise ValueError(f"{name}: missing")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+            if dtype is not None and t.dtype != dtype:
+                raise ValueError(f"{name}: dtype {t.dtype}, expected {dtype}")
