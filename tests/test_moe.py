@@ -1,9 +1,9 @@
-"""SPEC §3: the MoE layer against an independent float64 loop over tokens."""
+"""SPEC §3: the MoE layer against the reference math run token by token in float64."""
 import pytest
 import torch
-import torch.nn.functional as Fn
 
 from megamoe import nvfp4 as F
+from megamoe import reference
 from megamoe.checkpoint import synthetic_weights
 from megamoe.moe import MoELayer
 from megamoe.presets import MoEConfig, get_preset
@@ -12,32 +12,23 @@ from _helpers import cosine, rel_err
 
 
 def loop_reference(layer, x, ids, w):
-    """Token by token, expert by expert, in float64 (activation quantization as SPEC §3)."""
+    """Token by token, slot by slot, the reference expert (megamoe.reference.expert_mlp, with
+    activation quantization as SPEC §3) on float64-decoded weights: no grouping by expert,
+    no float32 GEMMs, so the layer's loop and its float32 arithmetic are what is tested."""
     cfg, W = layer.config, layer.weights
-    i = cfg.intermediate_size
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            xt = x[t:t + 1].float()
-            if cfg.act_mode == "w4a4":
-                gs1 = W.w13_input_scale[e] if not cfg.dynamic_act_scale else F.default_global_scale(xt)
-                a = F.dequantize(F.quantize(xt, gs1), torch.float64)
-            else:
-                a = xt.to(torch.bfloat16).double()
-            gu = a @ F.dequantize(W.w13[e], torch.float64).T
-            h = Fn.silu(gu[:, :i]) * gu[:, i:]
-            if cfg.act_mode == "w4a4":
-                hf = h.float()
-                gs2 = W.w2_input_scale[e] if not cfg.dynamic_act_scale else F.default_global_scale(hf)
-                h = F.dequantize(F.quantize(hf, gs2), torch.float64)
-            else:
-                h = h.float().to(torch.bfloat16).double()
-            out[t] += float(w[t, j]) * (h @ F.dequantize(W.w2[e], torch.float64).T)[0]
+            if not 0 <= e < cfg.num_experts:
+                continue  # a masked slot (SPEC §3.1)
+            in1 = None if W.w13_input_scale is None else W.w13_input_scale[e]
+            in2 = None if W.w2_input_scale is None else W.w2_input_scale[e]
+            y = reference.expert_mlp(x[t:t + 1].float(), F.dequantize(W.w13[e], torch.float64),
+                                     F.dequantize(W.w2[e], torch.float64), cfg, in1, in2)
+            out[t] += float(w[t, j]) * y[0]
     if cfg.n_shared_experts:
-        gu = x.double() @ W.shared_gate_up.double().T
-        s = W.shared_down.shape[1]
-        out += (Fn.silu(gu[:, :s]) * gu[:, s:]) @ W.shared_down.double().T
+        out += reference.dense_mlp(x, W.shared_gate_up.double(), W.shared_down.double(), cfg.swiglu_limit)
     return out
 
 
@@ -185,3 +176,85 @@ def test_dequantized_cache_gives_identical_results(gen):
     plain = MoELayer(wts, SMALL, backend=TorchBackend(cache_dequantized=False))
     assert type(cached._prepared).__name__ == "_DequantizedExperts"
     assert torch.equal(cached(x), plain(x))
+
+
+# ------------------------------------------------------------------------------------------
+# masked expert ids (SPEC §3.1): a top-k id outside [0, E) contributes nothing
+# ------------------------------------------------------------------------------------------
+
+def _one_valid_slot_per_token(gen, t, e, k):
+    """ids [t, k] where every token keeps at most one valid slot (which one, and whether any,
+    drawn at random); the others carry the mask value -1 or another id outside [0, e)."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    keep = torch.randint(0, k + 1, (t,), generator=gen)  # k: no valid slot at all
+    bad = torch.tensor([-1, e, e + 7, -5])[torch.randint(0, 4, (t, k), generator=gen)]
+    masked = torch.arange(k).unsqueeze(0) != keep.unsqueeze(1)
+    ids = torch.where(masked, bad, ids).to(torch.int32)
+    return ids, masked, keep
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_masked_slots_are_skipped(gen, cache, mode):
+    """A masked slot changes nothing, bit for bit: the layer with top_k=2 and one slot masked
+    per token equals the layer with top_k=1 on the valid slots; a token with every slot
+    masked gets exactly 0; the weight of a masked slot is never read (NaN there stays out)."""
+    from megamoe.backends.torch_ref import TorchBackend
+
+    cfg = SMALL.with_(act_mode=mode)
+    wts = synthetic_weights(cfg, seed=4)
+    layer = MoELayer(wts, cfg, backend=TorchBackend(cache_dequantized=cache))
+    one = MoELayer(wts, cfg.with_(top_k=1), backend=TorchBackend(cache_dequantized=cache))
+    t = 41
+    x = torch.randn(t, 64, generator=gen).to(torch.bfloat16)
+    ids, masked, keep = _one_valid_slot_per_token(gen, t, cfg.num_experts, cfg.top_k)
+    assert masked.all(1).any() and not masked.all(1).all() and (ids == -1).any()
+    w = torch.rand(t, cfg.top_k, generator=gen) + 0.1
+    w = torch.where(masked, torch.full_like(w, float("nan")), w)
+
+    out = layer(x, ids, w, validate=False)
+    live = keep < cfg.top_k
+    rows = live.nonzero().squeeze(1)
+    slot = keep[rows].unsqueeze(1)
+    expect = one(x[rows], ids[rows].gather(1, slot), w[rows].gather(1, slot))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[rows], expect)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+    # the yardstick skips them the same way, and so does the float64 loop
+    ref = layer.reference_bf16(x, ids, w, validate=False)
+    assert torch.equal(ref[rows], one.reference_bf16(x[rows], ids[rows].gather(1, slot), w[rows].gather(1, slot)))
+    assert torch.equal(ref[~live], torch.zeros_like(ref[~live]))
+    assert cosine(out.float(), loop_reference(layer, x, ids, torch.nan_to_num(w))) > 0.999
+
+
+def test_masked_slots_with_shared_expert_and_two_valid_slots(gen):
+    """With k=3, tokens keep 0-3 valid slots: equal (to float32 rounding: the experts' GEMMs
+    see fewer rows) to the same tokens with the masked slots given weight 0 on a valid expert;
+    all-masked tokens get exactly the shared expert."""
+    cfg = MoEConfig(128, 64, 8, 3, n_shared_experts=1, shared_intermediate_size=32)
+    layer = make_layer(cfg, seed=5)
+    t = 29
+    x = torch.randn(t, 128, generator=gen)
+    w, ids = layer.route(x)
+    masked = torch.rand(t, 3, generator=gen) < 0.4
+    masked[:3] = True  # some tokens with every slot masked
+    out = layer(x, torch.where(masked, torch.full_like(ids, -1), ids), w, validate=False)
+    zero_w = layer(x, ids, torch.where(masked, torch.zeros_like(w), w))
+    assert rel_err(out, zero_w) < 1e-6
+    assert torch.equal(out[:3], layer._shared_expert(x)[:3])  # the same GEMM over the same rows
+    assert rel_err(out[3:], layer(x[3:], ids[3:], w[3:])) > 1e-2  # the masks really removed something
+
+
+def test_validate_still_rejects_masked_ids_from_a_caller(gen):
+    layer = make_layer(SMALL)
+    x = torch.randn(3, 64, generator=gen)
+    ids = torch.tensor([[0, 1], [-1, 2], [3, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out of range \[0, 6\): min -1"):
+        layer(x, ids, torch.ones(3, 2))
+
+
+def test_expert_weight_bytes_ignore_masked_ids():
+    layer = make_layer(SMALL)
+    per = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) // SMALL.num_experts
+    ids = torch.tensor([[0, -1], [3, 6], [3, -1]])
+    assert layer.expert_weight_bytes(ids) == 2 * per
