@@ -1,6 +1,6 @@
 """Bounded loopback load test of the megamoe service (Open Inference Protocol, binary tensors).
 
-Starts ``python -m service`` on 127.0.0.1 (or uses ``--url``), then for each T sends a fixed
+Starts ``python -m megamoe.service`` on 127.0.0.1 (or uses ``--url``), then for each T sends a fixed
 number of requests from a fixed number of concurrent clients, stopping early at a time cap,
 and reports requests/s, tokens/s, latency percentiles and the batch sizes the server chose
 (from its /metrics). Writes a JSON record with the command, date, versions and machine.
@@ -186,7 +186,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--preset", args.preset,
+    cmd = [sys.executable, "-m", "megamoe.service", "--host", "127.0.0.1", "--port", str(port), "--preset", args.preset,
            "--backend", args.backend, "--queue-delay-ms", str(args.queue_delay_ms), "--log-level", "warning",
            "--max-tokens-per-request", str(max(args.tokens)), "--max-batch-tokens", str(args.max_batch_tokens),
            "--torch-threads", str(args.torch_threads)]

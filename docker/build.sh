@@ -72,8 +72,9 @@ print("\n".join(dict.fromkeys(paths)))' >"$venv_site/_parent_environment.pth"
   "$venv/bin/pip" install --no-cache-dir "${wheel}[service]"
   # the installed package, not a source tree, must be what runs
   (cd / && "$venv/bin/python" - <<'PY'
-import sys, megamoe, service
-for module in (megamoe, service):
+import importlib.util, sys, megamoe, megamoe.service
+assert importlib.util.find_spec("service") is None, "the wheel installed a top-level `service` module"
+for module in (megamoe, megamoe.service):
     assert module.__file__.startswith(sys.prefix), f"{module.__name__} imported from {module.__file__}, not the venv"
 print("installed:", megamoe.__file__)
 PY

@@ -82,7 +82,7 @@ def _cmd_synth(args) -> int:
 
 def _cmd_serve(argv: list[str]) -> int:
     try:
-        import service
+        from megamoe import service
     except ImportError as exc:
         print(f"serve: the service needs its extras: pip install 'megamoe[service]' ({exc})", file=sys.stderr)
         return 2

@@ -1,9 +1,17 @@
 """megamoe HTTP service: the MoE layer over the Open Inference Protocol (KServe v2).
 
-Entry point: :func:`main` (``megamoe serve`` and ``python -m service`` call it).
+Import name: ``megamoe.service`` (the sources live in the repository's top-level
+``service/`` folder; the wheel and the editable install map them under ``megamoe``).
+Entry point: :func:`main` (``megamoe serve`` and ``python -m megamoe.service`` call it).
 """
 
 from __future__ import annotations
+
+if __name__ != "megamoe.service":
+    # One import name: a second one (a checkout's top-level `service` on sys.path) would load
+    # every module twice, each copy with its own metrics registry and settings.
+    raise ImportError(f"the megamoe service is imported as megamoe.service, not as {__name__!r} "
+                      "(install the package: pip install -e . or the wheel)")
 
 # Fail at import when the service extras are missing (`megamoe serve` turns this into
 # "pip install 'megamoe[service]'"), not halfway through start-up.

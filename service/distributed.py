@@ -2,10 +2,10 @@
 
 Launch (one process per GPU; on a CPU-only machine, gloo ranks)::
 
-    torchrun --nproc-per-node 8 -m service.distributed --checkpoint /ckpt --host 0.0.0.0 --port 8000
-    torchrun --nproc-per-node 2 -m service.distributed --preset tiny --backend torch   # CPU smoke run
+    torchrun --nproc-per-node 8 -m megamoe.service.distributed --checkpoint /ckpt --host 0.0.0.0 --port 8000
+    torchrun --nproc-per-node 2 -m megamoe.service.distributed --preset tiny --backend torch   # CPU smoke run
 
-Flags and ``MEGAMOE_*`` variables are those of ``megamoe serve`` (service.settings).
+Flags and ``MEGAMOE_*`` variables are those of ``megamoe serve`` (megamoe.service.settings).
 Several nodes: the usual ``torchrun --nnodes N --node-rank i --rdzv-endpoint host:port``;
 the HTTP front end is global rank 0.
 
@@ -14,7 +14,7 @@ Design:
 * every rank loads only its experts (:func:`megamoe.distributed.load_shard`) into an
   :class:`~megamoe.distributed.ExpertParallelMoE`; the ranks then agree that every one
   of them loaded (or all exit with the failing ranks' errors);
-* rank 0 runs the unchanged service app (:func:`service.app.create_app`) with a
+* rank 0 runs the unchanged service app (:func:`megamoe.service.app.create_app`) with a
   :class:`DistributedFront` as its layer. The front has the attributes the service reads
   from a MoELayer (``config``, ``backend``, ``device``, ``weights``, ``forward``) and
   ``run_checks(level)``;

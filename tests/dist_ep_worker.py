@@ -197,7 +197,7 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
     layer.backend = healthy_backend
 
     # ---- the service's front end: rank 0 drives, the others loop until STOP
-    from service.distributed import DistributedFront, serve_worker
+    from megamoe.service.distributed import DistributedFront, serve_worker
 
     control = dist.new_group(backend="gloo")
     if rank == 0:

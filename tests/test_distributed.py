@@ -316,7 +316,7 @@ def test_service_under_torchrun_serves_and_stops(tmp_path):
     port = _free_port()
     log_path = tmp_path / "service.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "service.distributed", "--preset", "tiny", "--seed", "3",
+           "--master-port", str(_free_port()), "-m", "megamoe.service.distributed", "--preset", "tiny", "--seed", "3",
            "--backend", "torch", "--port", str(port), "--selftest-level", "quick"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log_path, "w") as log:

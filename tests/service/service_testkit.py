@@ -1,4 +1,4 @@
-"""Helpers for the service tests: a real ``python -m service`` process on 127.0.0.1
+"""Helpers for the service tests: a real ``python -m megamoe.service`` process on 127.0.0.1
 (free port, bounded waits), and random inputs. Imported by conftest and the tests.
 """
 
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m service`` in a child process, with its log kept for failure messages."""
+    """``python -m megamoe.service`` in a child process, with its log kept for failure messages."""
 
     def __init__(self, log_path: Path, *, env: dict[str, str] | None = None, args: list[str] | None = None):
         self.port = free_port()
@@ -45,7 +45,7 @@ class ServerProcess:
         child_env.update(env or {})
         # the test process's thread count: CPU GEMMs sum in an order that depends on it, and the
         # tests compare the server's results bit for bit with this process's forward
-        cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "megamoe.service", "--host", "127.0.0.1", "--port", str(self.port),
                "--preset", PRESET, "--log-level", "warning", "--torch-threads", str(torch.get_num_threads()),
                *(args or [])]
         self._log = open(log_path, "wb")

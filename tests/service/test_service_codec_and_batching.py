@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from service.batching import DynamicBatcher
-from service.model import ModelRequest
-from service.protocol import ProtocolError, encode_infer_response, parse_header_length, parse_infer_request
-from service.settings import parse_settings
+from megamoe.service.batching import DynamicBatcher
+from megamoe.service.model import ModelRequest
+from megamoe.service.protocol import ProtocolError, encode_infer_response, parse_header_length, parse_infer_request
+from megamoe.service.settings import parse_settings
 
 
 # --- codec -------------------------------------------------------------------------

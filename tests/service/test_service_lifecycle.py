@@ -162,7 +162,7 @@ def test_help_answers(argv):
 
     from service_testkit import REPO
 
-    out = subprocess.run([sys.executable, "-m", "service", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "megamoe.service", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for flag in ("--checkpoint", "--preset", "--backend", "--host", "--port", "--token", "--max-body-bytes",
                  "--max-tokens-per-request", "--queue-delay-ms", "--max-batch-tokens"):
