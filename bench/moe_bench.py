@@ -12,7 +12,12 @@ runs do not read the same experts from L2 every time.
 
 Floors, measured in the same run: HBM copy bandwidth (device-to-device copy, bytes read +
 written) and the bf16 matmul rate (8192^3 torch.matmul). Weight floor = NVFP4 bytes of the
-experts the routing uses / copy bandwidth; compute floor = expert FLOPs / bf16 rate.
+experts the routing uses / copy bandwidth; compute floor = expert FLOPs / bf16 rate; roofline =
+the larger of the two, and ``roofline_frac_<mode>`` = roofline / measured time.
+
+``--profile``: per-kernel device times from ``torch.profiler`` (eager forwards): the grouped-GEMM
+kernels' own time and rate (``*_gemm_us``, ``*_gemm_tflops``, ``*_gemm_weight_GBps``) next to
+torch's ``_grouped_mm`` kernels, and everything else (align, staging, combine) as ``*_other_us``.
 """
 from __future__ import annotations
 
@@ -36,11 +41,7 @@ from megamoe.moe import MoEWeights  # noqa: E402
 from megamoe.presets import get_preset  # noqa: E402
 
 ROTATE = 8
-# stream, tiled2, wgmma64, wgmma128, wgmma256, wgmma_ws256, wgmma_ws128, wgmma_ws128p2
-# (megamoe.backends.cuda_sm90.KERNEL_NAMES); MEGAMOE_BENCH_VARIANTS="0,2" overrides. The warp-specialized ones
-# (7, 8, 9) are timed from T = 512 up only.
-VARIANT_KERNELS = tuple(int(v) for v in os.environ.get("MEGAMOE_BENCH_VARIANTS", "0,2,4,6,5,7,8,9").split(",") if v.strip())
-WS_KERNELS = (7, 8, 9)
+VARIANT_KERNELS = ("stream", "wgmma64", "wgmma128")  # megamoe._C.Sm90GemmKernel members the plan chooses from
 
 
 # ----------------------------------------------------------------------------- floors
@@ -161,6 +162,31 @@ def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3) -> list[flo
     return times
 
 
+def profile_kernels(fn, reps: int = 5) -> dict[str, float]:
+    """Device microseconds per call of each kernel fn launches (eager, torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key: ev.device_time_total / reps for ev in prof.key_averages() if ev.device_time_total > 0}
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Our grouped-GEMM kernels (stream_gemm*, wg_gemm*) and torch's _grouped_mm (a CUTLASS sm90 GEMM)."""
+    return "stream_gemm" in name or "wg_gemm" in name or ("cutlass" in name and "Gemm" in name)
+
+
+def split_profile(kernels: dict[str, float]) -> tuple[float, float, str]:
+    gemm = {k: v for k, v in kernels.items() if is_gemm_kernel(k)}
+    names = sorted({k.split("(")[0].replace("void ", "").replace("megamoe::sm90::", "")[:40] for k in gemm})
+    return sum(gemm.values()), sum(kernels.values()) - sum(gemm.values()), ",".join(names)
+
+
 def versions() -> dict:
     v = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
          "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
@@ -186,20 +212,20 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
-    ap.add_argument("--force-kernel", type=int, default=-1,
-                    help="-1 auto, 0 streaming, 1 tiled, 2 tiled with 2 blocks/SM, 3 wgmma, 4 wgmma tile 64, 5 wgmma tile 256, "
-                         "6 wgmma tile 128, 7/8 warp-specialized wgmma tile 256/128, 9 tile 128 with 2 producer warpgroups")
+    ap.add_argument("--kernel", default="auto", help="auto (the dispatch plan), stream, wgmma64 or wgmma128")
+    ap.add_argument("--tokens-per-pass", type=int, default=0, help="streaming kernel: 8, 16, 32 or 64 (0: the plan's)")
     ap.add_argument("--variants", action="store_true",
-                    help="also time every GEMM kernel for T >= 128 (W4A16; the wgmma ones in W4A4 too)")
+                    help="also time every GEMM kernel forced (T >= 128, and the stream tokens-per-pass choices below)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times from torch.profiler (GEMM vs the rest)")
     args = ap.parse_args(argv)
 
     from megamoe.backends import get_backend
-    from megamoe.backends.cuda_sm90 import KERNEL_NAMES, CudaSm90Backend
+    from megamoe.backends.cuda_sm90 import CudaSm90Backend
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(1234)
     be = get_backend("cuda-sm90")
-    be.force_kernel = args.force_kernel
+    be.kernel, be.tokens_per_pass = args.kernel, args.tokens_per_pass
     copy_bw = measure_copy_bw()
     bf16_rate = measure_bf16_rate()
     print(f"floors: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {bf16_rate / 1e12:.0f} TFLOP/s", flush=True)
@@ -233,39 +259,44 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_weight_GBps"] = wbytes / med / 1e9
                     row[f"sm90_{mode}_pct_copy_bw"] = 100 * wbytes / med / copy_bw
                     row[f"sm90_{mode}_tflops"] = flops / med / 1e12
+                    row[f"roofline_frac_{mode}"] = max(row["floor_weight_us"], row["floor_compute_us"]) / (med * 1e6)
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
-            if args.variants and t <= 32 and "w4a16" in args.modes:
-                # W4A16 with the staging kernels instead of the fused gather / operand epilogue
-                be.fuse_w4a16 = False
-                try:
+            if args.profile:
+                for mode in args.modes:
+                    cfg = base.with_(act_mode=mode)
+                    x0, ids0, w0 = sets[0]
+                    try:
+                        g_us, o_us, names = split_profile(profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0)))
+                        row[f"sm90_{mode}_gemm_us"], row[f"sm90_{mode}_other_us"] = g_us, o_us
+                        row[f"sm90_{mode}_gemm_kernels"] = names
+                        row[f"sm90_{mode}_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
+                        row[f"sm90_{mode}_gemm_weight_GBps"] = wbytes / (g_us * 1e-6) / 1e9
+                    except Exception as exc:  # noqa: BLE001
+                        row[f"sm90_{mode}_profile_error"] = repr(exc)
+            if args.variants:
+                # every GEMM kernel at the same shape (W4A16), to place the switch; streaming with each
+                # tokens-per-pass choice up to 32 expected tokens per expert
+                choices = []
+                if t >= 128:
+                    choices += [(k, 0) for k in VARIANT_KERNELS if not (k == "stream" and t > 2048)]
+                tpe = -(-t * base.top_k // base.num_experts)
+                if tpe <= 32:
+                    choices += [("stream", tpp) for tpp in (8, 16, 32) if tpp <= 4 * max(tpe, 2)]
+                for kernel, tpp in choices:
+                    if "w4a16" not in args.modes:
+                        break
                     cfg = base.with_(act_mode="w4a16")
-                    times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs, reps)
-                    row["sm90_w4a16_unfused_us"] = statistics.median(times) * 1e6
-                finally:
-                    be.fuse_w4a16 = True
-            if args.variants and t >= 128:
-                # every GEMM kernel at the same shape (W4A16; the wgmma ones in W4A4 too), to place the switch
-                for forced in VARIANT_KERNELS:
-                    if forced == 0 and t > 2048:
-                        continue  # the streaming kernel is far behind there (run 4: 10.9 ms at T=2048)
-                    if forced in WS_KERNELS and t < 512:
-                        continue  # built for prefill (one block per SM, >= 32-token tiles)
-                    label = KERNEL_NAMES[forced]
-                    for mode in (("w4a16", "w4a4") if forced >= 3 else ("w4a16",)):
-                        if mode not in args.modes:
-                            continue
-                        cfg = base.with_(act_mode=mode)
-                        be.force_kernel = forced
-                        key = f"sm90_{mode}_{label}_us"
-                        try:
-                            times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
-                                               bufs, max(10, reps // 4))
-                            row[key] = statistics.median(times) * 1e6
-                        except Exception as exc:  # noqa: BLE001
-                            row[key.replace("_us", "_error")] = repr(exc)
-                        finally:
-                            be.force_kernel = args.force_kernel
+                    be.kernel, be.tokens_per_pass = kernel, tpp
+                    key = f"sm90_w4a16_{kernel}{tpp or ''}_us"
+                    try:
+                        times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
+                                           bufs, max(10, reps // 2))
+                        row[key] = statistics.median(times) * 1e6
+                    except Exception as exc:  # noqa: BLE001
+                        row[key.replace("_us", "_error")] = repr(exc)
+                    finally:
+                        be.kernel, be.tokens_per_pass = args.kernel, args.tokens_per_pass
             if tw13 is not None:
                 try:
                     times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,
@@ -274,6 +305,12 @@ def main(argv=None) -> int:
                     row["torch_bf16_us"] = med * 1e6
                     row["torch_bf16_tflops"] = flops / med / 1e12
                     row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
+                    if args.profile:
+                        x0, ids0, w0 = sets[0]
+                        g_us, o_us, _ = split_profile(profile_kernels(
+                            lambda: torch_grouped_moe(x0, ids0, w0, tw13, tw2, base)))
+                        row["torch_bf16_gemm_us"], row["torch_bf16_other_us"] = g_us, o_us
+                        row["torch_bf16_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
                     for mode in args.modes:
                         if f"sm90_{mode}_us" in row:
                             row[f"speedup_{mode}_vs_torch"] = row["torch_bf16_us"] / row[f"sm90_{mode}_us"]
@@ -343,14 +380,15 @@ def make_plot(report, path, modes):
 
 
 def print_table(report, modes):
-    hdr = f"{'preset':9} {'T':>5} " + " ".join(f"{m + '_us':>10} {'%BW':>5} {'TF/s':>6}" for m in modes) + \
+    hdr = f"{'preset':9} {'T':>5} " + " ".join(f"{m + '_us':>10} {'%roof':>5} {'TF/s':>6}" for m in modes) + \
           f" {'torch_us':>10} " + " ".join(f"{'x_' + m:>8}" for m in modes) + f" {'floor_us':>9}"
     print(hdr)
     for r in report["results"]:
         cells = [f"{r['preset']:9} {r['T']:>5} "]
         for m in modes:
             us = r.get(f"sm90_{m}_us")
-            cells.append(f"{us:>10.1f} {r[f'sm90_{m}_pct_copy_bw']:>5.0f} {r[f'sm90_{m}_tflops']:>6.1f}" if us else f"{'err':>10} {'':>5} {'':>6}")
+            cells.append(f"{us:>10.1f} {100 * r[f'roofline_frac_{m}']:>5.0f} {r[f'sm90_{m}_tflops']:>6.1f}" if us
+                         else f"{'err':>10} {'':>5} {'':>6}")
         tu = r.get("torch_bf16_us")
         cells.append(f" {tu:>10.1f} " if tu else f" {'-':>10} ")
         for m in modes:
@@ -358,16 +396,24 @@ def print_table(report, modes):
             cells.append(f"{sp:>8.2f}" if sp else f"{'-':>8}")
         cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
         print(" ".join(cells))
-    keys = [k for k in ("sm90_w4a16_stream_us", "sm90_w4a16_tiled2_us", "sm90_w4a16_wgmma64_us", "sm90_w4a16_wgmma128_us",
-                        "sm90_w4a16_wgmma256_us", "sm90_w4a4_wgmma64_us", "sm90_w4a4_wgmma128_us", "sm90_w4a4_wgmma256_us",
-                        "sm90_w4a16_wgmma_ws256_us", "sm90_w4a16_wgmma_ws128_us", "sm90_w4a16_wgmma_ws128p2_us",
-                        "sm90_w4a4_wgmma_ws256_us", "sm90_w4a4_wgmma_ws128_us", "sm90_w4a4_wgmma_ws128p2_us") if any(k in r for r in report["results"])]
+    if any("sm90_w4a16_gemm_us" in r for r in report["results"]):
+        print("GEMM kernels' own time (torch.profiler, W4A16): ours us / TF/s / weight GB/s, other kernels us | "
+              "torch _grouped_mm us / TF/s, other us")
+        for r in report["results"]:
+            if "sm90_w4a16_gemm_us" in r:
+                print(f"{r['preset']:9} {r['T']:>5} {r['sm90_w4a16_gemm_us']:>9.1f} {r['sm90_w4a16_gemm_tflops']:>6.1f} "
+                      f"{r['sm90_w4a16_gemm_weight_GBps']:>7.0f} {r['sm90_w4a16_other_us']:>8.1f} | "
+                      f"{r.get('torch_bf16_gemm_us', float('nan')):>9.1f} {r.get('torch_bf16_gemm_tflops', float('nan')):>6.1f} "
+                      f"{r.get('torch_bf16_other_us', float('nan')):>8.1f}  {r.get('sm90_w4a16_gemm_kernels', '')}")
+    keys = sorted({k for r in report["results"] for k in r
+                   if k.startswith("sm90_w4a16_") and k.endswith("_us") and k[11:-3].startswith(VARIANT_KERNELS)
+                   and not k.endswith(("gemm_us", "other_us", "p10_us"))})
     if keys:
-        print("variants (us): " + " ".join(k[5:-3] for k in keys))
+        print("variants (W4A16 us): " + " ".join(k[11:-3] for k in keys))
         for r in report["results"]:
             if any(k in r for k in keys):
                 print(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}" for k in keys)
-                      + f"  torch {r.get('torch_bf16_us', float('nan')):.1f}")
+                      + f"  auto {r.get('sm90_w4a16_us', float('nan')):.1f}")
 
 
 if __name__ == "__main__":

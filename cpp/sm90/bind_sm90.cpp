@@ -3,6 +3,10 @@
 #include "megamoe/bind_util.h"
 #include "megamoe/sm90_kernels.h"
 
+#include <nanobind/stl/string.h>
+
+#include <string>
+
 namespace nb = nanobind;
 using namespace megamoe;
 using namespace megamoe::bind;
@@ -44,13 +48,60 @@ void register_sm90(nb::module_& m) {
       },
       nb::arg("src"), nb::arg("src_rows").none(), nb::arg("num_rows").none(), nb::arg("dst"), nb::arg("stream"));
 
+  nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
+      .value("auto", sm90::GemmKernel::kAuto)
+      .value("stream", sm90::GemmKernel::kStream)
+      .value("wgmma64", sm90::GemmKernel::kWgmma64)
+      .value("wgmma128", sm90::GemmKernel::kWgmma128);
+  nb::enum_<sm90::Epilogue>(m, "Sm90Epilogue", "what the grouped GEMM writes")
+      .value("store", sm90::Epilogue::kStore)
+      .value("silu_mul", sm90::Epilogue::kSiluMul);
+  nb::class_<sm90::GemmPlan>(m, "Sm90GemmPlan", "the dispatch plan of one MoE forward (sm90_plan)")
+      .def_ro("kernel", &sm90::GemmPlan::kernel)
+      .def_ro("token_tile", &sm90::GemmPlan::token_tile)
+      .def_ro("tokens_per_pass", &sm90::GemmPlan::tokens_per_pass)
+      .def_ro("fused_w4a16", &sm90::GemmPlan::fused_w4a16)
+      .def("__repr__", [](const sm90::GemmPlan& p) {
+        static const char* names[] = {"stream", "wgmma64", "wgmma128"};
+        return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
+               std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
+               ", fused_w4a16=" + (p.fused_w4a16 ? "True" : "False") + ")";
+      });
+  m.def(
+      "sm90_plan",
+      [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
+         sm90::GemmKernel kernel, int tokens_per_pass) {
+        if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
+          throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
+                                      std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
+                                      std::to_string(k_l2) + ", " + std::to_string(num_experts));
+        if (tokens_per_pass != 0 && tokens_per_pass != 8 && tokens_per_pass != 16 && tokens_per_pass != 32 &&
+            tokens_per_pass != 64)
+          throw std::invalid_argument("sm90_plan: tokens_per_pass must be 0, 8, 16, 32 or 64, got " +
+                                      std::to_string(tokens_per_pass));
+        sm90::GemmProblem p;
+        p.tokens_per_expert = tokens_per_expert;
+        p.k_l1 = k_l1;
+        p.k_l2 = k_l2;
+        p.num_experts = num_experts;
+        p.w4a16 = w4a16;
+        p.gather_input = gather_input;
+        p.kernel = kernel;
+        p.tokens_per_pass = tokens_per_pass;
+        return sm90::plan_moe_gemms(p);
+      },
+      nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
+      nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
+      nb::arg("tokens_per_pass") = 0,
+      "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.");
+
   m.def(
       "sm90_grouped_gemm",
       [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
-         OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, int epilogue,
-         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_tokens_per_expert,
-         int64_t max_total_rows, int force_kernel, int tokens_per_pass, uintptr_t stream) {
+         OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
+         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_total_rows,
+         const sm90::GemmPlan& plan, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
@@ -79,23 +130,25 @@ void register_sm90(nb::module_& m) {
         a.a_row_scale = opt_ptr<const float>(a_row_scale, "a_row_scale", 4);
         a.swiglu_clamp = swiglu_limit.has_value();
         a.swiglu_limit = swiglu_limit.value_or(0.f);
-        a.epilogue = static_cast<sm90::Epilogue>(epilogue);
+        a.epilogue = epilogue;
         a.out = opt_ptr<float>(out, "out", 4);
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
         if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
-        a.tokens_per_pass = tokens_per_pass;
-        a.max_tokens_per_expert = max_tokens_per_expert;
+        if ((a.act_rows || a.out_operand) && plan.kernel != sm90::GemmKernel::kStream)
+          throw std::invalid_argument("grouped_gemm: act_rows / out_operand need the streaming kernel (plan.fused_w4a16)");
         a.max_total_rows = max_total_rows;
-        a.force_kernel = force_kernel;
+        a.kernel = plan.kernel;
+        a.tokens_per_pass = plan.tokens_per_pass;
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
-      nb::arg("act"), nb::arg("act_rows").none(), nb::arg("expert_offsets"), nb::arg("active_experts").none(),
-      nb::arg("num_active").none(),
+      nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(), nb::arg("expert_offsets"),
+      nb::arg("active_experts").none() = nb::none(), nb::arg("num_active").none() = nb::none(),
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
-      nb::arg("a_global_scale").none(), nb::arg("a_gs_per_expert"), nb::arg("a_row_scale").none(), nb::arg("epilogue"),
-      nb::arg("swiglu_limit").none(), nb::arg("out").none(), nb::arg("out_operand").none(),
-      nb::arg("max_tokens_per_expert"), nb::arg("max_total_rows"), nb::arg("force_kernel"),
-      nb::arg("tokens_per_pass"), nb::arg("stream"));
+      nb::arg("a_global_scale").none() = nb::none(), nb::arg("a_gs_per_expert") = false,
+      nb::arg("a_row_scale").none() = nb::none(), nb::arg("epilogue"), nb::arg("swiglu_limit").none() = nb::none(),
+      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(), nb::arg("max_total_rows"),
+      nb::arg("plan"), nb::arg("stream"),
+      "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only.");
 
   m.def(
       "sm90_moe_combine",

@@ -52,7 +52,7 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 // Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
 __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
 
-// PDL prologue of the streaming kernels (a.pdl: launched with the PDL attribute, see pdl.cuh).
+// PDL prologue of the streaming kernels (launched with the PDL attribute, see pdl.cuh).
 // The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and
 // scales, contiguous ranges of one expert), which depend on nothing computed in this forward
 // except the expert list of the align kernel -- complete by pdl.cuh rule 3, read through L2 --
@@ -60,9 +60,8 @@ __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) |
 // a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
 // tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
 // predecessor grid and releases the next one.
-// slot / rb: the block's (first) work item -- blockIdx.y / blockIdx.x, or the persistent kernel's first item.
-__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a, int slot, int rb) {
-  if (!a.pdl) return;
+__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
+  const int slot = int(blockIdx.y), rb = int(blockIdx.x);
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
     const bool active = !a.num_active || slot < __ldcg(a.num_active);
@@ -76,36 +75,17 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a, in
     }
   }
   griddep_sync_and_release();
-  // Experimental (off by default, MEGAMOE_SM90_PREFETCH_L1=1): the gate/up GEMM also asks L2 for its
-  // block's whole weight footprint (gate and up rows) once the expert list is final, so every block
-  // has all its bytes in flight from the start instead of one 64-element slice per lane and step.
-  if (a.prefetch_silu && a.epilogue == Epilogue::kSiluMul && threadIdx.x == 0) {
-    if (!a.num_active || slot < *a.num_active) {
-      const int expert = a.active_experts ? a.active_experts[slot] : slot;
-      const int64_t I = a.N / 2, c0 = int64_t(rb) * 16;
-      const int64_t nrows = I - c0 < 16 ? I - c0 : 16, row_bytes = a.K / 2, kb = a.K / 16;
-      if (expert >= 0 && expert < a.num_experts && nrows > 0) {
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          const int64_t first = int64_t(expert) * a.N + part * I + c0;
-          prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
-          prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
-        }
-      }
-    }
-  }
 }
 
 // NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
-// kPrefetch: registers hold the next slice's weights while the current one is consumed.
-template <bool kVec, int NT, bool kPrefetch>
+template <bool kVec, int NT>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
   constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
   __shared__ uint32_t scale_lut[256];
   __shared__ float partial[4][2][NT][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
-  stream_pdl_prologue(a, int(blockIdx.y), int(blockIdx.x));
+  stream_pdl_prologue(a);
 
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
@@ -200,17 +180,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
     }
 
     uint32_t wv[2][2][8], sc[2][2];
-    uint32_t wn[2][2][8], sn[2][2];
     // The trip count must be the same for the whole warp (mma.sync is warp-collective):
     // lanes past the last slice load zeros.
-    if (kPrefetch) load_weights(warp * 4 + tig, wv, sc);
     for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
       const int64_t s = s0 + tig;
-      if (kPrefetch) {
-        if (s0 + 16 < slices) load_weights(s + 16, wn, sn);
-      } else {
-        load_weights(s, wv, sc);
-      }
+      load_weights(s, wv, sc);
 #pragma unroll
       for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
         uint4 av[NT][kChunkWords];
@@ -225,7 +199,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 #pragma unroll
         for (int w = 0; w < kChunkWords; ++w) {
           const int i = c0 + w, blk = i / 2;
-          // Scales looked up at each block start (short live range: fewer registers, run 1's layout).
+          // Scales looked up at each block start (short live range: fewer registers).
           uint32_t s2[2][2];
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt)
@@ -243,16 +217,6 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
             }
           }
         }
-      }
-      if (kPrefetch) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            sc[mt][hh] = sn[mt][hh];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) wv[mt][hh][i] = wn[mt][hh][i];
-          }
       }
     }
 
@@ -312,16 +276,14 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 }
 
 // One token tile per pass, staged operand-order activations: the layout measured fastest at
-// decode (run 2: 62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
-// kFused (W4A16 only, run 7): the activation rows are gathered from x (a.act_rows, natural
+// decode (62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
+// kFused (W4A16 only): the activation rows are gathered from x (a.act_rows, natural
 // order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
 // write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
 // align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
 // h is rounded to bf16 once either way), so results are bit-identical to it.
-// One work item: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-// Called once per block (grid = row blocks x slots) or, persistent, for every item of the block.
+// One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
 template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
-// (slot, rb unsigned like blockIdx: the non-persistent kernel compiles to the same code as before the split)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
                                                 const uint32_t (&scale_lut)[256], float (&partial)[4][2][4][32]) {
   int expert, row_begin, rows;
@@ -498,66 +460,8 @@ __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ float partial[4][2][4][32];
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
-  stream_pdl_prologue(a, int(blockIdx.y), int(blockIdx.x));
+  stream_pdl_prologue(a);
   stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
-}
-
-// ---------------------------------------------------------------- persistent decode variant
-// MEGAMOE_SM90_DECODE_PERSISTENT=1 (grouped_gemm.cu). At T = 1 the one-tile grid is 1.45 (v4-flash) to 3.4 (v3 L2)
-// waves of the 528 resident blocks, and a block of the last wave starts streaming its weights from HBM only when
-// a block of the previous one has finished: the tail runs at a fraction of the bandwidth. Here the grid is exactly
-// (resident blocks per SM x SMs) blocks; block b takes the work items b, b + G, b + 2G, ... of the flattened
-// (expert slot, row block) list (slot-major; slots past the device-side num_active are skipped, so no block is
-// spent on unused slots), and at the start of each item warp 0 asks L2 for the weight rows of its NEXT item
-// (cp.async.bulk.prefetch.L2, the first a.prefetch_row_bytes of each row -- the part consumed first -- sized on
-// the host to a share of L2). So every byte of the GEMM is requested while the first items stream, and the
-// later items read L2. Each item runs exactly the code of one block of the non-persistent grid
-// (stream_nt1_item: same lanes, same K slices, same fixed-order warp reduction), so results are bit-identical.
-
-// L2 prefetch of work item (slot, rb): lane r of the calling warp takes weight row r of the item (kSiluMul:
-// lanes 0-15 gate columns, 16-31 up columns), the first a.prefetch_row_bytes bytes of its data and the scale
-// bytes of that prefix (a hint: skipped for rows that are not 16-byte aligned).
-__device__ __forceinline__ void stream_prefetch_item(const GroupedGemmArgs& a, int slot, int rb) {
-  const int lane = threadIdx.x & 31;
-  int expert, row_begin, rows;
-  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
-  const int64_t row_bytes = a.K / 2, kb = a.K / 16;
-  int64_t n;
-  if (a.epilogue == Epilogue::kSiluMul) {
-    const int64_t I = a.N / 2, col = int64_t(rb) * 16 + (lane & 15);
-    if (col >= I) return;
-    n = int64_t(lane >> 4) * I + col;
-  } else {
-    n = int64_t(rb) * kStreamRows + lane;
-    if (n >= a.N) return;
-  }
-  const int64_t data = a.prefetch_row_bytes < row_bytes ? a.prefetch_row_bytes : row_bytes;
-  const int64_t sc = data == row_bytes ? kb : data / 8;
-  const int64_t r = int64_t(expert) * a.N + n;
-  prefetch_l2_bulk(a.w_data + r * row_bytes, uint32_t(data & ~int64_t(15)));
-  prefetch_l2_bulk(a.w_scale + r * kb, uint32_t(sc & ~int64_t(15)));
-}
-
-template <bool kVec, bool kFused>
-__device__ __forceinline__ void stream_gemm_nt1_persistent_body(const GroupedGemmArgs& a) {
-  __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][4][32];
-  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  __syncthreads();
-  const int rbs = a.row_blocks;  // row blocks per expert slot
-  // PDL: the pre-wait weight prefetch of the kStore GEMM covers this block's first item.
-  stream_pdl_prologue(a, int(blockIdx.x) / rbs, int(blockIdx.x) % rbs);
-  int slots = a.grid_experts;
-  if (a.num_active) {
-    const int na = *a.num_active;  // after the wait (pdl) or the kernel boundary
-    slots = na < slots ? na : slots;
-  }
-  const int items = slots * rbs;
-  for (int item = int(blockIdx.x); item < items; item += int(gridDim.x)) {
-    const int next = item + int(gridDim.x);
-    if (a.prefetch_row_bytes > 0 && threadIdx.x < 32 && next < items) stream_prefetch_item(a, next / rbs, next % rbs);
-    stream_nt1_item<kVec, kFused>(a, unsigned(item / rbs), unsigned(item % rbs), scale_lut, partial);
-  }
 }
 
 template <bool kVec>
@@ -569,18 +473,6 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
   stream_gemm_nt1_body<kVec, true>(a);
-}
-
-// Persistent variants: held to 128 registers (4 blocks per SM) when K % 64 == 0 (126, no spills); the K % 64 != 0
-// variants (not a preset shape) would spill under that cap and run uncapped. The grid comes from the occupancy query.
-template <bool kVec>
-__global__ void __launch_bounds__(kStreamThreads, kVec ? 4 : 1) stream_gemm_nt1_persistent_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_persistent_body<kVec, false>(a);
-}
-template <bool kVec>
-__global__ void __launch_bounds__(kStreamThreads, kVec ? 4 : 1)
-    stream_gemm_nt1_fused_persistent_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_persistent_body<kVec, true>(a);
 }
 
 }  // namespace megamoe::sm90

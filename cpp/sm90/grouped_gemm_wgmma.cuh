@@ -6,12 +6,12 @@
 // All 256 threads load (cp.async, kStages-deep ring of shared-memory stages) and compute:
 //  - activations (bf16, operand order, K-major) land in a 128-byte-swizzled tile, rows of
 //    128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7) (the SW128 K-major layout a
-//    wgmma descriptor reads; the same layout the tiled kernel uses for ldmatrix);
+//    wgmma descriptor reads);
 //  - packed NVFP4 weights (32 bytes per row per stage) and their e4m3 scales land as raw bytes;
 //    each warp dequantizes exactly its own 16 rows into the A register fragment (every
 //    weight element is decoded once per block), then wgmma m64nNk16 with A in registers.
 // N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
-// instantiated widths, so a tile of 48 tokens runs n64 and one of 180 runs n192.
+// instantiated widths, so a tile of 12 tokens runs n16 and one of 48 runs n64.
 //
 // Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
 // (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
@@ -23,8 +23,8 @@
 //     warpgroup drained them at the end of iteration kt-1, before the barrier)
 //   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
 #pragma once
+#include "cp_async.cuh"
 #include "gemm_common.cuh"
-#include "grouped_gemm_tiled.cuh"  // cp_async helpers
 #include "megamoe/sm90_kernels.h"
 #include "wgmma_ops.cuh"
 
@@ -34,14 +34,15 @@ constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;     // weight rows per block
 constexpr int kWgK = 64;         // K per stage
 constexpr int kWgWRowBytes = 48;  // 32 bytes of packed weights per row and stage, padded (16-aligned, conflict-free)
-constexpr int kWgSmall = 64, kWgMid = 128, kWgLarge = 256;  // the token-tile configurations
+constexpr int kWgSmall = 64, kWgMid = 128;  // the token-tile configurations (GemmKernel::kWgmma64 / kWgmma128)
+constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
 // kMaxN 64: 6 stages, 2 blocks/SM (weight streaming: bytes in flight); 128: 4 stages, 2 blocks/SM
-// (two independent blocks overlap one's dequantization with the other's MMAs); 256: 4 stages, 1 block/SM.
+// (two independent blocks overlap one's dequantization with the other's MMAs).
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kStages = kMaxN <= 64 ? 6 : 4;
-  static constexpr int kMinBlocks = kMaxN <= 128 ? 2 : 1;
+  static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128;
   static constexpr int kWBytes = kWgRows * kWgWRowBytes;
   static constexpr int kRaw = kABytes + kWBytes + kWgRows * 4;
@@ -72,9 +73,9 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem) {
   return d;
 }
 
-inline bool wg_gemm_supported(const GroupedGemmArgs& a) { return a.K % kWgK == 0 && a.num_experts <= 1024; }
+inline bool wg_gemm_supported(const GroupedGemmArgs& a) { return a.K % kWgK == 0 && a.num_experts <= kWgMaxExperts; }
 
-// Epilogue of wg_tile() and ws_consumer() (grouped_gemm_wgmma_ws.cuh): acc is warp wq of
+// Epilogue of wg_tile(): acc is warp wq of
 // warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
 // 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
 // silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
@@ -242,6 +243,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
 template <int kMaxN>
 __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
+  static_assert(kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 64 or 128");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
@@ -269,26 +271,15 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
     else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-  } else if (kMaxN == 128) {
+  } else {
     if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-  } else {
-    if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 128) wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 192) wg_tile<192, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<256, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
   }
 }
 
-// variant: 3 auto (token tile 64 up to kWgAutoMidAbove expected tokens per expert, else 128), 4 tile 64,
-// 5 tile 256, 6 tile 128. Run 6 (H200): 12-16 tokens/expert tile 64 2-8 % ahead of 128; 48-64/expert tile 128
-// 2-14 % ahead of 64; 192-256/expert tile 128 2-5 % ahead of 256 (one block per SM) and 22-24 % ahead of 64.
-constexpr int kWgAutoMidAbove = 32;
-constexpr int kWgAutoAbove = 6;  // launch_grouped_gemm's auto: wgmma above this many tokens per expert (else streaming)
-
 template <int kMaxN>
-inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t stream) {
+inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN>;
   static bool attr_set = false;
   if (!attr_set) {
@@ -303,12 +294,6 @@ inline cudaError_t launch_wg_gemm_cfg(const GroupedGemmArgs& a, cudaStream_t str
   if (tiles > 65535) return cudaErrorInvalidValue;
   wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), kWgThreads, Cfg::kSmem, stream>>>(a);
   return cudaGetLastError();
-}
-
-inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream, int variant) {
-  if (variant == 5) return launch_wg_gemm_cfg<kWgLarge>(a, stream);
-  if (variant == 6 || (variant == 3 && a.max_tokens_per_expert > kWgAutoMidAbove)) return launch_wg_gemm_cfg<kWgMid>(a, stream);
-  return launch_wg_gemm_cfg<kWgSmall>(a, stream);
 }
 
 }  // namespace megamoe::sm90

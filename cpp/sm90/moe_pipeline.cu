@@ -12,7 +12,7 @@ namespace {
 
 constexpr int kAlignThreads = 1024;
 
-// Kernels launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh) wait for their
+// The kernels here are launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh): they wait for their
 // predecessor before their first global access and release their dependents right after.
 // One block: count per expert, exclusive scan, then place every (token, expert) entry.
 template <typename Id>
@@ -153,12 +153,11 @@ cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t token
   if (num_experts <= 0 || top_k <= 0) return cudaErrorInvalidValue;
   const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
   const int64_t entries = tokens * top_k;
-  const bool pdl = pdl_enabled();
   if (ids_int64)
-    return pdl_launch(moe_align_kernel<int64_t>, 1, kAlignThreads, smem, stream, pdl,
+    return pdl_launch(moe_align_kernel<int64_t>, 1, kAlignThreads, smem, stream,
                       static_cast<const int64_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
                       active_experts, num_active, row_token, entry_row);
-  return pdl_launch(moe_align_kernel<int32_t>, 1, kAlignThreads, smem, stream, pdl,
+  return pdl_launch(moe_align_kernel<int32_t>, 1, kAlignThreads, smem, stream,
                     static_cast<const int32_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
                     active_experts, num_active, row_token, entry_row);
 }
@@ -169,16 +168,15 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   if (cols % 16 != 0) return cudaErrorInvalidValue;
   if (max_rows == 0) return cudaSuccess;
   const unsigned grid = grid_of(max_rows * (cols / 8), 256);
-  const bool pdl = pdl_enabled();
   switch (src_type) {
     case ElemType::kFloat32:
-      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, pdl, static_cast<const float*>(src),
+      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src),
                         src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kFloat16:
-      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, pdl, static_cast<const __half*>(src),
+      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
                         src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kBFloat16:
-      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream, pdl,
+      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
                         static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
                         dst);
   }
@@ -190,16 +188,15 @@ cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const f
   const int64_t n = tokens * hidden;
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
-  const bool pdl = pdl_enabled();
   switch (out_type) {
     case ElemType::kFloat32:
-      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens, top_k,
+      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
                         hidden, static_cast<float*>(out));
     case ElemType::kFloat16:
-      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens, top_k,
+      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
                         hidden, static_cast<__half*>(out));
     case ElemType::kBFloat16:
-      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, pdl, y, entry_row, topk_weights, tokens,
+      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens,
                         top_k, hidden, static_cast<__nv_bfloat16*>(out));
   }
   return cudaErrorInvalidValue;

@@ -5,7 +5,7 @@
 // its predecessor is still finishing; inside CUDA graphs the capture turns this into a
 // programmatic edge.
 //
-// Protocol (every kernel launched through pdl_launch with PDL on follows it):
+// Protocol (every kernel launched through pdl_launch follows it):
 //   1. before griddep_wait(): read nothing that an earlier kernel of the stream writes,
 //      except what rule 3 allows; write nothing to global memory;
 //   2. every thread executes griddep_wait() (then griddep_launch_dependents()) before its
@@ -15,26 +15,16 @@
 //      outputs of N-1 and earlier before its wait, through L2 (ld.global.cg, never the
 //      non-coherent path), e.g. the L2 GEMM reads the align kernel's expert list to prefetch
 //      its weights while the L1 GEMM drains.
-// Kernels not written for the protocol (wgmma, tiled, common quantize) are launched
-// normally: a normal launch waits for everything before it, and a PDL kernel after such a
-// kernel starts at that kernel's completion (implicit trigger), so mixing is safe.
-//
-// Switch: environment variable MEGAMOE_SM90_PDL=0 launches everything normally (the run-6
-// path; griddepcontrol.* are no-ops in a grid launched without the attribute).
+// Kernels not written for the protocol (wgmma, common quantize) are launched normally: a
+// normal launch waits for everything before it, and a PDL kernel after such a kernel starts
+// at that kernel's completion (implicit trigger), so mixing is safe.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <utility>
 
 namespace megamoe::sm90 {
-
-// Read at every launch (cheap; lets tests and the benchmark flip it inside one process).
-inline bool pdl_enabled() {
-  const char* v = std::getenv("MEGAMOE_SM90_PDL");
-  return !(v && v[0] == '0');
-}
 
 // Multiprocessors of the current device (queried once per device).
 inline int sm_count() {
@@ -44,36 +34,6 @@ inline int sm_count() {
   if (cached[dev] == 0) {
     int n = 0;
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
-    cached[dev] = n;
-  }
-  return cached[dev];
-}
-
-// Experimental, off unless MEGAMOE_SM90_PREFETCH_L1=1 (and PDL on): see stream_pdl_prologue.
-inline bool pdl_prefetch_l1_enabled() {
-  const char* v = std::getenv("MEGAMOE_SM90_PREFETCH_L1");
-  return v && v[0] == '1';
-}
-
-// Persistent one-tile decode GEMM (grouped_gemm_stream.cuh): MEGAMOE_SM90_DECODE_PERSISTENT=1 turns it on (default
-// off until measured); MEGAMOE_SM90_DECODE_PREFETCH_NEXT=0 keeps the persistent grid without the next-item L2 prefetch.
-inline bool decode_persistent_enabled() {
-  const char* v = std::getenv("MEGAMOE_SM90_DECODE_PERSISTENT");
-  return v && v[0] == '1';
-}
-inline bool decode_prefetch_next_enabled() {
-  const char* v = std::getenv("MEGAMOE_SM90_DECODE_PREFETCH_NEXT");
-  return !(v && v[0] == '0');
-}
-
-// L2 size of the current device in bytes (queried once per device; 50 MB if the query fails).
-inline int64_t l2_bytes() {
-  static int64_t cached[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 50ll << 20;
-  if (cached[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess || n <= 0) n = 50 << 20;
     cached[dev] = n;
   }
   return cached[dev];
@@ -95,14 +55,10 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true.
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute.
 template <typename... KArgs, typename... Args>
-cudaError_t pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+cudaError_t pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
-  if (!pdl) {  // exactly the launch of run 6
-    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
-    return cudaGetLastError();
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

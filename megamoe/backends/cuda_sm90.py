@@ -16,20 +16,16 @@ fixed T):
 
 Workspace grows with T (rows = T*k), never with E.
 
-Decode chain (run 7, bench/NOTES.md): the streaming GEMMs, align, bf16 staging and combine are
-launched with programmatic dependent launch (cpp/sm90/pdl.cuh), so each kernel's launch and the
-L2 GEMM's weight prefetch overlap the previous kernel's tail; W4A16 with one token tile per pass
-gathers x inside L1 and writes h as the bf16 L2 operand (align, L1, L2, combine: 4 kernels).
-Switches (read at every forward, so a process can flip them): ``MEGAMOE_SM90_PDL=0`` (C++ side,
-every launch) and ``MEGAMOE_SM90_FUSE_NT1=0`` (staging kernels again for one-tile W4A16); both
-at 0 give exactly the run-6 chain. ``MEGAMOE_SM90_DECODE_PERSISTENT=1`` (C++ side, every launch; off
-by default until measured) runs the one-tile decode GEMMs as a persistent grid of resident blocks
-looping over (expert, row block) items with an L2 prefetch of each block's next item
-(``MEGAMOE_SM90_DECODE_PREFETCH_NEXT=0``: without it); bit-identical results.
+Which kernel runs, with which token tile and how many tokens per weight pass, and whether
+W4A16 skips the staging kernels is one C++ decision, ``megamoe._C.sm90_plan`` (the dispatch
+table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The streaming
+GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
+(cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
+previous kernel's tail; with the streaming kernel, W4A16 gathers x inside L1 and writes h as
+the bf16 L2 operand (align, L1, L2, combine: 4 kernels).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,19 +38,17 @@ from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_PER_ROW_DYNAMIC, Cud
 
 __all__ = ["CudaSm90Backend", "PreparedSm90"]
 
-EPILOGUE_STORE, EPILOGUE_SILU_MUL = 0, 1
-KERNEL_AUTO, KERNEL_STREAM, KERNEL_TILED, KERNEL_TILED_2BLOCKS = -1, 0, 1, 2
-#: wgmma (sm_90a) swap-AB kernel: 3 picks its token tile (64 or 256) from the expected tokens per
-#: expert, 4 forces tiles of up to 64 tokens, 5 of up to 256, 6 of up to 128 (cpp/sm90/grouped_gemm_wgmma.cuh).
-KERNEL_WGMMA, KERNEL_WGMMA_SMALL, KERNEL_WGMMA_LARGE, KERNEL_WGMMA_MID = 3, 4, 5, 6
-#: warp-specialized wgmma kernel (producer warpgroup decodes NVFP4 into shared memory, consumers keep
-#: wgmma in flight; cpp/sm90/grouped_gemm_wgmma_ws.cuh), token tile 256 / 128, and tile 128 with two
-#: producer warpgroups. Only when forced.
-KERNEL_WGMMA_WS, KERNEL_WGMMA_WS_MID, KERNEL_WGMMA_WS2_MID = 7, 8, 9
-KERNEL_NAMES = {KERNEL_STREAM: "stream", KERNEL_TILED: "tiled", KERNEL_TILED_2BLOCKS: "tiled2",
-                KERNEL_WGMMA: "wgmma", KERNEL_WGMMA_SMALL: "wgmma64", KERNEL_WGMMA_LARGE: "wgmma256",
-                KERNEL_WGMMA_MID: "wgmma128", KERNEL_WGMMA_WS: "wgmma_ws256", KERNEL_WGMMA_WS_MID: "wgmma_ws128",
-                KERNEL_WGMMA_WS2_MID: "wgmma_ws128p2"}
+
+
+def gemm_kernel(name) -> object:
+    """``megamoe._C.Sm90GemmKernel`` member from itself or its name ("auto", "stream", "wgmma64", "wgmma128")."""
+    kinds = _ext.ext.Sm90GemmKernel
+    if isinstance(name, kinds):
+        return name
+    try:
+        return kinds.__members__[name]
+    except KeyError:
+        raise ValueError(f"unknown sm90 GEMM kernel {name!r}; one of {list(kinds.__members__)}") from None
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -99,25 +93,32 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     name = "cuda-sm90"
 
-    #: Above this many expected tokens per expert (T*k/E) the wgmma kernel runs instead of the streaming one
-    #: (run 6, bench/results/moe_h200.json: v4-flash 3/expert streaming 1.30 ms vs wgmma 2.28; 12/expert
-    #: streaming 4.17 ms vs wgmma 2.54; v3 4/expert 2.48 vs 4.11, 16/expert 7.85 vs 4.57). 6 is where the
-    #: streaming kernel leaves its one-token-tile variant (not measured between 4 and 12 per expert).
-    WGMMA_ABOVE_TOKENS_PER_EXPERT = 6
-
-    def __init__(self, device: str | torch.device | None = None, force_kernel: int = KERNEL_AUTO,
-                 tokens_per_pass: int = 0) -> None:
+    def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0) -> None:
+        """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's)."""
         self._device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self._device.type != "cuda":
             raise ValueError(f"cuda-sm90 runs on a CUDA device, got {self._device}")
-        self.force_kernel = force_kernel
+        self.kernel = kernel
         self.tokens_per_pass = tokens_per_pass
-        self.fuse_w4a16 = True  # W4A16: gather x inside L1 and write h as the L2 operand (no staging kernels)
         # Workspaces by batch shape, least recently used first. A service sees many token
         # counts, so only MAX_WORKSPACES stay allocated; one captured into a CUDA graph is
         # pinned (the graph replays its addresses) and never evicted.
         self._workspaces: OrderedDict[tuple, _Workspace] = OrderedDict()
         self._pinned: set[tuple] = set()
+        self._plans: dict[tuple, object] = {}
+
+    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool):
+        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached."""
+        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, str(self.kernel), self.tokens_per_pass)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
+                                      w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
+                                      tokens_per_pass=self.tokens_per_pass)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -164,8 +165,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         _ext.ext.sm90_stage_bf16(a, None, None, op, stream)
         return op, None, None
 
-    def gemm(self, a, b: nvfp4.NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``alpha * (a @ b^T)`` with ``b`` NVFP4 ``[N, K]`` and ``a`` NVFP4 or float ``[M, K]``."""
+    def gemm(self, a, b: nvfp4.NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """``alpha * (a @ b^T)`` with ``b`` NVFP4 ``[N, K]`` and ``a`` NVFP4 or float ``[M, K]``.
+
+        ``out``: optional float32 ``[M, N]`` device tensor that receives the product (alpha None, float32 only).
+        """
         b = b.to(self.device)
         if b.data.dim() != 2:
             raise ValueError(f"gemm: b must be an NVFP4 [N, K] matrix, got data {tuple(b.data.shape)}")
@@ -174,7 +179,13 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         if op.shape[1] != k:
             raise ValueError(f"gemm: K mismatch, a {tuple(op.shape)} vs b [{n}, {k}]")
         m = op.shape[0]
-        out = torch.empty((m, n), dtype=torch.float32, device=self.device)
+        if out is not None:
+            if alpha is not None or out_dtype != torch.float32 or out.dtype != torch.float32 or \
+                    tuple(out.shape) != (m, n) or not out.is_contiguous() or out.device != self.device:
+                raise ValueError(f"gemm: out must be a contiguous float32 [{m}, {n}] tensor on {self.device} "
+                                 f"(and alpha None), got {out.dtype} {tuple(out.shape)} on {out.device}")
+        else:
+            out = torch.empty((m, n), dtype=torch.float32, device=self.device)
         gs = b.global_scale.to(torch.float32)
         parts = 1 if gs.dim() == 0 else gs.shape[-1]
         if gs.dim() > 1 or (gs.dim() == 1 and n % parts):
@@ -182,14 +193,16 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         offsets = torch.tensor([0, m], dtype=torch.int32, device=self.device)
         rows = n // parts
         stream = current_stream(self.device)
+        plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)  # one expert, operand already staged
         for p in range(parts):
             w_gs = (gs.reshape(1) if gs.dim() == 0 else gs[p:p + 1]).contiguous()
             sl = slice(p * rows, (p + 1) * rows)
             part_out = out if parts == 1 else torch.empty((m, rows), dtype=torch.float32, device=self.device)
-            _ext.ext.sm90_grouped_gemm(op, None, offsets, None, None, 1, b.data[sl].contiguous().unsqueeze(0),
-                                       _u8(b.scale[sl]).contiguous().unsqueeze(0), w_gs, a_gs, False, a_rs,
-                                       EPILOGUE_STORE, None, part_out, None, m, m, self.force_kernel,
-                                       self.tokens_per_pass, stream)
+            _ext.ext.sm90_grouped_gemm(act=op, expert_offsets=offsets, grid_experts=1,
+                                       w_data=b.data[sl].contiguous().unsqueeze(0),
+                                       w_scale=_u8(b.scale[sl]).contiguous().unsqueeze(0), w_global_scale=w_gs,
+                                       a_global_scale=a_gs, a_row_scale=a_rs, epilogue=_ext.ext.Sm90Epilogue.store,
+                                       out=part_out, max_total_rows=m, plan=plan, stream=stream)
             if parts > 1:
                 out[:, sl] = part_out
         if alpha is not None:
@@ -264,41 +277,28 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream)
         expected = -(-r // e)  # tokens per expert under uniform routing
-        kernel = self.force_kernel
-        if kernel == KERNEL_AUTO:
-            # KERNEL_WGMMA picks its token tile from `expected` (64 up to 32 per expert, else 128; C++ side)
-            kernel = KERNEL_WGMMA if expected > self.WGMMA_ABOVE_TOKENS_PER_EXPERT else KERNEL_STREAM
-        limit = cfg.swiglu_limit
-        tpp = self.tokens_per_pass
-        # W4A16 on the streaming kernel: the L1 GEMM gathers x itself and writes h as the
-        # bf16 operand of L2, so neither activation needs a staging kernel.
-        # (Not with one token tile per pass: that case runs the separate decode kernel, measured
-        # faster with staged operands than the fused variant; see bench/NOTES.md.)
-        # Since run 7 the one-tile (decode) kernel has a fused variant too (bit-identical results);
-        # MEGAMOE_SM90_FUSE_NT1=0 brings back the staged operands there.
-        one_tile = (tpp or 8 * (1 if (expected * 3 + 1) // 2 <= 8 else 2)) == 8
-        fuse_nt1 = os.environ.get("MEGAMOE_SM90_FUSE_NT1", "1") != "0"
-        fused = (self.fuse_w4a16 and cfg.act_mode == "w4a16" and kernel == KERNEL_STREAM
-                 and x.dtype == torch.bfloat16 and (fuse_nt1 or not one_tile))
-
+        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", x.dtype == torch.bfloat16)
+        fused = plan.fused_w4a16
+        common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
+                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
         if fused:
             a1, a1_rows, a_gs, per_e, a_rs = x, ws.row_token, None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
                                             cfg, prepared.w13_input_scale, stream, r)
             a1, a1_rows = ws.a1, None
-        ext.sm90_grouped_gemm(a1, a1_rows, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
-                              prepared.w13_data, prepared.w13_scale, prepared.w13_gs, a_gs, per_e, a_rs,
-                              EPILOGUE_SILU_MUL, limit, None if fused else ws.h, ws.a2 if fused else None,
-                              expected, r, kernel, tpp, stream)
+        ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
+                              w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
+                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
+                              out=None if fused else ws.h, out_operand=ws.a2 if fused else None, **common)
         if fused:
             a_gs, per_e, a_rs = None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
                                             cfg, prepared.w2_input_scale, stream, r)
-        ext.sm90_grouped_gemm(ws.a2, None, ws.expert_offsets, ws.active, ws.num_active, grid_experts,
-                              prepared.w2_data, prepared.w2_scale, prepared.w2_gs, a_gs, per_e, a_rs,
-                              EPILOGUE_STORE, None, ws.y, None, expected, r, kernel, tpp, stream)
+        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
+                              w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
+                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=ws.y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(ws.y, ws.entry_row, topk_weights, out, stream)
         return out

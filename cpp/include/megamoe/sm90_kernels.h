@@ -38,6 +38,42 @@ enum class Epilogue : int {
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
 };
 
+// The grouped-GEMM kernels (exported to Python once, as megamoe._C.Sm90GemmKernel).
+enum class GemmKernel : int {
+  kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
+  kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
+  kWgmma64 = 1,   // wgmma, swap-AB, token tiles of up to 64 tokens (grouped_gemm_wgmma.cuh)
+  kWgmma128 = 2,  // the same with token tiles of up to 128 tokens
+};
+
+// What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
+struct GemmProblem {
+  int64_t tokens_per_expert = 0;  // expected tokens per expert under uniform routing, ceil(T*k / E)
+  int64_t k_l1 = 0, k_l2 = 0;     // reduction lengths of the two GEMMs (H and I; equal for a single GEMM)
+  int num_experts = 0;
+  bool w4a16 = true;              // activations bf16 (false: NVFP4, W4A4)
+  bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
+  GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
+  int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
+};
+
+// The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
+struct GemmPlan {
+  GemmKernel kernel = GemmKernel::kStream;  // never kAuto
+  int token_tile = 8;        // tokens per MMA tile: 8 streaming (n8), 64 / 128 wgmma (largest N per block)
+  int tokens_per_pass = 8;   // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
+  bool fused_w4a16 = false;  // W4A16 streaming: L1 gathers x and writes h as the bf16 L2 operand (no staging)
+};
+
+// Pure host function (no CUDA call): the thresholds below are the measured switch points
+// (docs/PERFORMANCE.md). Streaming up to kWgmmaAboveTokensPerExpert expected tokens per expert, one
+// 8-token tile per pass up to kStreamOneTileUpTo, wgmma above (tile 64 up to kWgmma64UpTo, then 128);
+// streaming whenever a K is not a multiple of 64 or E > 1024 (the wgmma kernel's limits).
+constexpr int64_t kWgmmaAboveTokensPerExpert = 6;
+constexpr int64_t kStreamOneTileUpTo = 6;
+constexpr int64_t kWgmma64UpTo = 32;
+GemmPlan plan_moe_gemms(const GemmProblem& problem);
+
 struct GroupedGemmArgs {
   const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_rows)
   const int32_t* act_rows = nullptr;  // streaming kernel only: grouped row r reads act row act_rows[r], natural order
@@ -59,25 +95,12 @@ struct GroupedGemmArgs {
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
   uint16_t* out_operand = nullptr;  // streaming kSiluMul only: write h as bf16 [rows, I] in operand order instead
-  int64_t max_tokens_per_expert = 0;  // host estimate of tokens per expert (picks tokens per pass)
-  int64_t max_total_rows = 0;         // host bound on expert_offsets[E] (sizes the tiled grid)
-  int force_kernel = -1;              // -1 auto, 0 streaming (decode), 1 tiled (prefill), 2 tiled, 2 blocks/SM,
-                                      // 3 wgmma (tile from max_tokens_per_expert), 4/5/6 wgmma token tile 64/256/128
-                                      // 7/8 warp-specialized wgmma, token tile 256/128 (kKernelWgmmaWs*),
-                                      // 9 token tile 128 with two producer warpgroups
-  int tokens_per_pass = 0;            // streaming: 8, 16, 32 or 64 (0: from max_tokens_per_expert)
-  bool pdl = false;  // set by launch_grouped_gemm (streaming kernels): launched with programmatic dependent
-                     // launch (cpp/sm90/pdl.cuh; MEGAMOE_SM90_PDL=0 turns it off)
-  int prefetch_blocks = 0;     // with pdl: kStore blocks with linear index below this prefetch their weights into
-                               // L2 before the wait (set to 4 x SMs: the blocks that can overlap the previous GEMM)
-  bool prefetch_silu = false;  // with pdl: the kSiluMul streaming GEMM prefetches its weight rows into L2
-                               // (experimental, MEGAMOE_SM90_PREFETCH_L1=1)
-  // Set by launch_grouped_gemm for the persistent one-tile decode kernel (MEGAMOE_SM90_DECODE_PERSISTENT=1):
-  int row_blocks = 0;              // work items per expert slot (row blocks of 32 rows / 16 gate+up columns)
-  int64_t prefetch_row_bytes = 0;  // bytes of each weight row of a block's next item prefetched into L2 (0: none)
+  int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
+  GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
+  int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
+  int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
+                            // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
 };
-// force_kernel values of the warp-specialized wgmma kernel (cpp/sm90/grouped_gemm_wgmma_ws.cuh).
-constexpr int kKernelWgmmaWsLarge = 7, kKernelWgmmaWsMid = 8, kKernelWgmmaWs2Mid = 9;
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,

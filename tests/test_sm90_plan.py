@@ -1,0 +1,116 @@
+"""The cuda-sm90 dispatch plan (megamoe._C.sm90_plan, cpp/sm90/grouped_gemm.cu): host only, no GPU.
+
+Boundaries of the one decision that picks kernel, token tile, tokens per pass and W4A16 fusion,
+and the backend asking it instead of deciding itself."""
+import pytest
+
+from megamoe import _ext
+
+pytestmark = pytest.mark.skipif(not _ext.has_part("sm90"),
+                                reason=f"megamoe._C built without sm90 kernels (parts: {_ext.built_parts()})")
+
+V4_FLASH = dict(k_l1=4096, k_l2=2048, num_experts=256)
+
+
+def plan(tpe, w4a16=True, gather_input=True, **kw):
+    args = {**V4_FLASH, **kw}
+    return _ext.ext.sm90_plan(tokens_per_expert=tpe, w4a16=w4a16, gather_input=gather_input, **args)
+
+
+def kind(name):
+    return _ext.ext.Sm90GemmKernel.__members__[name]
+
+
+def test_kernel_enum_is_exported_once_with_its_members():
+    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma64", "wgmma128"]
+    assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
+
+
+@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6])
+def test_decode_streams_one_tile_fused(tpe):
+    p = plan(tpe)
+    assert (p.kernel, p.token_tile, p.tokens_per_pass, p.fused_w4a16) == (kind("stream"), 8, 8, True), (tpe, p)
+
+
+def test_switch_to_wgmma_and_its_tiles():
+    # 6 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
+    assert plan(6).kernel == kind("stream") and plan(6).tokens_per_pass == 8
+    assert plan(7).kernel == kind("wgmma64")
+    assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
+    assert plan(100000).kernel == kind("wgmma128")
+    for tpe in (7, 32, 33, 5000):
+        p = plan(tpe)
+        assert not p.fused_w4a16 and p.tokens_per_pass == p.token_tile, p
+
+
+@pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])
+def test_k_not_multiple_of_64_streams_with_more_tiles_per_pass(k_l1, k_l2):
+    for tpe, tpp in ((1, 8), (6, 8), (7, 16), (10, 16), (11, 32), (21, 32), (22, 64), (5000, 64)):
+        p = plan(tpe, k_l1=k_l1, k_l2=k_l2)
+        assert (p.kernel, p.tokens_per_pass, p.fused_w4a16) == (kind("stream"), tpp, True), (tpe, p)
+    # an explicit wgmma request cannot run such a K either
+    assert plan(100, k_l1=k_l1, k_l2=k_l2, kernel=kind("wgmma128")).kernel == kind("stream")
+
+
+def test_more_than_1024_experts_streams():
+    assert plan(100, num_experts=1025).kernel == kind("stream")
+    assert plan(100, num_experts=1024).kernel == kind("wgmma128")
+
+
+def test_fusion_only_for_w4a16_with_a_gatherable_input():
+    assert not plan(3, w4a16=False).fused_w4a16
+    assert not plan(3, gather_input=False).fused_w4a16
+    assert plan(3, kernel=kind("stream"), tokens_per_pass=32).fused_w4a16
+
+
+def test_explicit_choices_are_kept():
+    p = plan(1, kernel=kind("wgmma128"))
+    assert (p.kernel, p.token_tile) == (kind("wgmma128"), 128)
+    p = plan(500, kernel=kind("stream"))
+    assert (p.kernel, p.tokens_per_pass) == (kind("stream"), 64)
+    assert plan(3, kernel=kind("stream"), tokens_per_pass=16).tokens_per_pass == 16
+    assert "kernel=stream" in repr(plan(1))
+
+
+@pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8)])
+def test_bad_tokens_per_pass_names_the_value(bad):
+    with pytest.raises(ValueError, match=str(bad["tokens_per_pass"])):
+        plan(3, **bad)
+
+
+def test_bad_problem_names_the_values():
+    with pytest.raises(ValueError, match="-1"):
+        plan(-1)
+    with pytest.raises(ValueError, match="0"):
+        plan(1, num_experts=0)
+
+
+def test_grouped_gemm_takes_keywords_only():
+    with pytest.raises(TypeError):
+        _ext.ext.sm90_grouped_gemm(None, None, None)
+
+
+def test_backend_asks_the_plan(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from megamoe.backends import cuda_sm90
+
+    be = cuda_sm90.CudaSm90Backend.__new__(cuda_sm90.CudaSm90Backend)
+    be._device = torch.device("cuda", 0)
+    be.kernel, be.tokens_per_pass, be._plans = "auto", 0, {}
+    seen = []
+    real = _ext.ext.sm90_plan
+
+    def spy(**kw):
+        seen.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(_ext.ext, "sm90_plan", spy)
+    p = be.plan(12, 4096, 2048, 256, True, True)
+    assert p.kernel == kind("wgmma64") and len(seen) == 1
+    assert be.plan(12, 4096, 2048, 256, True, True) is p and len(seen) == 1  # cached
+    be.kernel = "stream"
+    assert be.plan(12, 4096, 2048, 256, True, True).kernel == kind("stream") and len(seen) == 2
+    with pytest.raises(ValueError, match="wgmma256"):
+        be.kernel = "wgmma256"
+        be.plan(12, 4096, 2048, 256, True, True)
