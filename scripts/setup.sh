@@ -26,10 +26,11 @@ else
   echo "[setup] no nvcc: building without CUDA kernels (torch backend only)"
 fi
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-# -v so that ninja's [n/N] progress and any compiler error reach the terminal (and build.log)
+# -v so that ninja's [n/N] progress lines (pip indents them) and any compiler error reach the
+# terminal; the whole log is in build.log
 set +e
 python -m pip install -v --no-build-isolation -e ".[test,bench]" 2>&1 | tee build.log \
-  | grep --line-buffered -E "^\[[0-9]+/[0-9]+\]|megamoe:|error|Successfully installed"
+  | grep --line-buffered -E "^[[:space:]]*\[[0-9]+/[0-9]+\]|megamoe:|error:|FAILED|Successfully installed"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then
