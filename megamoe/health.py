@@ -18,7 +18,7 @@ import megamoe
 from megamoe import nvfp4
 from megamoe.backends import Backend, get_backend
 
-__all__ = ["run_checks", "CHECKS", "cosine", "THRESHOLDS"]
+__all__ = ["run_checks", "CHECKS", "THRESHOLDS", "cosine", "rel_err", "random_scales", "random_nvfp4"]
 
 THRESHOLDS = {
     "sf_roundtrip": 0,  # mismatching bytes
@@ -50,18 +50,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def _random_scales(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Random finite, positive e4m3 block scales (every exponent, zeros included)."""
+def random_scales(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random finite, non-negative e4m3 block scales ``[rows, cols]`` (every exponent, zeros included)."""
     raw = torch.randint(0, 0x7F, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8)
     return raw.view(torch.float8_e4m3fn)
 
 
-def _random_nvfp4(rows: int, cols: int, gen: torch.Generator, global_scale: float) -> nvfp4.NVFP4Tensor:
-    """Random NVFP4 matrix whose per-block scales vary over ~6 binades (not uniform)."""
+def random_nvfp4(rows: int, cols: int, gen: torch.Generator, global_scale: float | None = 1.0) -> nvfp4.NVFP4Tensor:
+    """Random NVFP4 matrix ``[rows, cols]``: Gaussian data whose per-block magnitudes vary over
+    ~6 binades (so the block scales are not uniform), quantized with ``global_scale``
+    (None: the default global scale of the data)."""
     x = torch.randn((rows, cols), generator=gen)
     block_mag = torch.exp2(torch.randint(-3, 4, (rows, cols // 16), generator=gen).float())
-    x = x * block_mag.repeat_interleave(16, dim=1) * global_scale * 60  # block scales ~3..200, unsaturated
-    return nvfp4.quantize(x, torch.tensor(global_scale, dtype=torch.float32))
+    gs = 1.0 if global_scale is None else global_scale
+    x = x * block_mag.repeat_interleave(16, dim=1) * gs * 60  # block scales ~3..200, unsaturated
+    return nvfp4.quantize(x, None if global_scale is None else torch.tensor(global_scale, dtype=torch.float32))
 
 
 def _check(name: str, fn: Callable[[], tuple[str, float, float | int, str]]) -> dict:
@@ -85,14 +88,14 @@ SF_SHAPES_FULL = SF_SHAPES_QUICK + [(464, 448), (4096, 128), (1, 448), (2048, 25
 def check_sf_roundtrip(be: Backend, gen: torch.Generator, full: bool):
     total, first, shapes = 0, [], SF_SHAPES_FULL if full else SF_SHAPES_QUICK
     for rows, cols in shapes:
-        s = _random_scales(rows, cols, gen).to(be.device)
+        s = random_scales(rows, cols, gen).to(be.device)
         r = be.verify_sf_roundtrip(s)
         total += r["mismatches"]
         if r["mismatches"] and len(first) < 4:
             first.append(f"[{rows}x{cols}] {r['mismatches']} bad, first {r['first'][:3]}")
     # grouped activations (SPEC §2): each expert's rows start at a 128-row boundary
     sizes = [5, 0, 130, 1, 33]
-    s = _random_scales(sum(sizes), 7, gen).to(be.device)
+    s = random_scales(sum(sizes), 7, gen).to(be.device)
     expected = nvfp4.swizzle_scales_grouped(s.cpu(), sizes)
     poisoned = torch.full_like(expected, 0x7F).to(be.device)
     got = be.swizzle_scales_grouped(s, sizes, out=poisoned).cpu()
@@ -127,8 +130,8 @@ def check_gemm_random(be: Backend, gen: torch.Generator, full: bool):
     col_ratio = 1.0
     for (m, n, k) in (GEMM_SHAPES_FULL if full else GEMM_SHAPES_QUICK):
         # global scales far from 1 (FIELD_BUGS 11): activations 1e-3, weights 1e3
-        a = _random_nvfp4(m, k, gen, 1e-3)
-        b = _random_nvfp4(n, k, gen, 1e3)
+        a = random_nvfp4(m, k, gen, 1e-3)
+        b = random_nvfp4(n, k, gen, 1e3)
         ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
         for mode, a_in in (("w4a4", a), ("w4a16", nvfp4.dequantize(a).to(torch.bfloat16))):
             a_dev = a_in.to(be.device)

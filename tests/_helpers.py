@@ -1,17 +1,75 @@
-"""Helpers shared by the tests (a unique module name: tests/service has its own conftest)."""
+"""Helpers shared by every test folder (a unique module name: tests/service has its own conftest).
+
+Import as ``from _helpers import ...`` (tests/ is on sys.path through tests/conftest.py):
+
+* ``SEED``: the run's random seed (``MEGAMOE_TEST_SEED`` replays one; printed in the summary).
+* ``cosine``, ``rel_err``: the metrics of the health checks (``megamoe.health``), one copy.
+* ``random_scales``, ``random_nvfp4``: random e4m3 block scales and random NVFP4 matrices.
+* ``backend_or_skip``: a GPU backend, or a pytest skip that says why it is not here.
+* ``capture_graph``: capture a callable in a CUDA graph (after a warm-up on the capture stream).
+"""
+from __future__ import annotations
+
 import os
 
+import pytest
 import torch
+
+from megamoe import nvfp4
+from megamoe.health import cosine, rel_err
+from megamoe.health import random_nvfp4 as _health_random_nvfp4
+from megamoe.health import random_scales as _health_random_scales
+
+__all__ = ["SEED", "cosine", "rel_err", "random_scales", "random_nvfp4", "backend_or_skip", "capture_graph"]
 
 # Fresh random data each run, but reproducible when a test fails: the seed is printed.
 SEED = int(os.environ.get("MEGAMOE_TEST_SEED", torch.seed() % 2**31))
 
 
-def cosine(a, b):
-    a = a.double().flatten()
-    b = b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
+def random_scales(rows: int, cols: int, gen: torch.Generator, signed: bool = False) -> torch.Tensor:
+    """Random finite e4m3 block scales ``[rows, cols]``, every exponent and zeros included;
+    ``signed``: random sign bits too (a layout test moves bytes, whatever they mean)."""
+    s = _health_random_scales(rows, cols, gen)
+    if not signed:
+        return s
+    sign = torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8) << 7
+    return (s.view(torch.uint8) | sign).view(torch.float8_e4m3fn)
 
 
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def random_nvfp4(rows: int, k: int, gen: torch.Generator | None, global_scale: float | None = 1.0,
+                 uniform: bool = False) -> nvfp4.NVFP4Tensor:
+    """NVFP4 ``[rows, k]``: random data with per-block scales over ~6 binades, quantized with
+    ``global_scale`` (None: the data's default global scale). ``uniform``: all-ones data
+    (uniform codes and scales: the case that cannot see a scale permutation)."""
+    if uniform:
+        gs = None if global_scale is None else torch.tensor(global_scale, dtype=torch.float32)
+        return nvfp4.quantize(torch.ones(rows, k), gs)
+    return _health_random_nvfp4(rows, k, gen, global_scale)
+
+
+def backend_or_skip(name: str):
+    """The backend ``name`` (``"cuda-sm90"``, ``"cuda-sm100"``), or skip the test with the reason
+    (no CUDA GPU, or the backend unavailable: wrong architecture, extension built without it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from megamoe.backends import available_backends, get_backend
+
+    ok, why = available_backends()[name]
+    if not ok:
+        pytest.skip(f"{name} not available: {why}")
+    return get_backend(name)
+
+
+def capture_graph(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` once on a side stream (warm-up: allocations, lazy set-up),
+    then capture it in a CUDA graph. Returns ``(graph, out)``: ``graph.replay()`` recomputes
+    ``out`` in place from the current contents of the captured input tensors."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args, **kwargs)
+    return graph, out

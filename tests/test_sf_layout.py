@@ -9,15 +9,11 @@ from megamoe import nvfp4 as F
 from megamoe.faults import SwappedScaleLayout
 from megamoe.backends import get_backend
 
+from _helpers import random_scales
+
 # FIELD_BUGS 5 (M in 1, 7, 31, 33, 127, 129) and 8 (I = 464, 5472, 1856: K/16 = 29, 342, 116)
 SHAPES = [(1, 1), (1, 4), (7, 3), (31, 5), (32, 4), (33, 4), (127, 29), (128, 8), (129, 13), (300, 7), (464, 448),
           (33, 342), (129, 116)]
-
-
-def random_scales(rows, cols, gen):
-    raw = torch.randint(0, 0x7F, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8)
-    raw |= (torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int32).to(torch.uint8) << 7)
-    return raw.view(torch.float8_e4m3fn)
 
 
 def tile_permute(scale):
@@ -31,7 +27,7 @@ def tile_permute(scale):
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_swizzle_matches_tile_permutation_and_pads_zero(rows, cols, gen):
-    s = random_scales(rows, cols, gen)
+    s = random_scales(rows, cols, gen, signed=True)
     out = torch.full(F.sf_padded_shape(rows, cols), 0x7F, dtype=torch.uint8)  # poisoned (NaN in e4m3)
     got = F.swizzle_scales(s, out=out)
     assert got.data_ptr() == out.data_ptr()
@@ -41,7 +37,7 @@ def test_swizzle_matches_tile_permutation_and_pads_zero(rows, cols, gen):
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_round_trip_is_identity(rows, cols, gen):
-    s = random_scales(rows, cols, gen)
+    s = random_scales(rows, cols, gen, signed=True)
     back = F.unswizzle_scales(F.swizzle_scales(s), rows, cols)
     assert torch.equal(back.view(torch.uint8), s.view(torch.uint8))
 
@@ -57,7 +53,7 @@ def test_padded_size_and_tile_bytes():
 
 
 def test_batched_swizzle_offsets(gen):
-    s = random_scales(3 * 33, 5, gen).view(3, 33, 5)
+    s = random_scales(3 * 33, 5, gen, signed=True).view(3, 33, 5)
     buf = F.swizzle_scales(s)
     flat = buf.reshape(-1)
     for b in range(3):
@@ -70,7 +66,7 @@ def test_grouped_layout_starts_each_expert_at_128_rows(gen):
     sizes = [5, 0, 130, 1, 128, 33]
     offs = F.grouped_row_offsets(sizes)
     assert offs.tolist() == [0, 128, 128, 384, 512, 640, 768]
-    s = random_scales(sum(sizes), 7, gen)
+    s = random_scales(sum(sizes), 7, gen, signed=True)
     buf = F.swizzle_scales_grouped(s, sizes)
     assert buf.shape == (768, 8)
     flat = buf.reshape(-1)
@@ -92,13 +88,13 @@ def test_grouped_layout_starts_each_expert_at_128_rows(gen):
 
 
 def test_verifier_passes_reference(gen):
-    r = F.verify_sf_roundtrip(random_scales(129, 13, gen))
+    r = F.verify_sf_roundtrip(random_scales(129, 13, gen, signed=True))
     assert r["mismatches"] == 0 and r["first"] == []
 
 
 def test_verifier_catches_swapped_m_and_k(gen):
     be = SwappedScaleLayout(get_backend("torch"))
-    s = random_scales(33, 13, gen)
+    s = random_scales(33, 13, gen, signed=True)
     r = be.verify_sf_roundtrip(s)
     assert r["mismatches"] > 0
     assert any(kind == "layout" for kind, _, _ in r["first"])
@@ -112,7 +108,7 @@ def test_verifier_catches_unwritten_padding(gen):
         out.view(-1)[F.sf_offset(m, k, cols).flatten()] = scale.view(torch.uint8).flatten()
         return out
 
-    r = F.verify_sf_roundtrip(random_scales(33, 5, gen), swizzle=lazy_swizzle)
+    r = F.verify_sf_roundtrip(random_scales(33, 5, gen, signed=True), swizzle=lazy_swizzle)
     assert r["mismatches"] == 128 * 8 - 33 * 5
     assert r["first"][0][0] == "padding"
 
@@ -124,7 +120,7 @@ def test_verifier_catches_first_element_only_writer(gen):
         out.view(-1)[0] = scale.view(torch.uint8)[-1, -1]
         return out
 
-    r = F.verify_sf_roundtrip(random_scales(40, 6, gen), swizzle=broken)
+    r = F.verify_sf_roundtrip(random_scales(40, 6, gen, signed=True), swizzle=broken)
     assert r["mismatches"] > 0
 
 
