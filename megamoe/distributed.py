@@ -56,8 +56,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megamoe import checkpoint, health, reference
 from megamoe.backends import Backend, get_backend
-from megamoe.moe import MoELayer, MoEWeights
+from megamoe.moe import MoELayer
+from megamoe.weights import MoEWeights
 from megamoe.presets import MoEConfig, get_preset
 
 __all__ = [
@@ -176,10 +178,8 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
     """
     from safetensors import safe_open
 
-    from megamoe import checkpoint as ck
-
     path = Path(path)
-    files = ck._files(path)
+    files = checkpoint._files(path)
     where: dict[str, Path] = {}
     meta: dict[str, str] = {}
     shapes: dict[str, list[int]] = {}
@@ -193,7 +193,7 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
                 shapes[k] = list(sl.get_shape())
                 dtypes[k] = sl.get_dtype()
     if prefix is None:
-        prefix, layout = ck._find_prefix(list(where))
+        prefix, layout = checkpoint._find_prefix(list(where))
     else:
         layout = "fused" if prefix + "w13_weight" in where else "per-expert"
 
@@ -228,7 +228,7 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
         if not shapes[full]:
             return read_whole(full)
         if shapes[full][0] != num_experts:
-            raise ck.CheckpointError(f"{full}: leading dimension {shapes[full][0]}, expected "
+            raise checkpoint.CheckpointError(f"{full}: leading dimension {shapes[full][0]}, expected "
                                      f"{num_experts} experts")
         with safe_open(str(where[full]), framework="pt", device="cpu") as fh:
             # safetensors returns a view into a memory map of the whole tensor; only the slice's
@@ -241,14 +241,14 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
             full = prefix + name
             if full not in where:
                 if required:
-                    raise ck.CheckpointError(f"{full}: missing from {path}")
+                    raise checkpoint.CheckpointError(f"{full}: missing from {path}")
                 return None
             t = read_experts(full)
             report.expert_bytes_read += _nbytes(t)
             report.tensors[full] = str(t.dtype).replace("torch.", "")
             return t
 
-        w13, w2, in1, in2 = ck._load_fused(get, report, prefix)
+        w13, w2, in1, in2 = checkpoint._load_fused(get, report, prefix)
     else:
         # the per-expert reader walks experts 0..n-1: show it experts start..end-1 under local numbers
         def local_to_global(name: str) -> str:
@@ -262,7 +262,7 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
             full = prefix + local_to_global(name)
             if full not in where:
                 if required:
-                    raise ck.CheckpointError(f"{full}: missing from {path}")
+                    raise checkpoint.CheckpointError(f"{full}: missing from {path}")
                 return None
             t = read_whole(full)  # one expert's own tensor
             report.expert_bytes_read += _nbytes(t)
@@ -273,7 +273,7 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
         # the per-expert reader records names under local numbers: collect them apart, renumber
         seen = ShardLoadReport(path=str(path), rank=rank, world_size=world_size, expert_start=start,
                                expert_end=end, num_experts=num_experts)
-        w13, w2, in1, in2 = ck._load_per_expert(get, seen, prefix, local_where)
+        w13, w2, in1, in2 = checkpoint._load_per_expert(get, seen, prefix, local_where)
         for name, what in seen.tensors.items():
             report.tensors[prefix + local_to_global(name[len(prefix):])] = what
         report.quantized_at_load += [prefix + local_to_global(n[len(prefix):]) for n in seen.quantized_at_load]
@@ -289,18 +289,18 @@ def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = N
         report.tensors[full] = str(t.dtype).replace("torch.", "")
         return t
 
-    dense = ck.read_dense_tensors(get_replicated, prefix)
+    dense = checkpoint.read_dense_tensors(get_replicated, prefix)
     h = w13.data.shape[2] * 2
     i = w2.data.shape[2] * 2
     if config is None:
-        config = ck._config_from(meta, path, num_experts, h, i, top_k, dense["shared_gate_up"], config_overrides)
+        config = checkpoint._config_from(meta, path, num_experts, h, i, top_k, dense["shared_gate_up"], config_overrides)
     elif config_overrides:
         config = config.with_(**config_overrides)
-    weights = ck.assemble_weights(w13, w2, in1, in2, dense)
+    weights = checkpoint.assemble_weights(w13, w2, in1, in2, dense)
     try:
         _validate_shard(weights, config, start, end)
     except ValueError as exc:
-        raise ck.CheckpointError(f"{path}: {prefix}{exc}") from None
+        raise checkpoint.CheckpointError(f"{path}: {prefix}{exc}") from None
     return ShardLoaded(weights.to(device), config, start, report)
 
 
@@ -320,23 +320,11 @@ def _validate_shard(weights: MoEWeights, cfg: MoEConfig, start: int, end: int) -
 
 
 def shard_weights(weights: MoEWeights, rank: int, world_size: int) -> tuple[MoEWeights, int]:
-    """This rank's experts of full in-memory ``weights`` (copies, so the rest can be freed) and
-    the first expert's id; router and shared expert are kept whole."""
+    """This rank's experts of full in-memory ``weights`` (copies, so the rest can be freed;
+    :meth:`MoEWeights.expert_slice`) and the first expert's id; router and shared expert
+    are kept whole."""
     start, end = expert_range(weights.num_experts, world_size, rank)
-
-    def part(t):
-        return None if t is None else t[start:end].clone()
-
-    def part_nvfp4(q):
-        gs = q.global_scale if q.global_scale.dim() == 0 else part(q.global_scale)
-        return type(q)(part(q.data), part(q.scale), gs)
-
-    return MoEWeights(
-        w13=part_nvfp4(weights.w13), w2=part_nvfp4(weights.w2),
-        w13_input_scale=part(weights.w13_input_scale), w2_input_scale=part(weights.w2_input_scale),
-        router_weight=weights.router_weight, router_bias=weights.router_bias,
-        shared_gate_up=weights.shared_gate_up, shared_down=weights.shared_down,
-    ), start
+    return weights.expert_slice(start, end), start
 
 
 # ------------------------------------------------------------------------------------------
@@ -407,14 +395,12 @@ class ExpertParallelMoE(MoELayer):
     def from_preset(cls, preset: str, seed: int = 0, backend: str | Backend = "auto", device=None, group=None,
                     **config_overrides) -> "ExpertParallelMoE":
         """Synthetic weights (every rank generates the same full set, keeps its block)."""
-        from megamoe.checkpoint import synthetic_weights
-
         cfg = get_preset(preset).with_(**config_overrides) if config_overrides else get_preset(preset)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         expert_range(cfg.num_experts, world, rank)  # fail before synthesizing
         be = get_backend(backend, device=device)
         # same weights as MoELayer.from_preset on this device type (synthesis is seeded per device type)
-        full = synthetic_weights(cfg, seed=seed, device=be.device)
+        full = checkpoint.synthetic_weights(cfg, seed=seed, device=be.device)
         local, start = shard_weights(full, rank, world)
         del full
         return cls(local, cfg, start, group=group, backend=be)
@@ -446,11 +432,8 @@ class ExpertParallelMoE(MoELayer):
         if x.shape[0] == 0:
             topk_ids = torch.zeros((0, k), dtype=torch.int32, device=self.device)
             topk_weights = torch.zeros((0, k), dtype=torch.float32, device=self.device)
-        elif topk_ids is None:
-            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device))
         else:
-            topk_ids = topk_ids.to(self.device, torch.int32)
-            topk_weights = topk_weights.to(self.device, torch.float32)
+            topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
         self._mark("routed")
         y = self.routed_experts(x, topk_ids, topk_weights)
         if self.config.n_shared_experts and x.shape[0]:
@@ -467,10 +450,13 @@ class ExpertParallelMoE(MoELayer):
         world, per = self.world_size, self.experts_per_rank
         ids = topk_ids.long()
         k = ids.shape[1]
-        dest = ids // per                                                     # [T, k] owning rank of each slot
-        member = torch.zeros((world, t_local), dtype=torch.bool, device=x.device)
+        # [T, k] owning rank of each slot; a masked slot (id outside [0, E)) goes to row W, dropped
+        dest = torch.where(reference.valid_slots(ids, self.config.num_experts), ids // per,
+                           torch.full_like(ids, world))
+        member = torch.zeros((world + 1, t_local), dtype=torch.bool, device=x.device)
         if t_local:
             member.scatter_(0, dest.t(), True)                              # member[r, t]: t goes to r
+        member = member[:world]
         send_rank, send_tok = member.nonzero(as_tuple=True)                  # rank-major, tokens ascending
         send_counts = member.sum(1)                                         # [W]
         on_dest = dest[send_tok] == send_rank.unsqueeze(1)                  # [S, k]
@@ -592,13 +578,11 @@ def check_ep_dispatch_combine(layer: ExpertParallelMoE, seed: int) -> dict:
                                       torch.where(mine, tw_all, torch.zeros_like(tw_all)))
         dist.all_reduce(contrib, group=layer.group)
         ref = contrib[sum(counts[:r]): sum(counts[:r]) + t].cpu()
-        from megamoe.health import cosine, rel_err
-
         if t == 0:
             c, e = 1.0, 0.0
             ok = out.shape == (0, cfg.hidden_size)
         else:
-            c, e = cosine(out, ref), rel_err(out, ref)
+            c, e = health.cosine(out, ref), health.rel_err(out, ref)
             ok = c >= EP_THRESHOLD_COSINE
         status, metric = ("pass" if ok else "fail"), c
         detail = (f"{t} tokens (per rank {counts}), skewed routing; all-to-all vs all-gather + "
@@ -674,8 +658,6 @@ def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: i
 
     Returns the merged report (:func:`merge_rank_reports`) on ``dst``, None elsewhere.
     """
-    from megamoe import health
-
     if seed is None:  # one fresh seed for all ranks (each check then offsets it by the rank)
         seed_t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).to(layer.device)
         dist.broadcast(seed_t, src=global_rank(layer.group, 0), group=layer.group)
@@ -704,15 +686,13 @@ def _build(args) -> ExpertParallelMoE:
 
 def _cmd_check(args) -> int:
     """Health of every rank, then EP forward vs the single-process MoELayer on rank 0's tokens."""
-    from megamoe.health import format_table
-
     rank, world, _ = init_distributed(args.dist_backend)
     layer = _build(args)
     report = run_checks_all_ranks(layer, args.level)
     status = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         print(f"{layer!r} x {world} ranks")
-        print(format_table(report))
+        print(health.format_table(report))
         status[0] = 0 if report["status"] == "pass" else 1
     if args.compare:
         gen = torch.Generator().manual_seed(args.seed + 17 * rank)

@@ -28,6 +28,10 @@ class MoEWeights:
         router_bias: float32 ``[E]`` e_score_correction_bias (selection only), or None.
         shared_gate_up: bf16 ``[2*Is, H]`` shared expert gate and up rows, or None.
         shared_down: bf16 ``[H, Is]`` shared expert down projection, or None.
+        shared_gate_up_input_scale, shared_down_input_scale: float32 ``[]`` static input
+            scales of a shared expert stored in NVFP4 (then ``shared_gate_up`` and
+            ``shared_down`` are :class:`~megamoe.nvfp4.NVFP4Tensor`, gate/up global scale
+            ``[2]``), or None (docs/SPEC.md §3.4).
     """
 
     w13: nvfp4.NVFP4Tensor
@@ -38,6 +42,8 @@ class MoEWeights:
     router_bias: torch.Tensor | None = None
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
+    shared_gate_up_input_scale: torch.Tensor | None = None
+    shared_down_input_scale: torch.Tensor | None = None
 
     def to(self, device) -> "MoEWeights":
         kw = {}
@@ -49,6 +55,29 @@ class MoEWeights:
     @property
     def num_experts(self) -> int:
         return self.w13.data.shape[0]
+
+    def expert_slice(self, start: int, end: int) -> "MoEWeights":
+        """Experts ``[start, end)`` of every per-expert tensor (NVFP4 data, block scales, global
+        scales, input scales), as copies that own exactly their bytes; the router and the
+        shared expert (which cover every expert or none) stay whole. A 0-d scale (one value
+        for every expert) is kept as it is."""
+        if not 0 <= start < end <= self.num_experts:
+            raise ValueError(f"expert slice [{start}, {end}) is not inside the {self.num_experts} experts")
+
+        def part(t):
+            return t if t is None or t.dim() == 0 else t[start:end].clone()
+
+        def part_nvfp4(q):
+            return nvfp4.NVFP4Tensor(part(q.data), part(q.scale), part(q.global_scale))
+
+        return MoEWeights(
+            w13=part_nvfp4(self.w13), w2=part_nvfp4(self.w2),
+            w13_input_scale=part(self.w13_input_scale), w2_input_scale=part(self.w2_input_scale),
+            router_weight=self.router_weight, router_bias=self.router_bias,
+            shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
+            shared_gate_up_input_scale=self.shared_gate_up_input_scale,
+            shared_down_input_scale=self.shared_down_input_scale,
+        )
 
     def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
         """Raise ValueError naming the first tensor whose shape or dtype disagrees with ``cfg``.

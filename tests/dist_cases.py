@@ -24,6 +24,38 @@ VARIANTS = {
 }
 
 
+#: MoEWeights fields that cover every expert or none: replicated on every rank, never sliced
+REPLICATED_FIELDS = ("router_weight", "router_bias", "shared_gate_up", "shared_down")
+
+
+def weight_tensors(weights) -> dict:
+    """Every tensor of a MoEWeights by field (NVFP4 fields as ``w13.data``, ``w13.scale``,
+    ``w13.global_scale``); fp8 scales viewed as bytes so ``torch.equal`` compares bits."""
+    from dataclasses import fields
+
+    from megamoe.nvfp4 import NVFP4Tensor
+
+    out = {}
+    for f in fields(weights):
+        v = getattr(weights, f.name)
+        parts = {f"{f.name}.{p}": getattr(v, p) for p in ("data", "scale", "global_scale")} \
+            if isinstance(v, NVFP4Tensor) else {f.name: v}
+        for name, t in parts.items():
+            if t is not None:
+                out[name] = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return out
+
+
+def assert_is_expert_slice(shard: dict, full: dict, start: int, end: int, what: str) -> None:
+    """Every per-expert tensor of ``shard`` is experts [start, end) of ``full`` (0-d scales whole),
+    the replicated ones are whole, and nothing is missing or extra."""
+    assert sorted(shard) == sorted(full), f"{what}: tensors {sorted(shard)} vs {sorted(full)}"
+    for name, t in full.items():
+        replicated = name in REPLICATED_FIELDS or t.dim() == 0
+        want = t if replicated else t[start:end]
+        assert torch.equal(shard[name], want), f"{what}: {name} is not {'whole' if replicated else f'experts [{start}, {end})'}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +105,7 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
         return ids.to(torch.int32), w / w.sum(1, keepdim=True)
 
     cases: dict = {name: [] for name in ("router_bf16", "router_fp32", "topk_fp32", "logits_bf16", "all_to_rank0",
-                                         "one_expert", "T1", "prime_T", *VARIANTS)}
+                                         "one_expert", "T1", "prime_T", "masked", *VARIANTS)}
     prime_t = [97, 0, 13, 2][:world]
     for r in range(world):
         t = (37, 53, 41, 29)[r]
@@ -91,6 +123,14 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
         ids[: t // 2, 1] = e - 1
         ids[t // 2:, 1] = torch.randint(0, e - 1, (t - t // 2,), generator=gen).to(torch.int32)
         cases["one_expert"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
+        # masked slots (id -1 or another id outside [0, E), SPEC §3.1): skipped; one token with
+        # every slot masked; unvalidated (validate=True rejects them from a caller)
+        ids, w = topk(t)
+        masked = torch.rand((t, k), generator=gen) < 0.4
+        masked[0] = True
+        bad = torch.tensor([-1, e, -3])[torch.randint(0, 3, (t, k), generator=gen)].to(torch.int32)
+        cases["masked"].append({"x": x(t, torch.float32), "topk_ids": torch.where(masked, bad, ids),
+                                "topk_weights": w, "validate": False})
         cases["T1"].append({"x": x(1, torch.float32)})
         cases["prime_T"].append({"x": x(prime_t[r], torch.float32)})
         for name in VARIANTS:
@@ -169,5 +209,5 @@ def single_process_outputs(single, per_rank: list[dict], overrides: dict | None 
         return torch.cat([p[key] for p in per_rank])
 
     ref = single(cat("x"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
-                 router_logits=cat("router_logits"))
+                 router_logits=cat("router_logits"), validate=per_rank[0].get("validate", True))
     return list(ref.cpu().split([p["x"].shape[0] for p in per_rank]))

@@ -112,7 +112,7 @@ def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "glo
 def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device) -> None:
     import safetensors
 
-    from dist_cases import VARIANTS
+    from dist_cases import VARIANTS, weight_tensors
     from megamoe import faults
     from megamoe.distributed import ExpertParallelMoE, load_shard, run_checks_all_ranks
 
@@ -138,6 +138,8 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
                           "w2": _storage_bytes(w.w2.data), "w2_scale": _storage_bytes(w.w2.scale)},
         "weights": {"w13": w.w13.data, "w13_scale": w.w13.scale.view(torch.uint8), "w13_gs": w.w13.global_scale,
                     "w2": w.w2.data, "w2_gs": w.w2.global_scale, "in1": w.w13_input_scale},
+        "tensors": weight_tensors(loaded.weights),
+        "per_expert_tensors": weight_tensors(per_expert.weights),
         "per_expert_report": vars(per_expert.report),
         "per_expert_weights": {"w13": per_expert.weights.w13.data, "w13_gs": per_expert.weights.w13.global_scale,
                                "w2": per_expert.weights.w2.data},
@@ -154,7 +156,7 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
         layer.config, layer.combine_dtype = base_config.with_(**overrides), combine_dtype
         try:
             outs[name] = layer(inp["x"], topk_ids=inp.get("topk_ids"), topk_weights=inp.get("topk_weights"),
-                               router_logits=inp.get("router_logits"))
+                               router_logits=inp.get("router_logits"), validate=inp.get("validate", True))
         except Exception:  # noqa: BLE001 - one case's failure is reported by its test, not the whole run
             # (only safe when every rank fails alike, e.g. a mode the backend lacks; else the others hang)
             outs[name] = None

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from _helpers import SEED
-from dist_cases import (EXPERT_TENSORS, PREFIX, PRESET_OVERRIDES, VARIANTS, _free_port, launch,
-                        single_process_outputs, write_checkpoints)
+from dist_cases import (EXPERT_TENSORS, PREFIX, PRESET_OVERRIDES, VARIANTS, _free_port, assert_is_expert_slice,
+                        launch, single_process_outputs, weight_tensors, write_checkpoints)
 
 WORLD_SIZES = (2, 4)
 
@@ -127,6 +127,20 @@ def test_one_expert_gets_every_token(single, ep):
     assert sum(last["recv_splits"]) == sum(results[q]["outputs"]["one_expert"].shape[0] for q in range(world))
 
 
+def test_masked_slots_are_not_dispatched(single, ep):
+    """Top-k ids outside [0, E) (SPEC §3.1) are skipped: the same outputs as the single-process
+    layer, and a masked slot sends no row (a token whose slots are all masked goes nowhere)."""
+    world, cases, results = ep
+    _assert_matches(single, ep, "masked")
+    per = single.config.num_experts // world
+    for r in range(world):
+        ids = cases["masked"][r]["topk_ids"].long()
+        valid = (ids >= 0) & (ids < single.config.num_experts)
+        dest = torch.where(valid, ids // per, torch.full_like(ids, world))
+        want = [int((dest == q).any(1).sum()) for q in range(world)]
+        assert results[r]["stats"]["masked"]["send_splits"] == want, (r, want)
+
+
 @pytest.mark.parametrize("case", ["T1", "prime_T"])
 def test_token_counts_one_prime_and_zero(single, ep, case):
     """T=1 on every rank; a prime T on rank 0 with a rank that has no tokens at all."""
@@ -191,6 +205,21 @@ def test_sharded_loading_reads_only_local_expert_slices(checkpoints, ep):
         assert torch.equal(w["w2"], full.w2.data[start:end])
         assert torch.equal(w["w2_gs"], full.w2.global_scale[start:end])
         assert torch.equal(w["in1"], full.w13_input_scale[start:end])
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_sharded_loading_slices_every_per_expert_tensor(checkpoints, ep, layout):
+    """Every per-expert tensor (weights, block scales, weight_scale_2, both input scales) of a
+    rank's shard is its experts' slice of the full load; router and shared expert are whole."""
+    from megamoe.checkpoint import load
+
+    world, _, results = ep
+    full = weight_tensors(load(checkpoints / "ckpt.safetensors").weights)
+    assert {"w13_input_scale", "w2_input_scale", "w2.scale", "w13.global_scale"} <= set(full)
+    per = full["w13.data"].shape[0] // world
+    for r, res in enumerate(results):
+        key = "tensors" if layout == "fused" else "per_expert_tensors"
+        assert_is_expert_slice(res["load"][key], full, r * per, (r + 1) * per, f"{layout} rank {r}")
 
 
 def test_sharded_loading_per_expert_layout(checkpoints, ep):
@@ -472,9 +501,25 @@ def test_load_shard_reads_a_directory_of_files(tmp_path):
     full = load(d)
     for rank in range(4):
         shard = load_shard(d, rank, 4)
-        lo, hi = rank * 2, rank * 2 + 2
-        assert torch.equal(shard.weights.w13.data, full.weights.w13.data[lo:hi])
-        assert torch.equal(shard.weights.w2.global_scale, full.weights.w2.global_scale[lo:hi])
-        assert torch.equal(shard.weights.w13_input_scale, full.weights.w13_input_scale[lo:hi])
-        assert torch.equal(shard.weights.shared_down, full.weights.shared_down)
+        assert_is_expert_slice(weight_tensors(shard.weights), weight_tensors(full.weights), rank * 2, rank * 2 + 2,
+                               f"rank {rank}")
         assert shard.config == full.config
+
+
+def test_shard_weights_slices_every_per_expert_tensor():
+    """The in-memory split (ExpertParallelMoE.from_preset) slices the same tensors as load_shard."""
+    from megamoe.checkpoint import synthetic_weights
+    from megamoe.distributed import shard_weights
+    from megamoe.presets import get_preset
+
+    full = synthetic_weights(get_preset("tiny").with_(**PRESET_OVERRIDES), seed=SEED % 1000)
+    flat = weight_tensors(full)
+    for world in (2, 4, 8):
+        for rank in range(world):
+            local, start = shard_weights(full, rank, world)
+            per = 8 // world
+            assert start == rank * per
+            parts = weight_tensors(local)
+            assert_is_expert_slice(parts, flat, start, start + per, f"rank {rank} of {world}")
+            # copies that own their bytes, so the full set can be freed
+            assert parts["w13.data"].untyped_storage().nbytes() == parts["w13.data"].numel()
