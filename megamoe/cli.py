@@ -1,11 +1,4 @@
-"""The ``megamoe`` command line.
-
-    megamoe info                       what is built and which backends this machine can run
-    megamoe selftest [--backend ...]   SPEC §5 kernel health checks; exit status 1 on failure
-    megamoe synth --preset tiny --out ckpt.safetensors
-                                       write a synthetic NVFP4 checkpoint (progress bar)
-    megamoe serve [...]                the HTTP service (KServe v2); `megamoe serve --help`
-"""
+"""The ``megamoe`` command line: ``info``, ``selftest``, ``synth``, ``serve`` (see :func:`build_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -90,13 +83,21 @@ def _cmd_serve(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megamoe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megamoe", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="NVFP4 Mixture-of-Experts kernels (Hopper, Blackwell, torch reference), their\n"
+                    "health checks and an inference service. Each command answers --help.",
+        epilog="examples:\n"
+               "  megamoe info                                  what is built, which backends run here\n"
+               "  megamoe selftest --backend auto --level full  kernel health checks (docs/SPEC.md §5)\n"
+               "  megamoe synth --preset tiny --out tiny.safetensors\n"
+               "  megamoe serve --help                          the HTTP service (KServe v2) and its settings")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     sub.add_parser("info", help="show the build, the GPU and the backends available here")
 
-    st = sub.add_parser("selftest", help="run the kernel health checks (SPEC §5); exit 1 on failure",
-                        description="Run the SPEC §5 checks (SF round trip, GEMM cosine on uniform and random "
+    st = sub.add_parser("selftest", help="run the kernel health checks (docs/SPEC.md §5); exit 1 on failure",
+                        description="Run the kernel health checks of docs/SPEC.md §5 (SF round trip, GEMM cosine on uniform and random "
                                     "data, MoE vs the BF16 reference, backend vs the torch reference) and print "
                                     "a table. Exit status: 0 all passed, 1 a check failed, 2 bad usage.")
     st.add_argument("--backend", default="auto", help="torch, cuda-sm90, cuda-sm100 or auto (default: auto)")
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--device", default=None, help="device to generate on (cuda is much faster for v3)")
     sy.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    sub.add_parser("serve", help="run the HTTP service (see `megamoe serve --help`)", add_help=False)
+    sub.add_parser("serve", help="run the HTTP service (KServe v2; megamoe serve --help)", add_help=False)
     return p
 
 

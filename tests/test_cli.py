@@ -48,3 +48,11 @@ def test_info_lists_backends():
     r = run("info")
     assert r.returncode == 0
     assert "torch" in r.stdout and "cuda-sm90" in r.stdout and "cuda-sm100" in r.stdout
+
+
+def test_top_level_help_is_plain_text():
+    out = run("--help").stdout
+    assert out.startswith("usage: megamoe")
+    for markup in ("``", ":func:", ":class:", "`"):
+        assert markup not in out, markup
+    assert "docs/SPEC.md §5" in run("selftest", "--help").stdout
