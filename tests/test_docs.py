@@ -1,0 +1,91 @@
+"""The docs are true about the tree: CI runs the README's test command, paths the docs name
+exist, and every "docs/SPEC.md §N" / "docs/FIELD_BUGS.md row N" reference resolves."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {".git", ".venv", "build", ".snap", "__pycache__", ".pytest_cache", "node_modules"}
+TEXT_SUFFIXES = {".py", ".md", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".sh", ".txt", ".toml", ".yaml", ".yml", ""}
+OWN_DOCS = ["README.md", "docs/SPEC.md", "docs/ARCHITECTURE.md", "docs/PERFORMANCE.md", "bench/README.md"]
+
+
+def tree_files():
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for f in files:
+            p = Path(root) / f
+            if p.suffix in TEXT_SUFFIXES and p.stat().st_size < 2_000_000:
+                yield p
+
+
+def readme_test_command() -> str:
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"# set up and run the tests \(what CI runs\)\n(.+)\n", text)
+    assert m, "README.md: the test command block is missing"
+    return m.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    cmd = readme_test_command()
+    lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines[-1] == cmd, f".ci/run ends with {lines[-1]!r}, the README says {cmd!r}"
+    assert "PATH" not in (REPO / ".ci" / "run").read_text()  # no help a new machine would lack
+
+
+@pytest.mark.parametrize("doc", OWN_DOCS)
+def test_paths_named_in_the_docs_exist(doc):
+    text = (REPO / doc).read_text()
+    missing = []
+    for name in re.findall(r"`([A-Za-z0-9_.\-]+(?:/[A-Za-z0-9_.\-*<>{}]+)+/?)`", text):
+        if any(c in name for c in "*<>{}") or name.startswith(("http", "/", "megamoe.", "v2/")):
+            continue
+        if "/" in name and not (REPO / name).exists() and not (REPO / Path(doc).parent / name).exists():
+            missing.append(name)
+    assert not missing, f"{doc} names paths that are not in the tree: {missing}"
+
+
+def _sections(path: Path) -> set[str]:
+    return set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", path.read_text(), flags=re.M))
+
+
+def _rows(path: Path) -> set[str]:
+    return set(re.findall(r"^\| (\d+) \|", path.read_text(), flags=re.M))
+
+
+def _references(pattern: str):
+    for p in tree_files():
+        if p.name == "test_docs.py":
+            continue
+        for m in re.finditer(pattern, p.read_text(errors="replace")):
+            yield p.relative_to(REPO), m
+
+
+def test_spec_references_resolve():
+    sections = _sections(REPO / "docs" / "SPEC.md")
+    assert {"1", "2", "3", "4", "5", "6"} <= sections
+    bad = [f"{p}: §{m.group(1)}" for p, m in _references(r"docs/SPEC\.md §(\d+(?:\.\d+)*)")
+           if m.group(1).rstrip(".") not in sections]
+    assert not bad, f"references to sections docs/SPEC.md does not have: {bad}"
+
+
+def test_field_bug_references_resolve():
+    page = REPO / "docs" / "FIELD_BUGS.md"
+    assert page.exists(), "docs/FIELD_BUGS.md is missing"
+    rows = _rows(page)
+    bad = []
+    for p, m in _references(r"docs/FIELD_BUGS\.md rows? (\d+(?:(?:, | and | ?[-–/] ?)\d+)*)"):
+        for n in re.findall(r"\d+", m.group(1)):
+            if n not in rows:
+                bad.append(f"{p}: row {n}")
+    assert not bad, f"references to rows docs/FIELD_BUGS.md does not have: {bad}"
+
+
+def test_no_references_to_files_outside_the_repository():
+    old = [f"{p}: {m.group(0)!r}" for p, m in _references(r"(?<![\w/.])(?:SPEC §|FIELD_BUGS #?\d|shared/SPEC|shared/FIELD_BUGS)")]
+    assert not old, f"cite docs/SPEC.md §N and docs/FIELD_BUGS.md row N instead: {old[:20]}"
