@@ -51,6 +51,7 @@ void register_sm90(nb::module_& m) {
   nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
       .value("auto", sm90::GemmKernel::kAuto)
       .value("stream", sm90::GemmKernel::kStream)
+      .value("wgmma32", sm90::GemmKernel::kWgmma32)
       .value("wgmma64", sm90::GemmKernel::kWgmma64)
       .value("wgmma128", sm90::GemmKernel::kWgmma128);
   nb::enum_<sm90::Epilogue>(m, "Sm90Epilogue", "what the grouped GEMM writes")
@@ -60,12 +61,14 @@ void register_sm90(nb::module_& m) {
       .def_ro("kernel", &sm90::GemmPlan::kernel)
       .def_ro("token_tile", &sm90::GemmPlan::token_tile)
       .def_ro("tokens_per_pass", &sm90::GemmPlan::tokens_per_pass)
-      .def_ro("fused_w4a16", &sm90::GemmPlan::fused_w4a16)
+      .def_ro("gather_x", &sm90::GemmPlan::gather_x)
+      .def_ro("h_operand", &sm90::GemmPlan::h_operand)
       .def("__repr__", [](const sm90::GemmPlan& p) {
-        static const char* names[] = {"stream", "wgmma64", "wgmma128"};
+        static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
-               ", fused_w4a16=" + (p.fused_w4a16 ? "True" : "False") + ")";
+               ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +
+               ")";
       });
   m.def(
       "sm90_plan",
@@ -134,8 +137,10 @@ void register_sm90(nb::module_& m) {
         a.out = opt_ptr<float>(out, "out", 4);
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
         if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
-        if ((a.act_rows || a.out_operand) && plan.kernel != sm90::GemmKernel::kStream)
-          throw std::invalid_argument("grouped_gemm: act_rows / out_operand need the streaming kernel (plan.fused_w4a16)");
+        if (a.act_rows && plan.kernel != sm90::GemmKernel::kStream)
+          throw std::invalid_argument("grouped_gemm: act_rows (gathered x) needs the streaming kernel (plan.gather_x)");
+        if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
+          throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;

@@ -66,6 +66,9 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
+__device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // Epilogue value of one accumulator: undo the dequant's 2^-7, then the global scales.

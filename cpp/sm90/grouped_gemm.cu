@@ -13,13 +13,17 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmKernel kernel = p.kernel;
   if (kernel == GemmKernel::kAuto) {
     kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? GemmKernel::kStream
+             : p.tokens_per_expert <= kWgmma32UpTo             ? GemmKernel::kWgmma32
              : p.tokens_per_expert <= kWgmma64UpTo             ? GemmKernel::kWgmma64
                                                                : GemmKernel::kWgmma128;
   }
   if (!wgmma_shape) kernel = GemmKernel::kStream;
   plan.kernel = kernel;
-  if (kernel == GemmKernel::kWgmma64 || kernel == GemmKernel::kWgmma128) {
-    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma64 ? kWgSmall : kWgMid;
+  plan.h_operand = p.w4a16;
+  if (kernel != GemmKernel::kStream) {
+    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32 ? kWgTiny
+                                             : kernel == GemmKernel::kWgmma64 ? kWgSmall
+                                                                              : kWgMid;
     return plan;
   }
   plan.token_tile = 8;
@@ -30,7 +34,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
     tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 16 ? 16 : want <= 32 ? 32 : 64;
   }
   plan.tokens_per_pass = tpp;
-  plan.fused_w4a16 = p.w4a16 && p.gather_input;
+  plan.gather_x = p.w4a16 && p.gather_input;
   return plan;
 }
 
@@ -41,9 +45,10 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
-    // The plan chooses wgmma only for shapes it takes; fused gather / operand output are streaming-only.
-    if (!wg_gemm_supported(a) || a.act_rows || a.out_operand || !a.out) return cudaErrorInvalidValue;
+  if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
+    // The plan chooses wgmma only for shapes it takes; the gather of x is streaming-only.
+    if (!wg_gemm_supported(a) || a.act_rows || !(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
+    if (a.kernel == GemmKernel::kWgmma32) return launch_wg_gemm<kWgTiny>(a, stream);
     return a.kernel == GemmKernel::kWgmma64 ? launch_wg_gemm<kWgSmall>(a, stream) : launch_wg_gemm<kWgMid>(a, stream);
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;

@@ -49,8 +49,6 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
   return natural ? interleave_act(u) : u;
 }
 
-// Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
-__device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
 
 // PDL prologue of the streaming kernels (launched with the PDL attribute, see pdl.cuh).
 // The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and

@@ -21,8 +21,8 @@ W4A16 skips the staging kernels is one C++ decision, ``megamoe._C.sm90_plan`` (t
 table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
-previous kernel's tail; with the streaming kernel, W4A16 gathers x inside L1 and writes h as
-the bf16 L2 operand (align, L1, L2, combine: 4 kernels).
+previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with the streaming kernel
+it also gathers x itself (align, L1, L2, combine: 4 kernels).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ __all__ = ["CudaSm90Backend", "PreparedSm90"]
 
 
 def gemm_kernel(name) -> object:
-    """``megamoe._C.Sm90GemmKernel`` member from itself or its name ("auto", "stream", "wgmma64", "wgmma128")."""
+    """``megamoe._C.Sm90GemmKernel`` member from itself or its name ("auto", "stream", "wgmma32", ...)."""
     kinds = _ext.ext.Sm90GemmKernel
     if isinstance(name, kinds):
         return name
@@ -278,10 +278,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                            stream)
         expected = -(-r // e)  # tokens per expert under uniform routing
         plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", x.dtype == torch.bfloat16)
-        fused = plan.fused_w4a16
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
                       grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
-        if fused:
+        if plan.gather_x:
             a1, a1_rows, a_gs, per_e, a_rs = x, ws.row_token, None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
@@ -290,8 +289,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
-                              out=None if fused else ws.h, out_operand=ws.a2 if fused else None, **common)
-        if fused:
+                              out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
+                              **common)
+        if plan.h_operand:
             a_gs, per_e, a_rs = None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,

@@ -127,13 +127,14 @@ def test_cuda_graph_replay_equals_eager(t, mode, gen):
 
 @pytest.mark.parametrize("shape", [(1040, 464), (1088, 576)], ids=["K%64!=0", "K%64==0"])
 def test_fused_w4a16_equals_staged(shape, gen):
-    """W4A16 with bf16 x runs the fused chain (L1 gathers x, writes h as the bf16 L2 operand: no staging
-    kernels); float32 x holding the same bf16 values runs the staged chain. Same sums, same roundings:
-    bit-identical over T = 1..40 and a few larger T (streaming one tile / several tiles per pass, wgmma or
-    the streaming fallback above: E = 16, k = 3), workspace poisoned before each forward."""
+    """W4A16 with bf16 x: with the streaming kernel L1 gathers x itself, and L1 writes h as the bf16 L2
+    operand with every kernel; float32 x holding the same bf16 values is staged first. Same sums, same
+    roundings: bit-identical over T = 1..40 and a few larger T (streaming one tile per pass, wgmma or the
+    streaming fallback with several tiles per pass above: E = 16, k = 3), workspace poisoned before each
+    forward."""
     gpu, ref = _layers("tiny", act_mode="w4a16", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16,
                        top_k=3)
-    for t in list(range(1, 41)) + [47, 97, 128]:
+    for t in list(range(1, 41)) + [47, 97, 128, 700]:
         x, ids, w = _route(gpu, t, gen)
         outs = []
         for xin in (x, x.float()):
@@ -163,7 +164,7 @@ def forced_kernel(request):
         layer.backend.kernel = "auto"
 
 
-@pytest.mark.parametrize("kernel", ["stream", "wgmma64", "wgmma128"])
+@pytest.mark.parametrize("kernel", ["stream", "wgmma32", "wgmma64", "wgmma128"])
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forced_kernel):
@@ -181,7 +182,7 @@ def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forc
         assert c >= 0.9999, (t, c, r)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma64", "wgmma128"])
+@pytest.mark.parametrize("kernel", ["wgmma32", "wgmma64", "wgmma128"])
 def test_moe_wgmma_t_sweep_partial_tiles(kernel, gen, forced_kernel):
     """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64
     gate/up columns), T across the token-tile widths and boundaries; bit-identical reruns."""
