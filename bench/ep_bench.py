@@ -19,8 +19,8 @@ Runs (writes ``bench/results/ep_<device>.json``)::
     torchrun --nproc-per-node 8 bench/ep_bench.py --preset v4-flash --tokens 128 2048 8192
     torchrun --nproc-per-node 2 bench/ep_bench.py --preset tiny --tokens 16 64 --iters 3   # CPU/gloo smoke
 
-Not run on GPUs yet (no multi-GPU machine was lent in the session that wrote it): the
-CPU/gloo smoke run is the only one done so far; its numbers say nothing about GPUs.
+Not yet run on GPUs: the CPU/gloo smoke run (``bench/results/ep_cpu-gloo-x2.json``) is the
+only result so far, and its numbers say nothing about GPUs.
 """
 from __future__ import annotations
 
