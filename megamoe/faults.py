@@ -1,4 +1,4 @@
-"""Fault injection: a backend with the scale-factor bug that started this project.
+"""Fault injection: a backend with a known scale-factor bug (docs/FIELD_BUGS.md rows 1 and 2).
 
 ``SwappedScaleLayout(backend)`` behaves like ``backend`` except that its SF swizzle
 iterates the *unpadded* size (padding left as it was: poison, or garbage) and swaps the M
@@ -16,6 +16,8 @@ FAULTS = ("swapped-sf",)
 
 
 class SwappedScaleLayout(Backend):
+    """``inner`` with the broken SF swizzle (M/K swapped, padding unwritten); all else is ``inner``'s."""
+
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
