@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ OWN_DOCS = ["README.md", "docs/SPEC.md", "docs/ARCHITECTURE.md", "docs/PERFORMAN
 
 
 def tree_files():
+    """The tree's files: git's view (tracked and not ignored) when in a checkout, else a walk."""
+    if (REPO / ".git").exists():
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True)
+        if out.returncode == 0:
+            for rel in out.stdout.splitlines():
+                p = REPO / rel
+                if p.suffix in TEXT_SUFFIXES and p.is_file() and p.stat().st_size < 2_000_000:
+                    yield p
+            return
     for root, dirs, files in os.walk(REPO):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for f in files:
