@@ -493,14 +493,23 @@ def test_backend_unavailable_here_with_reason():
 # the launcher's host side: the backend's call matches the binding, bad input is refused early
 # --------------------------------------------------------------------------------------------
 
+def _aligned_zeros(*shape, dtype=torch.uint8, align=256):
+    """Zeros whose data pointer is ``align``-byte aligned (a CPU allocation is only 64-byte aligned)."""
+    n = math.prod(shape)
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.zeros(n + align // item, dtype=dtype)
+    skip = (-raw.data_ptr() % align) // item
+    return raw[skip: skip + n].view(shape)
+
+
 def _launch_operands(counts, parts, n_part, k):
     rows = int(nvfp4.grouped_row_offsets(counts)[-1])
     e = len(counts)
-    a_data = torch.zeros(rows, k // 2, dtype=torch.uint8)
-    a_sf = torch.zeros(math.prod(nvfp4.sf_padded_shape(rows, k // 16)), dtype=torch.uint8)
-    b_data = torch.zeros(e, parts * n_part, k // 2, dtype=torch.uint8)
-    b_sf = torch.zeros(e, parts, math.prod(nvfp4.sf_padded_shape(n_part, k // 16)), dtype=torch.uint8)
-    out = torch.zeros(rows, parts * n_part)
+    a_data = _aligned_zeros(rows, k // 2)
+    a_sf = _aligned_zeros(math.prod(nvfp4.sf_padded_shape(rows, k // 16)))
+    b_data = _aligned_zeros(e, parts * n_part, k // 2)
+    b_sf = _aligned_zeros(e, parts, math.prod(nvfp4.sf_padded_shape(n_part, k // 16)))
+    out = _aligned_zeros(rows, parts * n_part, dtype=torch.float32)
     return a_data, a_sf, b_data, b_sf, out
 
 
@@ -603,3 +612,296 @@ def test_primitives_fall_back_to_the_reference_off_gpu(emulated):
     x = torch.randn(33, 64, generator=gen)
     q, ref = emulated.quantize(x), nvfp4.quantize(x)
     assert torch.equal(q.data, ref.data) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+
+
+# --------------------------------------------------------------------------------------------
+# the MoE glue around the kernel (docs/FIELD_BUGS.md rows 23, 25, 26, 28; issue §3 items)
+# --------------------------------------------------------------------------------------------
+
+def test_routing_rows_place_each_pair_and_skip_masked_ids():
+    from megamoe.backends.cuda_sm100 import routing_rows
+
+    e = 6
+    ids = torch.tensor([[0, 5], [-1, 2], [2, 7], [-1, -1], [5, 0]], dtype=torch.int32)
+    rt = routing_rows(ids, e)
+    assert rt.counts.tolist() == [2, 0, 2, 0, 0, 2] and rt.counts.dtype == torch.int32
+    starts = nvfp4.grouped_row_offsets(rt.counts.tolist()).tolist()
+    valid = ((ids >= 0) & (ids < e)).reshape(-1)
+    assert torch.equal(rt.valid, valid)
+    slot_rows = rt.row_of_slot.tolist()
+    seen = {}
+    for slot, (ok, r) in enumerate(zip(valid.tolist(), slot_rows)):
+        if not ok:
+            assert r == rt.rows  # the spare row, never read
+            continue
+        ex = int(ids.reshape(-1)[slot])
+        assert starts[ex] <= r < starts[ex] + rt.counts[ex]
+        assert rt.expert_of_row[r] == ex and bool(rt.real[r])
+        seen[r] = slot
+    assert len(seen) == int(valid.sum())  # one row per valid slot
+    assert int(rt.real.sum()) == len(seen) and rt.real.numel() == rt.rows
+    # pairs in token order inside each expert block
+    for ex in range(e):
+        block = [seen[r] for r in sorted(seen) if rt.expert_of_row[r] == ex]
+        assert block == sorted(block)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 1, 1), (37, 8, 256), (300, 6, 60), (129, 3, 5)])
+def test_routing_rows_bound_holds_even_with_every_token_on_one_expert(t, k, e):
+    """docs/FIELD_BUGS.md row 25: the host bound on the padded rows holds for degenerate routing
+    (every slot on expert 0, as a graph captured with all-zero ids has), not only for real routing."""
+    from megamoe.backends.cuda_sm100 import routing_rows
+
+    for ids in (torch.zeros(t, k, dtype=torch.int32), torch.full((t, k), e - 1, dtype=torch.int64),
+                torch.randint(-1, e, (t, k), generator=torch.Generator().manual_seed(t))):
+        rt = routing_rows(ids, e)
+        need = int(nvfp4.grouped_row_offsets(rt.counts.tolist())[-1])
+        assert need <= rt.rows
+        real_rows = rt.row_of_slot[rt.valid]
+        assert real_rows.numel() == 0 or int(real_rows.max()) < rt.rows
+        assert real_rows.unique().numel() == real_rows.numel()
+
+
+def test_routing_rows_offsets_are_64_bit_past_2_31():
+    """docs/FIELD_BUGS.md row 23: v3 at T = 37,500 (T*k*H > 2^31): rows times H stays exact."""
+    from megamoe.backends.cuda_sm100 import routing_rows
+
+    cfg = PRESETS["v3"]
+    t, k, e, h = 37_500, cfg.top_k, cfg.num_experts, cfg.hidden_size
+    assert t * k * h > 2**31
+    ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(1))[:k]] * t)
+    ids = (ids + torch.arange(t).unsqueeze(1)) % e
+    rt = routing_rows(ids, e)
+    assert rt.row_of_slot.dtype == torch.int64 and rt.dest.dtype == torch.int64
+    last = int(rt.row_of_slot.max())
+    assert last * h > 2**31  # the element offsets of the last rows do not fit in int32
+    assert int(nvfp4.grouped_row_offsets(rt.counts.tolist())[-1]) <= rt.rows
+
+
+def test_plan_offsets_are_exact_past_2_31():
+    """docs/FIELD_BUGS.md row 23 in the planner (the same geometry code the device argument builder
+    runs): v3 GEMM 1 and GEMM 2 at T = 37,500, byte offsets past 2^31 and 2^32, exact."""
+    cfg = PRESETS["v3"]
+    e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    pairs = 37_500 * k
+    counts = [pairs // e + (1 if j < pairs % e else 0) for j in range(e)]
+    for parts, n_part, kk in ((2, i, h), (1, h, i)):
+        plan = _plan(counts, parts, n_part, kk)
+        check_plan_against_spec(plan, counts, [1.0], [1.0] * (e * parts))
+        last = plan["groups"][-1]
+        rows_before = int(nvfp4.grouped_row_offsets(counts)[e - 1])
+        assert last["ptr_d"] == (rows_before * parts * n_part + last["part"] * n_part) * 4
+        assert last["ptr_a"] == rows_before * kk // 2
+        assert max(g["ptr_d"] for g in plan["groups"]) > 2**32
+
+
+def test_sf_pointer_offsets_keep_128_byte_alignment():
+    """Every group's scale-factor block starts 128-byte aligned from a 128-byte aligned base
+    (what the launcher checks of the bases), output and operand offsets 16-byte aligned."""
+    for counts, parts, n_part, k in (([5, 0, 130, 1], 2, 464, 1056), ([3, 300], 1, 1040, 480),
+                                     ([1] * 60, 2, 208, 416)):
+        plan = _plan(counts, parts, n_part, k)
+        for g in plan["groups"]:
+            assert g["ptr_sfa"] % 128 == 0 and g["ptr_sfb"] % 128 == 0, g
+            assert g["ptr_a"] % 16 == 0 and g["ptr_b"] % 16 == 0 and g["ptr_d"] % 16 == 0, g
+
+
+def test_combine_sums_slots_in_fixed_order_without_atomics():
+    """docs/FIELD_BUGS.md row 28: out[t] is the float32 sum over slots j = 0..k-1 in that order,
+    bit for bit; masked slots add nothing even when their weight and row hold NaN."""
+    from megamoe.backends.cuda_sm100 import combine_slots
+
+    gen = torch.Generator().manual_seed(28)
+    t, k, rows, h = 9, 4, 40, 24
+    y = torch.randn(rows, h, generator=gen) * torch.exp2(torch.randint(-8, 9, (rows, 1), generator=gen).float())
+    y[39] = float("nan")
+    row_of = torch.randint(0, 39, (t, k), generator=gen)
+    valid = torch.rand(t, k, generator=gen) > 0.25
+    row_of[~valid] = 39
+    w = torch.rand(t, k, generator=gen)
+    w[~valid] = float("nan")
+    scale = torch.rand(rows, generator=gen) + 0.5
+    for rs in (None, scale):
+        out = combine_slots(y, row_of, valid, w, rs)
+        want = torch.zeros(t, h)
+        for j in range(k):  # the order the docstring promises
+            wj = w[:, j] if rs is None else w[:, j] * rs[row_of[:, j]]
+            want = want + torch.where(valid[:, j:j + 1], y[row_of[:, j]] * wj[:, None], torch.zeros(()))
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, want)
+
+
+def _float_index_add_guard(monkeypatch):
+    calls = []
+    orig = torch.Tensor.index_add_
+
+    def guarded(self, dim, index, source, *a, **kw):
+        calls.append(self.dtype)
+        return orig(self, dim, index, source, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", guarded)
+    return calls
+
+
+def test_moe_forward_combine_uses_no_float_index_add(emulated, monkeypatch):
+    """issue §3: the combine was `out.index_add_` (atomic on CUDA: run-to-run different bits with
+    three or more experts per row). Integer counting may use it (exact in any order), floats not."""
+    layer = _layer("tiny", emulated, top_k=4)
+    x = torch.randn(33, layer.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    calls = _float_index_add_guard(monkeypatch)
+    emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
+    assert not [d for d in calls if d.is_floating_point], calls
+
+
+def test_moe_forward_with_no_tokens_returns_empty(emulated):
+    layer = _layer("tiny", emulated)
+    h = layer.config.hidden_size
+    x = torch.zeros(0, h, dtype=torch.bfloat16)
+    ids = torch.zeros(0, layer.config.top_k, dtype=torch.int32)
+    out = emulated.moe_forward(layer._prepared, layer.config, x, ids, torch.zeros(0, layer.config.top_k))
+    assert out.shape == (0, h) and out.dtype == torch.float32
+
+
+def _poisoned_empty(monkeypatch):
+    """torch.empty that returns NaN-filled floats: buffers whose padding must never be read."""
+    orig = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        t = orig(*size, dtype=dtype, device=device, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("over", [{}, {"hidden_size": 1040, "intermediate_size": 464, "num_experts": 6},
+                                  {"dynamic_act_scale": True, "top_k": 3}])
+def test_moe_forward_reads_no_unwritten_padding(emulated, monkeypatch, over):
+    """x_pad, gu and y are `torch.empty` (their padding rows are never read): with every empty float
+    buffer NaN-poisoned the output is bit-identical, and every scale byte the GEMM can read (whole
+    128-row x 4-column atoms, K/16 = 65 or 29 not a multiple of 4 here) is defined: the logical
+    scales where a row is real, zero elsewhere."""
+    layer = _layer("tiny", emulated, **over)
+    cfg = layer.config
+    x = torch.randn(45, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    clean = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
+    seen = []
+    orig = type(emulated)._grouped_gemm
+
+    def spy(self, counts, parts, n_part, k, a_data, a_sf, *rest):
+        seen.append((counts.tolist(), k, a_data.clone(), a_sf.clone()))
+        return orig(self, counts, parts, n_part, k, a_data, a_sf, *rest)
+
+    monkeypatch.setattr(type(emulated), "_grouped_gemm", spy)
+    _poisoned_empty(monkeypatch)
+    out = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
+    monkeypatch.undo()
+    assert torch.equal(out, clean)
+    assert len(seen) == 2
+    for counts, k, a_data, a_sf in seen:
+        rows = a_data.shape[0]
+        kb = k // 16
+        starts = nvfp4.grouped_row_offsets(counts).tolist()
+        real = torch.zeros(rows, dtype=torch.bool)
+        for ex, c in enumerate(counts):
+            real[starts[ex]:starts[ex] + c] = True
+        prow, pcol = nvfp4.sf_padded_shape(rows, kb)
+        assert a_sf.numel() == prow * pcol  # the whole padded buffer, nothing short
+        full = nvfp4.unswizzle_scales(a_sf, prow, pcol).view(torch.uint8)  # every byte of the buffer
+        assert (full[:, kb:] == 0).all() and (full[rows:] == 0).all() and (full[:rows][~real] == 0).all()
+        assert (a_data[~real] == 0).all()
+        assert not torch.isnan(full[:rows][real].view(torch.float8_e4m3fn).float()).any()
+
+
+def test_launch_buffers_cached_per_groups_and_stream(emulated):
+    a1, w1 = emulated.launch_buffers(16, 0)
+    a2, w2 = emulated.launch_buffers(16, 0)
+    assert a1 is a2 and w1 is w2
+    assert a1.numel() == _ext_mod().sm100_args_bytes(16)
+    assert w1.numel() >= _ext_mod().sm100_workspace_bytes(16, SM_COUNT)
+    assert emulated.launch_buffers(8, 0)[0] is not a1 and emulated.launch_buffers(16, 7)[0] is not a1
+    for g in range(1, 3 * emulated.MAX_LAUNCH_BUFFERS):
+        emulated.launch_buffers(g, 1)
+    assert len(emulated._buffers) == emulated.MAX_LAUNCH_BUFFERS
+
+
+def _raw_launch_kwargs(counts, parts, n_part, k, **over):
+    ext = _ext_mod()
+    a_data, a_sf, b_data, b_sf, out = _launch_operands(counts, parts, n_part, k)
+    groups = len(counts) * parts
+    args = _aligned_zeros(ext.sm100_args_bytes(groups))
+    ws = _aligned_zeros(ext.sm100_workspace_bytes(groups, SM_COUNT) + 256)
+    keep = [a_data, a_sf, b_data, b_sf, out, args, ws, torch.tensor(counts, dtype=torch.int32), torch.ones(1),
+            torch.ones(groups)]
+    kw = dict(num_experts=len(counts), parts=parts, n_part=n_part, k=k, a_scale_count=1, a=a_data.data_ptr(),
+              a_sf=a_sf.data_ptr(), b=b_data.data_ptr(), b_sf=b_sf.data_ptr(), d=out.data_ptr(),
+              token_counts=keep[7].data_ptr(), a_global_scale=keep[8].data_ptr(), b_global_scale=keep[9].data_ptr(),
+              args=args.data_ptr(), args_bytes=args.numel(), workspace=ws.data_ptr(),
+              workspace_bytes=ext.sm100_workspace_bytes(groups, SM_COUNT), host_token_counts=counts,
+              sm_count=SM_COUNT, stream=0)
+    kw.update(over)
+    return kw, keep
+
+
+@pytest.mark.parametrize("case,match", [("a_sf", "a_sf .* 128-byte aligned"), ("b_sf", "b_sf .* 128-byte aligned"),
+                                        ("workspace", "workspace .* 64-byte aligned"),
+                                        ("workspace_bytes", "workspace has"),
+                                        ("negative_count", "negative token count")])
+def test_launch_checks_alignment_and_workspace_before_any_cuda_call(case, match):
+    """Scale-factor bases 128-byte aligned (TMA), tensor-map workspace 64, workspace size: all checked
+    on the host before the argument builder is launched (here without a GPU the first CUDA call
+    would fail with 'cudaGetDevice': these errors come first)."""
+    kw, keep = _raw_launch_kwargs([3, 5], 2, 128, 256)
+    if case in ("a_sf", "b_sf"):
+        kw[case] += 16  # 16-byte aligned, not 128
+    elif case == "workspace":
+        kw[case] += 32
+    elif case == "workspace_bytes":
+        kw[case] -= 1
+    else:
+        kw["host_token_counts"] = [3, -5]
+    with pytest.raises(ValueError, match=match):
+        _ext_mod().sm100_moe_gemm(**kw)
+
+
+def test_launch_with_no_tiles_returns_without_touching_anything():
+    """Host problem shapes with no tile (every expert empty): CUTLASS would get a 0-block grid.
+    The launcher returns before any CUDA call (none is possible here) and writes nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this test is about the host-side path")
+    kw, keep = _raw_launch_kwargs([0, 0, 0], 2, 128, 256)
+    keep[5].fill_(0xA5)
+    _ext_mod().sm100_moe_gemm(**kw)  # no error: nothing to do
+    assert (keep[5] == 0xA5).all()  # args untouched
+    kw2, _ = _raw_launch_kwargs([0, 1, 0], 2, 128, 256)
+    with pytest.raises(RuntimeError, match="cudaGetDevice"):  # one tile: it goes on to the device
+        _ext_mod().sm100_moe_gemm(**kw2)
+
+
+def test_host_args_bytes_match_the_plan():
+    """The host image of the args buffer (what tests/sm100_gpu compares the device's buffer with,
+    byte for byte) holds the plan's shapes, pointers, alphas, strides and layouts."""
+    import struct
+
+    ext = _ext_mod()
+    counts, parts, n_part, k = [5, 0, 130], 2, 464, 1056
+    a_gs, b_gs = [2.0], [0.5 * (j + 1) for j in range(6)]
+    bases = [1 << 40, (1 << 40) + (1 << 30), 1 << 41, (1 << 41) + (1 << 30), 1 << 42]
+    args_base = 1 << 43
+    buf = ext.sm100_host_args_bytes(counts, parts, n_part, k, a_gs, b_gs, bases, args_base, 0xA5)
+    plan = ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs, b_gs, SM_COUNT)
+    lay = plan["args_layout"]
+    assert len(buf) == lay["total_bytes"] == ext.sm100_args_bytes(6)
+    for g, grp in enumerate(plan["groups"]):
+        def u64(section):
+            return struct.unpack_from("<Q", buf, lay[section] + 8 * g)[0]
+        assert struct.unpack_from("<3i", buf, lay["problem_shapes"] + 12 * g) == grp["problem_shape"]
+        assert u64("ptr_a") == bases[0] + grp["ptr_a"] and u64("ptr_sfa") == bases[1] + grp["ptr_sfa"]
+        assert u64("ptr_b") == bases[2] + grp["ptr_b"] and u64("ptr_sfb") == bases[3] + grp["ptr_sfb"]
+        assert u64("ptr_d") == bases[4] + grp["ptr_d"]
+        assert struct.unpack_from("<f", buf, lay["alpha"] + 4 * g)[0] == grp["alpha"]
+        assert u64("ptr_alpha") == args_base + lay["alpha"] + 4 * g
+    assert buf[lay["problem_shapes"] + 12 * 6] == 0xA5  # gaps keep the fill byte

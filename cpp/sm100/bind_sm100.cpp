@@ -175,6 +175,31 @@ void register_sm100(nb::module_& m) {
         nb::arg("sm_count") = sm100::kDefaultSmCount,
         "CUTLASS workspace bytes for a launch (Gemm::get_workspace_size).");
 
+  m.def("sm100_host_args_bytes",
+        [](std::vector<int32_t> const& token_counts, int parts, int n_part, int k,
+           std::vector<float> const& a_global_scale, std::vector<float> const& b_global_scale,
+           std::vector<uint64_t> const& bases, uint64_t args_base, int fill) {
+          if (bases.size() != 5) throw nb::value_error("bases must be (a, a_sf, b, b_sf, d)");
+          if (fill < 0 || fill > 255) throw nb::value_error("fill must be a byte value 0..255");
+          auto const geo = make_geometry(int(token_counts.size()), parts, n_part, k, int(a_global_scale.size()));
+          sm100::OperandAddresses addr;
+          addr.a = bases[0];
+          addr.a_sf = bases[1];
+          addr.b = bases[2];
+          addr.b_sf = bases[3];
+          addr.d = bases[4];
+          std::vector<uint8_t> const bytes = sm100::host_args_bytes(geo, token_counts, a_global_scale, b_global_scale,
+                                                                    addr, args_base, uint8_t(fill));
+          return nb::bytes(reinterpret_cast<char const*>(bytes.data()), bytes.size());
+        },
+        nb::arg("token_counts"), nb::arg("parts"), nb::arg("n_part"), nb::arg("k"), nb::arg("a_global_scale"),
+        nb::arg("b_global_scale"), nb::arg("bases"), nb::arg("args_base"), nb::arg("fill") = 0,
+        "Host-only: the args buffer (sm100_args_bytes(groups) bytes) exactly as the device argument builder "
+        "fills it for these counts, operand addresses (a, a_sf, b, b_sf, d) and a buffer at args_base; bytes "
+        "between the arrays keep `fill`.");
+  m.def("sm100_cached_gemm_count", &sm100::cached_gemm_count,
+        "Initialized CUTLASS Gemm objects the launcher keeps (launches with device token counts).");
+
   m.def("sm100_moe_gemm",
         [](int num_experts, int parts, int n_part, int k, int a_scale_count, uintptr_t a, uintptr_t a_sf,
            uintptr_t b, uintptr_t b_sf, uintptr_t d, uintptr_t token_counts, uintptr_t a_global_scale,

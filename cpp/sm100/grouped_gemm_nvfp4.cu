@@ -16,10 +16,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -452,12 +457,88 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
   return plan;
 }
 
+std::vector<uint8_t> host_args_bytes(MoeGemmGeometry const& geo, std::vector<int32_t> const& token_counts,
+                                     std::vector<float> const& a_global_scale,
+                                     std::vector<float> const& b_global_scale, OperandAddresses const& bases,
+                                     uint64_t args_base, uint8_t fill) {
+  std::vector<std::string> const problems = check_geometry(geo);
+  if (!problems.empty()) throw std::invalid_argument("host_args_bytes: " + problems.front());
+  int const groups = num_groups(geo);
+  if (int(token_counts.size()) != geo.num_experts || int(a_global_scale.size()) != geo.a_scale_count ||
+      int(b_global_scale.size()) != groups) {
+    throw std::invalid_argument("host_args_bytes: need num_experts token counts, a_scale_count activation scales "
+                                "and num_experts * parts weight scales");
+  }
+  ArgsLayout const layout = make_args_layout(groups);
+  std::vector<uint8_t> buffer(size_t(layout.total_bytes), fill);
+  GroupArrays const arrays = view_group_arrays(buffer.data(), layout);
+  OperandBases const operand_bases{uintptr_t(bases.a), uintptr_t(bases.a_sf), uintptr_t(bases.b),
+                                   uintptr_t(bases.b_sf), uintptr_t(bases.d)};
+  for (int g = 0; g < groups; ++g) {
+    fill_group(geo, operand_bases, token_counts.data(), a_global_scale.data(), b_global_scale.data(), g, arrays);
+    // ptr_alpha points into the args buffer itself: as the device sees it, at args_base
+    uint64_t const alpha_address = args_base + uint64_t(layout.alpha) + uint64_t(g) * sizeof(float);
+    std::memcpy(&arrays.ptr_alpha[g], &alpha_address, sizeof(alpha_address));
+  }
+  return buffer;
+}
+
+namespace {
+
+// Initialized CUTLASS Gemm objects, kept per launch buffers. A Gemm's params depend only on
+// the addresses of the per-group arrays (inside `args`), the workspace, the group count, the
+// SM count and the device: operand addresses and problem shapes are read by the kernel from
+// the arrays, which the argument builder refills on every launch. Every initialize_workspace
+// of this configuration (mainloop, epilogue, group tile scheduler) is a no-op, so re-running
+// an initialized Gemm is what initialize + run would do, minus the host work.
+using GemmKey = std::tuple<int, uintptr_t, uintptr_t, int, int>;  // device, args, workspace, groups, sm_count
+constexpr size_t kMaxCachedGemms = 64;
+
+struct GemmCache {
+  std::mutex mutex;
+  std::map<GemmKey, std::unique_ptr<Gemm>> gemms;
+  std::deque<GemmKey> order;  // oldest first
+};
+
+GemmCache& gemm_cache() {
+  static GemmCache cache;
+  return cache;
+}
+
+}  // namespace
+
+int64_t cached_gemm_count() {
+  GemmCache& cache = gemm_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  return int64_t(cache.gemms.size());
+}
+
 void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs, int32_t const* host_token_counts,
                   int sm_count, void* stream_handle) {
+  // Every check below is host-only and runs before anything reaches the device (no CUDA call,
+  // no kernel launch), so bad arguments raise with nothing queued.
   std::vector<std::string> const problems = check_geometry(geo);
   if (!problems.empty()) throw std::invalid_argument("sm100 moe_gemm: " + problems.front());
   if (sm_count <= 0) {
     throw std::invalid_argument("sm100 moe_gemm: sm_count must be positive, got " + std::to_string(sm_count));
+  }
+  int const groups = num_groups(geo);
+  std::vector<UnderlyingShape> host_shapes;
+  if (host_token_counts != nullptr) {
+    int64_t tiles = 0;
+    for (int g = 0; g < groups; ++g) {
+      GroupGeometry const gg = group_geometry(geo, host_token_counts, g);
+      if (gg.tokens < 0) {
+        throw std::invalid_argument("sm100 moe_gemm: negative token count " + std::to_string(gg.tokens) +
+                                    " for expert " + std::to_string(gg.expert));
+      }
+      host_shapes.push_back(UnderlyingShape{gg.m, gg.n, gg.k});
+      tiles += (gg.m > 0 && gg.n > 0 && gg.k > 0) ? 1 : 0;  // groups with at least one tile
+    }
+    // No tile anywhere: CUTLASS would compute a 0-block grid and report an internal error.
+    // Nothing to write (D has no rows that belong to a group, its buffers may be empty and
+    // their pointers null), so nothing is launched and the pointers are not looked at.
+    if (tiles == 0) return;
   }
   auto check_aligned = [](void const* p, char const* name, uintptr_t alignment) {
     if (p == nullptr || reinterpret_cast<uintptr_t>(p) % alignment != 0) {
@@ -467,28 +548,47 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
       throw std::invalid_argument(os.str());
     }
   };
-  // TMA needs 16-byte aligned global addresses; every group offset keeps that (see check_geometry).
+  // TMA: 16-byte aligned operand and output bases (every group offset keeps that, see
+  // check_geometry), 128-byte aligned scale-factor bases (every group's SF block starts on a
+  // 512-byte scale atom from there), 64-byte aligned tensor maps in the workspace.
   check_aligned(ptrs.a, "a", 16);
-  check_aligned(ptrs.a_sf, "a_sf", 16);
+  check_aligned(ptrs.a_sf, "a_sf", kSfAlignmentBytes);
   check_aligned(ptrs.b, "b", 16);
-  check_aligned(ptrs.b_sf, "b_sf", 16);
+  check_aligned(ptrs.b_sf, "b_sf", kSfAlignmentBytes);
   check_aligned(ptrs.d, "d", 16);
   check_aligned(ptrs.args, "args", 16);
   check_aligned(ptrs.token_counts, "token_counts", 4);
   check_aligned(ptrs.a_global_scale, "a_global_scale", 4);
   check_aligned(ptrs.b_global_scale, "b_global_scale", 4);
 
-  int const groups = num_groups(geo);
   ArgsLayout const layout = make_args_layout(groups);
   if (ptrs.args_bytes < layout.total_bytes) {
     throw std::invalid_argument("sm100 moe_gemm: args buffer has " + std::to_string(ptrs.args_bytes) +
                                 " bytes, needs " + std::to_string(layout.total_bytes));
   }
+
+  GroupArrays const arrays = view_group_arrays(ptrs.args, layout);
+  auto args = make_gemm_arguments(groups, arrays, host_shapes.empty() ? nullptr : host_shapes.data(), sm_count,
+                                  /*device_id=*/0);
+  cutlass::Status status = Gemm::can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::runtime_error("sm100 moe_gemm: CUTLASS can_implement: " + status_string(status));
+  }
+  int64_t const needed = int64_t(Gemm::get_workspace_size(args));
+  if (needed > 0) {
+    check_aligned(ptrs.workspace, "workspace", GemmKernel::MinTensorMapWorkspaceAlignment);
+  }
+  if (ptrs.workspace_bytes < needed) {
+    throw std::invalid_argument("sm100 moe_gemm: workspace has " + std::to_string(ptrs.workspace_bytes) +
+                                " bytes, CUTLASS needs " + std::to_string(needed));
+  }
+
+  // The device from here on.
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   int device_id = 0;
   if (cudaGetDevice(&device_id) != cudaSuccess) throw std::runtime_error("sm100 moe_gemm: cudaGetDevice failed");
+  args.hw_info.device_id = device_id;
 
-  GroupArrays const arrays = view_group_arrays(ptrs.args, layout);
   OperandBases const bases{reinterpret_cast<uintptr_t>(ptrs.a), reinterpret_cast<uintptr_t>(ptrs.a_sf),
                            reinterpret_cast<uintptr_t>(ptrs.b), reinterpret_cast<uintptr_t>(ptrs.b_sf),
                            reinterpret_cast<uintptr_t>(ptrs.d)};
@@ -501,30 +601,35 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
                              cudaGetErrorString(err));
   }
 
-  std::vector<UnderlyingShape> host_shapes;
   if (host_token_counts != nullptr) {
-    for (int g = 0; g < groups; ++g) {
-      GroupGeometry const gg = group_geometry(geo, host_token_counts, g);
-      host_shapes.push_back(UnderlyingShape{gg.m, gg.n, gg.k});
+    // Host problem shapes live in this call's stack: such a Gemm is not kept.
+    Gemm gemm;
+    status = gemm.initialize(args, ptrs.workspace, stream);
+    if (status != cutlass::Status::kSuccess) {
+      throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
     }
+    status = gemm.run(stream);
+  } else {
+    GemmCache& cache = gemm_cache();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    GemmKey const key{device_id, reinterpret_cast<uintptr_t>(ptrs.args), reinterpret_cast<uintptr_t>(ptrs.workspace),
+                      groups, sm_count};
+    auto it = cache.gemms.find(key);
+    if (it == cache.gemms.end()) {
+      auto gemm = std::make_unique<Gemm>();
+      status = gemm->initialize(args, ptrs.workspace, stream);
+      if (status != cutlass::Status::kSuccess) {
+        throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
+      }
+      if (cache.gemms.size() >= kMaxCachedGemms) {
+        cache.gemms.erase(cache.order.front());
+        cache.order.pop_front();
+      }
+      it = cache.gemms.emplace(key, std::move(gemm)).first;
+      cache.order.push_back(key);
+    }
+    status = it->second->run(stream);
   }
-  auto const args = make_gemm_arguments(groups, arrays, host_shapes.empty() ? nullptr : host_shapes.data(),
-                                        sm_count, device_id);
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error("sm100 moe_gemm: CUTLASS can_implement: " + status_string(status));
-  }
-  int64_t const needed = int64_t(Gemm::get_workspace_size(args));
-  if (ptrs.workspace_bytes < needed || (needed > 0 && ptrs.workspace == nullptr)) {
-    throw std::invalid_argument("sm100 moe_gemm: workspace has " + std::to_string(ptrs.workspace_bytes) +
-                                " bytes, CUTLASS needs " + std::to_string(needed));
-  }
-  status = gemm.initialize(args, ptrs.workspace, stream);
-  if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
-  }
-  status = gemm.run(stream);
   if (status != cutlass::Status::kSuccess) {
     throw std::runtime_error("sm100 moe_gemm: CUTLASS run: " + status_string(status));
   }

@@ -37,6 +37,7 @@ Not on the CUTLASS path (stated in :meth:`describe`): W4A16 (bf16 activations) a
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,8 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import CudaCommonMixin, common_ext
 from megamoe.backends.torch_ref import TorchBackend, row_global_scales, swiglu
 
-__all__ = ["CudaSm100Backend", "PreparedSm100", "emulate_grouped_gemm", "launch_grouped_gemm", "pad_k", "K_ALIGN",
-           "N_ALIGN"]
+__all__ = ["CudaSm100Backend", "PreparedSm100", "RoutingRows", "combine_slots", "emulate_grouped_gemm",
+           "launch_buffers", "launch_grouped_gemm", "pad_k", "routing_rows", "K_ALIGN", "N_ALIGN"]
 
 K_ALIGN = 32  # fp4 elements: 16-byte rows for TMA (kernel alignment of A and B)
 N_ALIGN = 4   # fp32 elements: 16-byte output rows and gate/up column offsets
@@ -157,10 +158,22 @@ def _primitive(name: str):
     return call
 
 
+def launch_buffers(ext, groups: int, sm_count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh ``(args, workspace)`` pair for a launch of ``groups`` groups on ``device``.
+
+    ``args`` holds CUTLASS's per-group arrays (filled on the device by the argument builder),
+    ``workspace`` the per-SM tensor maps; torch's allocator gives 512-byte aligned blocks, more
+    than the 16 / 64 bytes the launcher checks."""
+    args = torch.empty(ext.sm100_args_bytes(groups), dtype=torch.uint8, device=device)
+    workspace = torch.empty(max(ext.sm100_workspace_bytes(groups, sm_count), 1), dtype=torch.uint8, device=device)
+    return args, workspace
+
+
 def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
                         a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, sm_count: int,
-                        stream: int) -> None:
-    """Allocate the args buffer and workspace next to ``out`` and call ``_C.sm100_moe_gemm``.
+                        stream: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Call ``_C.sm100_moe_gemm`` with ``buffers`` = ``(args, workspace)`` (see :func:`launch_buffers`;
+    fresh ones when None).
 
     Operands as in :func:`emulate_grouped_gemm`; ``out`` is fp32 ``[rows, parts * n_part]``.
     ``counts`` (tokens per expert) is a host list, then CUTLASS's ``can_implement`` also checks
@@ -184,8 +197,9 @@ def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_
         counts_dev = counts
     else:
         counts_dev = torch.tensor(host_counts, dtype=torch.int32, device=dev)
-    args = torch.empty(ext.sm100_args_bytes(groups), dtype=torch.uint8, device=dev)
-    workspace = torch.empty(max(ext.sm100_workspace_bytes(groups, sm_count), 1), dtype=torch.uint8, device=dev)
+    args, workspace = launch_buffers(ext, groups, sm_count, dev) if buffers is None else buffers
+    if args.device != dev or workspace.device != dev:
+        raise ValueError(f"sm100 grouped GEMM: args / workspace buffers must be on {dev}")
     a_gs = a_gs.reshape(-1).float().contiguous().to(dev)
     b_gs = b_gs.reshape(-1).float().contiguous().to(dev)
     ext.sm100_moe_gemm(
@@ -195,6 +209,88 @@ def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_
         b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
         workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=host_counts,
         sm_count=sm_count, stream=stream)
+
+
+@dataclass
+class RoutingRows:
+    """Where every (token, slot) pair of a routing goes in the padded, expert-sorted rows.
+
+    ``counts`` int32 ``[E]`` tokens per expert (masked slots not counted); ``rows`` the padded
+    row count (a host bound, never read back from the device); ``dest`` ``[P]`` the row of the
+    ``i``-th pair in expert order (``rows`` for a masked slot: the spare row); ``token_of``
+    ``[P]`` its token; ``row_of_slot`` ``[T * k]`` the row of each slot in slot order;
+    ``valid`` ``[T * k]`` whether the slot's id is in ``[0, E)``; ``expert_of_row`` ``[rows]``
+    and ``real`` ``[rows]`` the expert of each row and whether a slot fills it.
+    """
+
+    counts: torch.Tensor
+    rows: int
+    dest: torch.Tensor
+    token_of: torch.Tensor
+    row_of_slot: torch.Tensor
+    valid: torch.Tensor
+    expert_of_row: torch.Tensor
+    real: torch.Tensor
+
+
+def routing_rows(topk_ids: torch.Tensor, num_experts: int) -> RoutingRows:
+    """SPEC §2 row placement of a ``[T, k]`` routing, on the ids' device, without a host sync.
+
+    Expert ``e``'s pairs, in (token, slot) order, take rows ``row_offset_e ..``, with
+    ``row_offset_e = sum_{j<e} round_up(count_j, 128)``. Ids outside ``[0, E)`` get no row.
+    """
+    e = num_experts
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    pairs = flat.numel()
+    top_k = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    valid = (flat >= 0) & (flat < e)
+    key = torch.where(valid, flat, torch.full((), e, dtype=torch.long, device=dev))  # masked: after every expert
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    # integer additions: exact, so the same in any order
+    counts_all = torch.zeros(e + 1, dtype=torch.int64, device=dev).index_add_(
+        0, key, torch.ones(pairs, dtype=torch.int64, device=dev))
+    counts = counts_all[:e]
+    padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    starts = torch.cumsum(padded, 0) - padded          # SPEC §2 row_offset_e
+    first = torch.cumsum(counts_all, 0) - counts_all   # first sorted pair of each expert
+    # sum_e round_up(count_e, 128) <= pairs + 127 * (number of non-empty experts)
+    rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
+    is_real = sorted_key < e
+    expert = sorted_key.clamp(max=e - 1)
+    pos = torch.arange(pairs, device=dev) - first[sorted_key]
+    dest = torch.where(is_real, starts[expert] + pos, torch.full((), rows, dtype=torch.long, device=dev))
+    row_of_slot = torch.empty(pairs, dtype=torch.long, device=dev)
+    row_of_slot[order] = dest  # `order` is a permutation: every slot written once
+    expert_of_row = torch.zeros(rows + 1, dtype=torch.long, device=dev)
+    expert_of_row[dest] = expert
+    real = torch.zeros(rows + 1, dtype=torch.bool, device=dev)
+    real[dest] = is_real
+    return RoutingRows(counts=counts.to(torch.int32), rows=rows, dest=dest, token_of=order // top_k,
+                       row_of_slot=row_of_slot, valid=valid, expert_of_row=expert_of_row[:rows], real=real[:rows])
+
+
+def combine_slots(y: torch.Tensor, row_of_slot: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * s[r] * y[r]``, ``r = row_of_slot[t, j]``, summed in slot order j = 0..k-1.
+
+    A gather per slot and an add, no atomics and no ``index_add_`` (atomic on CUDA): the same
+    input gives the same bits on every run (docs/FIELD_BUGS.md row 28). Slots with ``valid``
+    False contribute nothing, whatever their row, weight or the row's contents (masked ids).
+    ``row_scale`` ``[rows]`` (dynamic activation scales of GEMM 2) multiplies each row; None: 1.
+    """
+    t, top_k = row_of_slot.shape
+    rows = y.shape[0]
+    out = torch.zeros((t, y.shape[1]), dtype=torch.float32, device=y.device)
+    zero = torch.zeros((), dtype=torch.float32, device=y.device)
+    for j in range(top_k):
+        ok = valid[:, j]
+        r = torch.where(ok, row_of_slot[:, j], torch.zeros((), dtype=row_of_slot.dtype, device=y.device))
+        r = r.clamp(max=rows - 1)
+        w = weights[:, j] if row_scale is None else weights[:, j] * row_scale[r]
+        out = out + torch.where(ok.unsqueeze(1), y[r] * w.unsqueeze(1), zero)
+    return out
 
 
 class CudaSm100Backend(CudaCommonMixin, Backend):
@@ -227,6 +323,29 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         self.sm_count = int(sm_count)
         self._reference = TorchBackend(device=self._device)
         self._gpu_primitives = self._device.type == "cuda" and common_ext() is not None
+        self._buffers: OrderedDict = OrderedDict()  # (groups, device, stream) -> (args, workspace)
+
+    #: launch buffers kept per (groups, stream); the least recently used beyond this are dropped
+    MAX_LAUNCH_BUFFERS = 8
+
+    def launch_buffers(self, groups: int, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached ``(args, workspace)`` of launches with ``groups`` groups on ``stream``.
+
+        One pair per (groups, stream): launches on one stream run in order, so the argument
+        builder of a launch never overwrites arrays an earlier launch still reads. (Under CUDA
+        graph capture the backend allocates fresh buffers from the graph's pool instead.) The
+        C++ launcher keys its initialized CUTLASS ``Gemm`` objects by these buffers' addresses,
+        so a cached pair also skips ``Gemm::initialize``."""
+        key = (groups, str(self._device), int(stream))
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = launch_buffers(self._ext, groups, self.sm_count, self._device)
+            self._buffers[key] = bufs
+            while len(self._buffers) > self.MAX_LAUNCH_BUFFERS:
+                self._buffers.popitem(last=False)
+        else:
+            self._buffers.move_to_end(key)
+        return bufs
 
     quantize = _primitive("quantize")
     swizzle_scales = _primitive("swizzle_scales")
@@ -287,9 +406,13 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                                    f"(CUTLASS: {plan['can_implement_status']})")
             return emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
         dev = out.device
+        num_experts = counts.numel() if torch.is_tensor(counts) else len(counts)
         with torch.cuda.device(dev):  # the launcher uses the current device and its stream
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            buffers = None if torch.cuda.is_current_stream_capturing() else self.launch_buffers(
+                num_experts * parts, stream)
             launch_grouped_gemm(self._ext, counts, parts, n_part, k, a_data, a_sf, b_data, b_sf, a_gs, b_gs, out,
-                                self.sm_count, torch.cuda.current_stream(dev).cuda_stream)
+                                self.sm_count, stream, buffers=buffers)
         return out
 
     # ------------------------------------------------------------------ GEMM
@@ -362,8 +485,11 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                                  f"(CUTLASS: {plan['can_implement_status']})")
         return prepared
 
-    def _quantize_rows(self, x: torch.Tensor, k_pad: int, static_scale, expert_of_row, dynamic: bool):
-        """Quantize rows of ``x`` (per-row global scales), K padded; returns (data, swizzled sf, row scales)."""
+    def _quantize_rows(self, x: torch.Tensor, k_pad: int, static_scale, expert_of_row, dynamic: bool,
+                       real: torch.Tensor):
+        """Quantize rows of ``x`` (per-row global scales), K padded; returns (data, swizzled sf, row scales).
+
+        Rows where ``real`` is False (padding) get zero codes and zero scales whatever ``x`` holds there."""
         rows, k = x.shape
         if dynamic or static_scale is None:
             row_gs = row_global_scales(x)
@@ -372,61 +498,57 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         if k_pad != k:
             x = torch.nn.functional.pad(x, (0, k_pad - k))
         q = self.quantize(x, row_gs)
-        return q.data.contiguous(), self.swizzle_scales(q.scale), row_gs
+        keep = real.unsqueeze(1)
+        zero = torch.zeros((), dtype=torch.uint8, device=x.device)
+        data = torch.where(keep, q.data, zero)
+        scale = torch.where(keep, q.scale.view(torch.uint8), zero).view(torch.float8_e4m3fn)
+        return data, self.swizzle_scales(scale), row_gs
 
     def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
+        """Routed experts (SPEC §3) through two grouped GEMMs; float32 ``[T, H]``.
+
+        Ids outside ``[0, E)`` (the mask value -1, or another rank's experts) are skipped: no
+        row, no GEMM work, no contribution (docs/SPEC.md, masked expert ids). No host
+        synchronisation: every size below is a bound known from ``T * top_k`` (CUDA-graph safe).
+        """
         if cfg.act_mode == "w4a16":
             return self._reference.moe_forward(prepared.weights, cfg, x, topk_ids, topk_weights)
         p = prepared
         t, h = x.shape
-        e = cfg.num_experts
-        inter = p.inter
         dev = x.device
-        flat_ids = topk_ids.reshape(-1).long()
-        pairs = flat_ids.numel()
-        # Routing -> padded rows, on the device without a host synchronisation: the kernel's
-        # per-group arguments are built on the device from `counts` (the emulator reads them back).
-        order = torch.argsort(flat_ids, stable=True)
-        sorted_ids = flat_ids[order]
-        counts = torch.zeros(e, dtype=torch.int64, device=dev).index_add_(
-            0, flat_ids, torch.ones(pairs, dtype=torch.int64, device=dev))
-        padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-        starts = torch.cumsum(padded, 0) - padded          # SPEC §2 row_offset_e
-        first = torch.cumsum(counts, 0) - counts           # first sorted pair of each expert
-        dest = starts[sorted_ids] + torch.arange(pairs, device=dev) - first[sorted_ids]
-        # sum_e round_up(count_e, 128) <= pairs + 127 * (number of non-empty experts)
-        rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
-        counts = counts.to(torch.int32)
-        token_of = order // topk_ids.shape[1]
-        expert_of_row = torch.zeros(rows, dtype=torch.int64, device=dev)
-        expert_of_row[dest] = sorted_ids
-        real = torch.zeros(rows, dtype=torch.bool, device=dev)
-        real[dest] = True
-
-        x_pad = torch.zeros((rows, h), dtype=x.dtype, device=dev)  # quantize reads it as float32
-        x_pad[dest] = x[token_of]
+        if t == 0:  # nothing to route (and no 0-row buffers reach the launcher)
+            return torch.zeros((0, h), dtype=torch.float32, device=dev)
+        e = cfg.num_experts
+        top_k = topk_ids.shape[1]
+        inter = p.inter
+        rt = routing_rows(topk_ids, e)
+        rows = rt.rows
+        # Padded activation: expert blocks on 128-row boundaries, one spare row (index `rows`)
+        # that masked slots write to and nothing reads. Only the rows the plan gives an expert
+        # are filled; the others are left as allocated and their codes and scales zeroed after
+        # quantization, so every scale byte the GEMM's TMA can read (whole 128-row, 4-column
+        # scale atoms) is defined.
+        x_pad = torch.empty((rows + 1, h), dtype=x.dtype, device=dev)
+        x_pad[rt.dest] = x[rt.token_of]
         static1 = None if cfg.dynamic_act_scale else p.w13_input_scale
-        a1, a1_sf, gs1 = self._quantize_rows(x_pad, p.k1, static1, expert_of_row, cfg.dynamic_act_scale)
+        a1, a1_sf, gs1 = self._quantize_rows(x_pad[:rows], p.k1, static1, rt.expert_of_row, cfg.dynamic_act_scale,
+                                             rt.real)
         one = torch.ones(1, dtype=torch.float32, device=dev)
-        gu = torch.zeros((rows, 2 * inter), dtype=torch.float32, device=dev)
-        self._grouped_gemm(counts, 2, inter, p.k1, a1, a1_sf, p.w13_data, p.w13_sf,
+        gu = torch.empty((rows, 2 * inter), dtype=torch.float32, device=dev)  # padding rows: never read
+        self._grouped_gemm(rt.counts, 2, inter, p.k1, a1, a1_sf, p.w13_data, p.w13_sf,
                            one if static1 is None else static1, p.w13_gs, gu)
         if static1 is None:
             gu = gu * gs1.unsqueeze(1)
         hmid = swiglu(gu, inter, cfg.swiglu_limit)
-        hmid = torch.where(real.unsqueeze(1), hmid, torch.zeros_like(hmid))
+        hmid = torch.where(rt.real.unsqueeze(1), hmid, torch.zeros((), dtype=hmid.dtype, device=dev))
 
         static2 = None if cfg.dynamic_act_scale else p.w2_input_scale
-        a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, expert_of_row, cfg.dynamic_act_scale)
-        y = torch.zeros((rows, h), dtype=torch.float32, device=dev)
-        self._grouped_gemm(counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
+        a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, rt.expert_of_row, cfg.dynamic_act_scale, rt.real)
+        y = torch.empty((rows, h), dtype=torch.float32, device=dev)  # padding rows: never read
+        self._grouped_gemm(rt.counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
                            one if static2 is None else static2, p.w2_gs, y)
-        if static2 is None:
-            y = y * gs2.unsqueeze(1)
-        w_sorted = topk_weights.reshape(-1).float()[order]
-        out = torch.zeros((t, h), dtype=torch.float32, device=dev)
-        out.index_add_(0, token_of, y[dest] * w_sorted.unsqueeze(1))
-        return out
+        return combine_slots(y, rt.row_of_slot.view(t, top_k), rt.valid.view(t, top_k),
+                             topk_weights.reshape(t, top_k).float(), None if static2 is not None else gs2)
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":

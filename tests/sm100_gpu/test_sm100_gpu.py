@@ -158,3 +158,144 @@ def test_grouped_gemm1_throughput_printed(be, preset, tokens):
     real = ~torch.isnan(want)
     got = out.cpu()[real]
     assert torch.allclose(got, want[real], rtol=1e-4, atol=1e-6 * float(want[real].abs().max()))
+
+
+# --------------------------------------------------------------------------------------------
+# the glue around the kernel (issue §3) and docs/FIELD_BUGS.md rows 23, 25, 26, 28
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("counts,parts,n_part,k", [([33, 0, 129, 1, 300, 7], 2, 464, 1056), ([5] * 60, 1, 1040, 480)])
+def test_device_built_args_equal_the_host_planner_byte_for_byte(be, counts, parts, n_part, k):
+    """The argument-builder kernel fills CUTLASS's per-group arrays from device token counts; the
+    host image of the same arrays (sm100_host_args_bytes, the planner's code) must be identical,
+    byte for byte, gaps between the arrays included (both start from the same poison byte)."""
+    gen = torch.Generator().manual_seed(7)
+    e = len(counts)
+    rows = int(nvfp4.grouped_row_offsets(counts)[-1])
+    dev = be.device
+    a = _random_nvfp4(rows, k, gen)
+    w = _random_nvfp4(e * parts * n_part, k, gen)
+    a_data, w_data = a.data.to(dev), w.data.to(dev)
+    a_sf = nvfp4.swizzle_scales(a.scale).to(dev)
+    b_sf = nvfp4.swizzle_scales(w.scale.reshape(e * parts, n_part, k // 16)).reshape(e, parts, -1).to(dev)
+    a_gs = torch.tensor([1e-3], dtype=torch.float32, device=dev)
+    b_gs = (torch.rand(e * parts, generator=gen) + 0.5).to(dev)
+    out = torch.empty((rows, parts * n_part), device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    args, _ = be.launch_buffers(e * parts, stream)
+    args.fill_(0xA5)
+    be._grouped_gemm(torch.tensor(counts, dtype=torch.int32, device=dev), parts, n_part, k, a_data, a_sf, w_data,
+                     b_sf, a_gs, b_gs, out)
+    torch.cuda.synchronize()
+    assert be.launch_buffers(e * parts, stream)[0] is args  # the launch used the cached buffer
+    host = be._ext.sm100_host_args_bytes(counts, parts, n_part, k, a_gs.cpu().tolist(), b_gs.cpu().tolist(),
+                                        [a_data.data_ptr(), a_sf.data_ptr(), w_data.data_ptr(), b_sf.data_ptr(),
+                                         out.data_ptr()], args.data_ptr(), 0xA5)
+    device = bytes(args.cpu().numpy().tobytes())
+    assert len(device) == len(host)
+    if device != host:
+        lay = be._ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs.cpu().tolist(), b_gs.cpu().tolist(),
+                                          be.sm_count)["args_layout"]
+        first = next(i for i in range(len(host)) if host[i] != device[i])
+        section = max((v, name) for name, v in lay.items() if name != "total_bytes" and v <= first)[1]
+        pytest.fail(f"device args differ from the host planner's from byte {first} (array {section})")
+
+
+def test_gemm_objects_and_buffers_reused_across_calls(be):
+    layer = _layer_for(be, "tiny")
+    x = torch.randn(33, layer.config.hidden_size, device=be.device).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    be.moe_forward(layer._prepared, layer.config, x, ids, w)
+    torch.cuda.synchronize()
+    n = be._ext.sm100_cached_gemm_count()
+    for _ in range(3):
+        be.moe_forward(layer._prepared, layer.config, x, ids, w)
+    torch.cuda.synchronize()
+    assert be._ext.sm100_cached_gemm_count() == n
+
+
+def _layer_for(be, preset, **over):
+    from megamoe.moe import MoELayer
+
+    return MoELayer.from_preset(preset, seed=1, backend=be, **over)
+
+
+def test_no_tokens_and_all_masked(be):
+    layer = _layer_for(be, "tiny")
+    cfg = layer.config
+    empty = be.moe_forward(layer._prepared, cfg, torch.zeros(0, cfg.hidden_size, device=be.device),
+                           torch.zeros(0, cfg.top_k, dtype=torch.int32, device=be.device),
+                           torch.zeros(0, cfg.top_k, device=be.device))
+    assert empty.shape == (0, cfg.hidden_size)
+    x = torch.randn(9, cfg.hidden_size, device=be.device)
+    out = be.moe_forward(layer._prepared, cfg, x, torch.full((9, cfg.top_k), -1, device=be.device),
+                         torch.rand(9, cfg.top_k, device=be.device))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_masked_ids_match_zero_weights(be):
+    from megamoe.backends.torch_ref import TorchBackend
+
+    layer = _layer_for(be, "small", top_k=4)
+    cfg = layer.config
+    gen = torch.Generator().manual_seed(26)
+    x = torch.randn(300, cfg.hidden_size, generator=gen).to(torch.bfloat16).to(be.device)
+    w, ids = layer.route(x)
+    mask = (torch.rand(ids.shape, generator=gen) < 0.3).to(be.device)
+    masked = torch.where(mask, torch.full_like(ids, -1), ids)
+    out = be.moe_forward(layer._prepared, cfg, x, masked, w)
+    nan_w = torch.where(mask, torch.full((), float("nan"), device=be.device), w)
+    assert torch.equal(be.moe_forward(layer._prepared, cfg, x, masked, nan_w), out)
+    ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids,
+                                                     torch.where(mask, torch.zeros((), device=be.device), w))
+    assert _cos(out, ref) >= 0.9999
+
+
+@pytest.mark.parametrize("preset,k", [("small", 3), ("v3", 8)])
+def test_same_input_same_bits(be, preset, k):
+    """docs/FIELD_BUGS.md row 28: the combine is a fixed-order gather and sum: identical bits."""
+    layer = _layer_for(be, preset, top_k=k)
+    x = torch.randn(4096, layer.config.hidden_size, device=be.device).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    first = be.moe_forward(layer._prepared, layer.config, x, ids, w)
+    for _ in range(3):
+        assert torch.equal(be.moe_forward(layer._prepared, layer.config, x, ids, w), first)
+
+
+def test_graph_captured_on_one_expert_replays_real_routing(be):
+    """docs/FIELD_BUGS.md row 25."""
+    layer = _layer_for(be, "small")
+    cfg = layer.config
+    t = 256
+    x = torch.randn(t, cfg.hidden_size, device=be.device).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    xs, ids_s, ws_ = x.clone(), torch.zeros_like(ids), w.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        be.moe_forward(layer._prepared, cfg, xs, ids_s, ws_)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = be.moe_forward(layer._prepared, cfg, xs, ids_s, ws_)
+    for new_ids in (torch.zeros_like(ids), ids, torch.where(ids % 3 == 0, -1, ids)):
+        ids_s.copy_(new_ids)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, be.moe_forward(layer._prepared, cfg, x, new_ids, w))
+
+
+def test_v3_prefill_past_2_31(be):
+    """docs/FIELD_BUGS.md row 23: T * k * H > 2^31 (v3, T = 37,500) against the torch backend."""
+    from megamoe.backends.torch_ref import TorchBackend
+
+    layer = _layer_for(be, "v3")
+    cfg = layer.config
+    t = 37_500
+    assert t * cfg.top_k * cfg.hidden_size > 2**31
+    x = torch.randn(t, cfg.hidden_size, device=be.device).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    out = be.moe_forward(layer._prepared, cfg, x, ids, w)
+    ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
+    assert torch.isfinite(out).all()
+    assert _cos(out, ref) >= 0.9999 and _cos(out[-2048:], ref[-2048:]) >= 0.9999

@@ -21,6 +21,10 @@
 
 namespace megamoe::sm100 {
 
+// Scale-factor bases must be 128-byte aligned (TMA); every group's SF block then starts on a
+// 512-byte scale atom (128 rows x 4 scale columns) from there.
+constexpr int kSfAlignmentBytes = 128;
+
 // B200 has 148 SMs. The planner needs an SM count for the workspace size
 // (tensor-map workspace is per SM); the launcher gets the real one from the caller.
 constexpr int kDefaultSmCount = 148;
@@ -120,15 +124,34 @@ struct MoeGemmDevicePointers {
   float const* b_global_scale = nullptr;  // device [E * parts]
   void* args = nullptr;                 // device, args_layout(groups).total_bytes, 16-byte aligned
   int64_t args_bytes = 0;
-  void* workspace = nullptr;            // device, workspace_bytes(groups, sm_count)
+  void* workspace = nullptr;            // device, workspace_bytes(groups, sm_count), 64-byte aligned
   int64_t workspace_bytes = 0;
 };
+
+// The args buffer exactly as the device argument builder fills it for these token counts
+// and operand addresses, with the buffer at device address args_base; bytes between the
+// arrays keep `fill`. Host-only: what a Blackwell test compares the device's buffer with.
+struct OperandAddresses {
+  uint64_t a = 0, a_sf = 0, b = 0, b_sf = 0, d = 0;
+};
+std::vector<uint8_t> host_args_bytes(MoeGemmGeometry const& geo, std::vector<int32_t> const& token_counts,
+                                     std::vector<float> const& a_global_scale,
+                                     std::vector<float> const& b_global_scale, OperandAddresses const& bases,
+                                     uint64_t args_base, uint8_t fill);
+
+// Number of initialized CUTLASS Gemm objects the launcher keeps (per device, args buffer,
+// workspace, group count and SM count; launches with device token counts only).
+int64_t cached_gemm_count();
 
 // Fills the per-group arrays on the device (no host synchronisation) and
 // launches the grouped GEMM on `stream` (a cudaStream_t). host_token_counts,
 // when given, are the same counts on the host: CUTLASS then also checks every
-// group in can_implement. Throws std::runtime_error on a bad argument or a
-// CUTLASS / CUDA error.
+// group in can_implement, and a problem with no tile at all returns without
+// launching anything. Every check (geometry, alignment, buffer sizes,
+// can_implement, workspace) runs on the host before the first CUDA call.
+// Launches with device counts reuse an initialized Gemm kept per (device, args,
+// workspace, groups, sm_count). Throws std::invalid_argument / std::runtime_error
+// on a bad argument or a CUTLASS / CUDA error.
 void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
                   int32_t const* host_token_counts, int sm_count, void* stream);
 
