@@ -23,9 +23,14 @@ def pytest_report_header(config):
     return _seed_line()
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    # printed with -q too, where the header is not
-    terminalreporter.write_line(_seed_line())
+    # Around the terminal reporter's own summary, so the seed is the line just above the final
+    # counts (after the short test summary of -ra), with -q too, where the header is not shown.
+    try:
+        return (yield)
+    finally:
+        terminalreporter.write_line(_seed_line())
 
 
 @pytest.fixture
