@@ -1,4 +1,4 @@
-"""Kernel health checks (SPEC §5), run by ``megamoe selftest`` and the service.
+"""Kernel health checks (docs/SPEC.md §5), run by ``megamoe selftest`` and the service.
 
 Every check draws fresh random data (seeded per run, so a failure can be replayed with
 the seed in the report), compares a backend against the reference of
@@ -93,7 +93,7 @@ def check_sf_roundtrip(be: Backend, gen: torch.Generator, full: bool):
         total += r["mismatches"]
         if r["mismatches"] and len(first) < 4:
             first.append(f"[{rows}x{cols}] {r['mismatches']} bad, first {r['first'][:3]}")
-    # grouped activations (SPEC §2): each expert's rows start at a 128-row boundary
+    # grouped activations (docs/SPEC.md §2): each expert's rows start at a 128-row boundary
     sizes = [5, 0, 130, 1, 33]
     s = random_scales(sum(sizes), 7, gen).to(be.device)
     expected = nvfp4.swizzle_scales_grouped(s.cpu(), sizes)
@@ -129,7 +129,7 @@ def check_gemm_random(be: Backend, gen: torch.Generator, full: bool):
     worst, worst_rel, notes = 1.0, 0.0, []
     col_ratio = 1.0
     for (m, n, k) in (GEMM_SHAPES_FULL if full else GEMM_SHAPES_QUICK):
-        # global scales far from 1 (FIELD_BUGS 11): activations 1e-3, weights 1e3
+        # global scales far from 1 (docs/FIELD_BUGS.md row 11): activations 1e-3, weights 1e3
         a = random_nvfp4(m, k, gen, 1e-3)
         b = random_nvfp4(n, k, gen, 1e3)
         ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
@@ -144,7 +144,7 @@ def check_gemm_random(be: Backend, gen: torch.Generator, full: bool):
             if c < THRESHOLDS["gemm_cosine"]:
                 notes.append(f"{mode} {m}x{n}x{k}: cosine {c:.6f}")
             if full and n >= 64:
-                # FIELD_BUGS 12: a structured error shows as one column position (mod 32) far worse
+                # docs/FIELD_BUGS.md row 12: a structured error shows as one column position (mod 32) far worse
                 per_col = (out.double() - r).abs().amax(0).view(-1, 32).amax(0) if n % 32 == 0 else None
                 if per_col is not None and per_col.median() > 0:
                     col_ratio = max(col_ratio, float(per_col.max() / per_col.median()))
@@ -231,7 +231,7 @@ def versions(be: Backend | None = None) -> dict:
 
 def run_checks(level: str = "quick", backend: str | Backend | None = None, device=None,
                seed: int | None = None, only: list[str] | None = None) -> dict:
-    """Run the SPEC §5 checks on one backend.
+    """Run the docs/SPEC.md §5 checks on one backend.
 
     Args:
         level: ``"quick"`` (seconds; gates the service's readiness) or ``"full"``.

@@ -1,9 +1,9 @@
 """NVFP4: the number format, the scale-factor layout, and the reference math.
 
-This module is THE reference (SPEC §1-§2): every backend, test and health check
+This module is THE reference (docs/SPEC.md §1-§2): every backend, test and health check
 compares against it, and no other copy of this math exists in the project.
 
-Format (SPEC §1): a tensor of logical shape ``[..., K]`` (K a multiple of 16) is
+Format (docs/SPEC.md §1): a tensor of logical shape ``[..., K]`` (K a multiple of 16) is
 
 * ``data``  uint8 ``[..., K/2]``: two E2M1 codes per byte, element ``2i`` in the low nibble;
 * ``scale`` float8_e4m3fn ``[..., K/16]``: one block scale per 16 consecutive elements;
@@ -182,14 +182,14 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> NVFP4Tensor:
-    """Quantize ``x`` ``[..., K]`` (any float dtype) to NVFP4 (SPEC §1).
+    """Quantize ``x`` ``[..., K]`` (any float dtype) to NVFP4 (docs/SPEC.md §1).
 
     Args:
         x: float tensor, K a multiple of 16.
         global_scale: decode multiplier; shape ``[]``, ``lead`` or ``(*lead, P)``
             (see :class:`NVFP4Tensor`). Default: :func:`default_global_scale` of ``x``.
 
-    Every step is one float32 operation in the order of SPEC §1, so that GPU
+    Every step is one float32 operation in the order of docs/SPEC.md §1, so that GPU
     quantizers can (and must) reproduce the bytes exactly.
     """
     if not torch.is_floating_point(x):
@@ -232,7 +232,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------
-# Scale-factor layout (SPEC §2)
+# Scale-factor layout (docs/SPEC.md §2)
 # ---------------------------------------------------------------------------------
 
 def sf_padded_shape(rows: int, cols: int) -> tuple[int, int]:
@@ -242,7 +242,7 @@ def sf_padded_shape(rows: int, cols: int) -> tuple[int, int]:
 
 def sf_offset(m: torch.Tensor | int, k: torch.Tensor | int, cols: int, rows: int | None = None,
               b: torch.Tensor | int = 0) -> torch.Tensor | int:
-    """Byte offset of scale (m, k) of batch b in the swizzled buffer (SPEC §2 closed form).
+    """Byte offset of scale (m, k) of batch b in the swizzled buffer (docs/SPEC.md §2 closed form).
 
     ``cols`` is the number of scale columns (K/16); ``rows`` is needed only when b != 0.
     Equal to CuTe's ``tile_atom_to_shape_SFA(...)(m, k*16, b)`` (checked by cpp/tests).
@@ -337,7 +337,7 @@ def unswizzle_scales_grouped(buf: torch.Tensor, group_sizes, cols: int) -> torch
 
 
 def verify_sf_roundtrip(scale: torch.Tensor, swizzle=None, unswizzle=None, max_report: int = 8) -> dict:
-    """SPEC §2 verifier: check a swizzle implementation byte for byte.
+    """docs/SPEC.md §2 verifier: check a swizzle implementation byte for byte.
 
     ``swizzle(scale, out=buf)`` is called on a buffer poisoned with 0x7F (NaN in e4m3),
     so an unwritten padding byte shows up. The result is compared with the closed form

@@ -1,4 +1,4 @@
-"""Compile and run the C++ host test: SPEC §2 closed form vs CuTe's Sm1xxBlockScaledConfig."""
+"""Compile and run the C++ host test: docs/SPEC.md §2 closed form vs CuTe's Sm1xxBlockScaledConfig."""
 import importlib.util
 import os
 import shutil

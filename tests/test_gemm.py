@@ -45,7 +45,7 @@ def test_gemm_k_mismatch_is_an_error(gen):
 
 def test_random_scales_matter_uniform_scales_do_not(gen):
     # Why the health check uses random scales: permuting uniform scales changes nothing,
-    # permuting random ones destroys the result (FIELD_BUGS 2).
+    # permuting random ones destroys the result (docs/FIELD_BUGS.md row 2).
     for uniform, expect_same in ((True, True), (False, False)):
         b = random_nvfp4(64, 256, gen, None, uniform=uniform)
         a = random_nvfp4(8, 256, gen, None, uniform=uniform)

@@ -1,4 +1,4 @@
-"""SPEC §5 health checks: they pass on a healthy backend and fail on the original bug."""
+"""docs/SPEC.md §5 health checks: they pass on a healthy backend and fail on the original bug."""
 import json
 
 from megamoe import faults, health

@@ -1,4 +1,4 @@
-"""SPEC §1: the NVFP4 format, against float64 and hand-checked values."""
+"""docs/SPEC.md §1: the NVFP4 format, against float64 and hand-checked values."""
 import math
 
 import pytest
@@ -165,7 +165,7 @@ def test_nvfp4tensor_validates():
 
 
 def test_nan_and_inf_rows_do_not_touch_other_rows(gen):
-    # FIELD_BUGS 6: padded (CUDA-graph) rows full of NaN/Inf leave real rows bit-identical
+    # docs/FIELD_BUGS.md row 6: padded (CUDA-graph) rows full of NaN/Inf leave real rows bit-identical
     x = torch.randn(8, 64, generator=gen)
     gs = torch.tensor(0.01)
     clean = F.quantize(x[:5], gs)

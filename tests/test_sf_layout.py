@@ -1,4 +1,4 @@
-"""SPEC §2: the scale-factor layout, its padding, the grouped layout and the verifier."""
+"""docs/SPEC.md §2: the scale-factor layout, its padding, the grouped layout and the verifier."""
 import os
 
 import pytest
@@ -11,7 +11,7 @@ from megamoe.backends import get_backend
 
 from _helpers import random_scales
 
-# FIELD_BUGS 5 (M in 1, 7, 31, 33, 127, 129) and 8 (I = 464, 5472, 1856: K/16 = 29, 342, 116)
+# docs/FIELD_BUGS.md rows 5 (M in 1, 7, 31, 33, 127, 129) and 8 (I = 464, 5472, 1856: K/16 = 29, 342, 116)
 SHAPES = [(1, 1), (1, 4), (7, 3), (31, 5), (32, 4), (33, 4), (127, 29), (128, 8), (129, 13), (300, 7), (464, 448),
           (33, 342), (129, 116)]
 
@@ -114,7 +114,7 @@ def test_verifier_catches_unwritten_padding(gen):
 
 
 def test_verifier_catches_first_element_only_writer(gen):
-    # FIELD_BUGS 3: every thread wrote element 0
+    # docs/FIELD_BUGS.md row 3: every thread wrote element 0
     def broken(scale, out=None):
         out.zero_()
         out.view(-1)[0] = scale.view(torch.uint8)[-1, -1]
