@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -68,6 +69,11 @@ def _cmd_synth(args) -> int:
           f"k={cfg.top_k}) seed {args.seed} -> {args.out}", file=sys.stderr)
     path = checkpoint.write_synthetic(args.out, args.preset, seed=args.seed, progress=not args.quiet,
                                       device=args.device)
+    # the mode any new file gets (0644 under the usual umask 022), not safetensors' private 0600:
+    # a server that runs as another user (the container's) must be able to read the checkpoint
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
     loaded = checkpoint.load(path)
     print(loaded.report.summary())
     return 0

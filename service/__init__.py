@@ -20,32 +20,23 @@ import uvicorn  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse settings (env ``MEGAMOE_*``, then flags in ``argv``), serve until SIGTERM/SIGINT."""
-    import logging
-    import signal
+    """Parse settings (env ``MEGAMOE_*``, then flags in ``argv``), serve until SIGTERM/SIGINT.
 
-    from .app import create_app
+    Exit status: 0 after a stop by signal, 1 when the model cannot be loaded, 2 for bad settings."""
+    import sys
+
+    from pydantic import ValidationError
+
+    from .server import serve
     from .settings import parse_settings
 
-    settings = parse_settings(argv)
-    # uvicorn drains on SIGTERM, then re-raises it under the handler it found installed:
-    # make that one a clean exit, so a stop by the orchestrator reads as success (0), not 143.
-    signal.signal(signal.SIGTERM, _exit_after_drain)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        access_log=False,
-    )
-    return 0
-
-
-def _exit_after_drain(signum, frame):
-    raise SystemExit(0)
+    try:
+        settings = parse_settings(argv)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        print(f"megamoe serve: invalid settings: {problems}", file=sys.stderr)
+        return 2
+    return serve(settings)
 
 
 __all__ = ["main"]

@@ -2,4 +2,6 @@ import sys
 
 from . import main
 
-sys.exit(main(sys.argv[1:]))
+# guarded: the JSON decoder process (multiprocessing "spawn") imports this module again
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,18 +1,28 @@
 """FastAPI app: Open Inference Protocol v2 routes, kernel health, metrics.
 
 Start-up (in the background, so liveness answers at once): load the model, run
-the self-test (SPEC §5), then report ready. Readiness is 503 while loading, when
-the latest self-test failed, or after the device reported a sticky error.
+the self-test (docs/SPEC.md §5), then report ready. Readiness is 503 while loading,
+when the latest self-test failed, after the device reported a sticky error, and once
+shutdown began. A model that cannot be loaded (missing or broken checkpoint) stops the
+process with exit status 1.
+
+Client input never causes a 5xx: every request is answered by the outermost middleware,
+which counts it and turns an unexpected exception into one JSON 500 and one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import logging
+import multiprocessing
 import secrets
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import traceback
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 
 import torch
@@ -21,17 +31,42 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megamoe.backends.base import Backend
+
 from .batching import DynamicBatcher, ShuttingDown
 from .metrics import ServiceMetrics
-from .model import OUTPUT_NAME, ServedModel, default_model_name, load_layer
-from .protocol import HEADER_LENGTH, ProtocolError, encode_infer_response, parse_header_length, parse_infer_request
+from .model import OUTPUT_NAME, ServedModel, load_layer
+from .protocol import (
+    HEADER_LENGTH,
+    ProtocolError,
+    build_request,
+    count_json_values_bound,
+    decode_json_request,
+    encode_json_response,
+    finish_response,
+    parse_header_length,
+    response_parts,
+    strict_json,
+    too_many_values,
+)
 from .settings import ServiceSettings
 
 log = logging.getLogger("megamoe.service")
 
 SERVER_NAME = "megamoe"
-_REASON_OF_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "bad_method",
-                     413: "too_large", 503: "not_ready"}
+_REASON_OF_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                     405: "bad_method", 408: "timeout", 413: "too_large", 429: "busy", 503: "not_ready"}
+#: a JSON text this long or longer is decoded in the decoder process (json holds the interpreter
+#: lock for its whole decode: ~1 s per million values here, which would stall every connection)
+OFFLOAD_JSON_BYTES = 256 * 1024
+#: a JSON output with this many values or more is encoded there too
+OFFLOAD_JSON_VALUES = 32 * 1024
+#: values an infer request's JSON may hold beyond its tensors' (shapes, sizes, parameters)
+JSON_VALUES_SLACK = 1024
+#: a kernel-health run waits for queued inference before each device call, at most this long
+HEALTH_YIELD_MAX_S = 1.0
+#: the body reader re-checks the shutdown deadline at least this often
+_BODY_POLL_S = 0.25
 
 
 class ServiceState:
@@ -40,8 +75,8 @@ class ServiceState:
     def __init__(self, settings: ServiceSettings, layer=None):
         self.settings = settings
         self.metrics = ServiceMetrics()
-        self.model_name = default_model_name(settings)
-        # one device thread: forwards and self-tests never overlap on the device
+        self.model_name = settings.served_model_name()
+        # one device thread: forwards and self-test calls never overlap on the device
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megamoe-device")
         self.preloaded_layer = layer
         self.model: ServedModel | None = None
@@ -51,10 +86,26 @@ class ServiceState:
         self.selftest_error: str | None = None
         self.device_error: str | None = None
         self._last_forward_failure: BaseException | None = None
+        #: infer requests between their decode and their reply (read by the health runs' yield)
+        self.infer_active = 0
+        #: level -> the health run in progress (requests of that level share it)
+        self.health_runs: dict[str, asyncio.Task] = {}
+        self.decoder: ProcessPoolExecutor | None = None
+        self._decoder_lock = threading.Lock()
+        #: set by SIGTERM (see begin_shutdown)
+        self.draining = False
+        self.shutdown_deadline: float | None = None
+        #: the process's exit status, and how to ask the server to stop (set by main())
+        self.exit_code = 0
+        self.request_exit = lambda: None
 
-    def not_ready_reason(self) -> str | None:
+    def not_ready_reason(self, *, serving: bool = False) -> str | None:
+        """Why readiness is 503 (None: ready). ``serving``: why an infer request cannot run now
+        (requests still arriving during shutdown are served)."""
         if self.load_error:
             return f"model failed to load: {self.load_error}"
+        if self.draining and not serving:
+            return "server is shutting down"
         if self.loading:
             return "model is loading and self-testing"
         if self.device_error:
@@ -66,18 +117,70 @@ class ServiceState:
     def refresh_ready_gauge(self) -> None:
         self.metrics.ready.set(0.0 if self.not_ready_reason() else 1.0)
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM: readiness turns 503, every response says ``Connection: close``, and a body
+        still arriving when the grace period ends is answered 503. (Called from the signal
+        handler: only plain assignments here.)"""
+        if not self.draining:
+            self.draining = True
+            self.shutdown_deadline = time.monotonic() + self.settings.graceful_shutdown_s
+
+    @property
+    def json_value_limit(self) -> int:
+        """The most values one request's JSON may hold: its largest tensors, plus slack."""
+        cfg = self.model.config
+        per_row = cfg.hidden_size + max(2 * cfg.top_k, cfg.num_experts)
+        return self.settings.max_tokens_per_request * per_row + JSON_VALUES_SLACK
+
+    # --- decoder process ----------------------------------------------------------------
+
+    def decoder_pool(self) -> ProcessPoolExecutor:
+        with self._decoder_lock:
+            if self.decoder is None:
+                # spawn: a fresh interpreter (no copy of this process's threads or torch state)
+                self.decoder = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            return self.decoder
+
+    async def in_decoder(self, fn, *args):
+        """``fn(*args)`` in the decoder process; a lost process is replaced and the call refused (503)."""
+        pool = self.decoder_pool()
+        try:
+            return await asyncio.wrap_future(pool.submit(fn, *args))
+        except BrokenProcessPool:
+            with self._decoder_lock:
+                if self.decoder is pool:
+                    self.decoder = None
+            pool.shutdown(wait=False)
+            log.error("the JSON decoder process ended unexpectedly; a new one is started")
+            raise ProtocolError("the JSON decoder process ended unexpectedly; retry", 503) from None
+
     # --- device-thread work -------------------------------------------------
 
-    def run_selftest(self, level: str) -> dict:
+    def wait_for_idle_device(self, max_wait_s: float) -> None:
+        """Called by a health run (not on the device thread) before each device call: let the
+        inference that is waiting go first, but not for longer than ``max_wait_s``."""
+        deadline = time.monotonic() + max_wait_s
+        while time.monotonic() < deadline:
+            batcher = self.batcher
+            if self.infer_active == 0 and (batcher is None or batcher.queued_requests == 0):
+                return
+            time.sleep(0.002)
+
+    def run_selftest(self, level: str, *, yielding: bool = False) -> dict:
+        """The health checks on the served backend. ``yielding``: run in the caller's thread,
+        each backend call on the device thread after the waiting inference (a run that takes
+        minutes must not hold the device thread that every infer request needs)."""
         started = time.time()
         layer = self.model.layer
         if callable(getattr(layer, "run_checks", None)):
             # a layer spread over several processes (service/distributed.py) checks every rank
-            report = layer.run_checks(level)
+            report = layer.run_checks(level) if not yielding else \
+                self.executor.submit(layer.run_checks, level).result()
         else:
             from megamoe import health
 
-            report = health.run_checks(level=level, backend=layer.backend)
+            backend = _DeviceThreadBackend(layer.backend, self) if yielding else layer.backend
+            report = health.run_checks(level=level, backend=backend)
         self.metrics.record_selftest(level, report, started)
         if report.get("status") == "pass":
             self.selftest_error = None
@@ -86,6 +189,20 @@ class ServiceState:
             self.selftest_error = f"{level} check(s) failed: {failed}"
         self.refresh_ready_gauge()
         return report
+
+    async def health_report(self, level: str) -> dict:
+        """One run per level at a time: concurrent requests of that level share it; a request for
+        the other level while one runs is refused (429)."""
+        task = self.health_runs.get(level)
+        if task is None:
+            running = sorted(self.health_runs)
+            if running:
+                raise ProtocolError(f"a {running[0]} kernel-health run is in progress; retry when it is done", 429)
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.run_selftest, level, yielding=True), name=f"megamoe-health-{level}")
+            self.health_runs[level] = task
+            task.add_done_callback(lambda _t, level=level: self.health_runs.pop(level, None))
+        return await asyncio.shield(task)
 
     def first_report_of(self, exc: BaseException) -> bool:
         """Every request of a failed batch receives the same exception: log and probe once."""
@@ -126,6 +243,64 @@ class ServiceState:
             log.info("start-up self-test (%s): %s", self.settings.selftest_level, report.get("status"))
 
 
+class _DeviceThreadBackend(Backend):
+    """The served backend as a health run sees it: every call runs on the device thread, after
+    the inference waiting for it (at most HEALTH_YIELD_MAX_S per call). The checks' own
+    reference math runs in the health run's thread, beside inference."""
+
+    def __init__(self, inner: Backend, state: ServiceState):
+        self.inner = inner
+        self.name = inner.name
+        self._state = state
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def _on_device(self, fn, *args, **kwargs):
+        self._state.wait_for_idle_device(HEALTH_YIELD_MAX_S)
+        return self._state.executor.submit(fn, *args, **kwargs).result()
+
+    def __getattr__(self, name):
+        if name in ("inner", "_state"):
+            raise AttributeError(name)
+        attr = getattr(self.inner, name)
+        return functools.partial(self._on_device, attr) if callable(attr) else attr
+
+    def quantize(self, *args, **kwargs):
+        return self._on_device(self.inner.quantize, *args, **kwargs)
+
+    def swizzle_scales(self, *args, **kwargs):
+        return self._on_device(self.inner.swizzle_scales, *args, **kwargs)
+
+    def unswizzle_scales(self, *args, **kwargs):
+        return self._on_device(self.inner.unswizzle_scales, *args, **kwargs)
+
+    def swizzle_scales_grouped(self, *args, **kwargs):
+        return self._on_device(self.inner.swizzle_scales_grouped, *args, **kwargs)
+
+    def unswizzle_scales_grouped(self, *args, **kwargs):
+        return self._on_device(self.inner.unswizzle_scales_grouped, *args, **kwargs)
+
+    def verify_sf_roundtrip(self, *args, **kwargs):
+        return self._on_device(self.inner.verify_sf_roundtrip, *args, **kwargs)
+
+    def gemm(self, *args, **kwargs):
+        return self._on_device(self.inner.gemm, *args, **kwargs)
+
+    def prepare_weights(self, *args, **kwargs):
+        return self._on_device(self.inner.prepare_weights, *args, **kwargs)
+
+    def moe_forward(self, *args, **kwargs):
+        return self._on_device(self.inner.moe_forward, *args, **kwargs)
+
+    def synchronize(self):
+        return self._on_device(self.inner.synchronize)
+
+    def describe(self):
+        return self.inner.describe()
+
+
 def _package_version() -> str:
     import megamoe
 
@@ -138,8 +313,56 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+def _error(status: int, message: str, headers: dict | None = None, close: bool = False) -> JSONResponse:
+    if close:
+        headers = {**(headers or {}), "Connection": "close"}
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+class ServiceMiddleware:
+    """The outermost layer of every HTTP request: counts it by route and status, adds
+    ``Connection: close`` once shutdown began, and answers an exception that escaped a route
+    with a JSON 500 and a single log line (the traceback only at debug level)."""
+
+    def __init__(self, app, state: ServiceState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state, status = self.state, None
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if state.draining:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except Exception as exc:  # noqa: BLE001 - the one place that answers what escaped a route
+            log.error("internal error on %s %s: %s: %s (at %s)", scope.get("method"), scope.get("path"),
+                      type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "", _where(exc))
+            log.debug("traceback of the internal error", exc_info=exc)
+            if status is None:
+                response = _error(500, f"internal error: {type(exc).__name__}")
+                await response(scope, receive, send_counted)
+        finally:
+            if status is not None:
+                route = scope.get("route")
+                path = getattr(route, "path", "unmatched")
+                state.metrics.requests.labels(path, str(status)).inc()
+                if status >= 400:
+                    state.metrics.failures.labels(path, _REASON_OF_STATUS.get(status, "internal")).inc()
 
 
 def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
@@ -147,14 +370,19 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
     state = ServiceState(settings, layer)
     metrics = state.metrics
     token = settings.token_value()
+    token_bytes = token.encode("ascii") if token is not None else None
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(state.executor, state.load_and_selftest)
-        except Exception as exc:  # noqa: BLE001 - reported through readiness, the process stays up
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded ends the process
             state.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("start-up failed")
+            log.error("start-up failed, the server stops: model %r cannot be loaded: %s", state.model_name,
+                      state.load_error)
+            log.debug("traceback of the start-up failure", exc_info=exc)
+            state.exit_code = 1
+            state.request_exit()
         else:
             model = state.model
             state.batcher = DynamicBatcher(
@@ -180,17 +408,32 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                 continue
             try:
                 await loop.run_in_executor(state.executor, state.probe_device)
-                await loop.run_in_executor(state.executor, state.run_selftest, "quick")
+                await state.health_report("quick")
+            except ProtocolError:
+                continue  # a full run is in progress: it checks the device too
             except Exception as exc:  # noqa: BLE001
                 state.selftest_error = f"quick self-test raised {type(exc).__name__}: {exc}"
                 state.refresh_ready_gauge()
 
+    def start_decoder() -> None:
+        # started at once, so the first large JSON body does not pay for the process start-up
+        try:
+            state.decoder_pool().submit(decode_json_request, b"{}").add_done_callback(lambda f: f.exception())
+        except Exception as exc:  # noqa: BLE001 - large JSON bodies will retry; small ones never need it
+            log.warning("the JSON decoder process did not start: %s", exc)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.refresh_ready_gauge()
+        if token is None:
+            log.warning("authentication is off (no MEGAMOE_TOKEN): infer and quick kernel health are open to "
+                        "anyone who reaches %s:%s; full kernel health is refused", settings.host, settings.port)
+        else:
+            log.info("authentication is on: infer and kernel health need the bearer token")
         background = [asyncio.create_task(startup(), name="megamoe-startup")]
         if settings.selftest_interval_s > 0:
             background.append(asyncio.create_task(periodic_selftest(), name="megamoe-selftest"))
+        start_decoder()
         try:
             yield
         finally:
@@ -200,47 +443,43 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             await asyncio.gather(background[0], return_exceptions=True)
             if state.batcher is not None:
                 await state.batcher.stop()
+            for task in list(state.health_runs.values()):
+                await asyncio.gather(task, return_exceptions=True)
             state.executor.shutdown(wait=True)
+            if state.decoder is not None:
+                state.decoder.shutdown(wait=True, cancel_futures=True)
 
     app = FastAPI(title="megamoe", description="NVFP4 MoE layer over the Open Inference Protocol (KServe v2)",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.megamoe = state
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        if response.status_code >= 400:
-            reason = _REASON_OF_STATUS.get(response.status_code, "internal")
-            metrics.failures.labels(path, reason).inc()
-        return response
+    app.add_middleware(ServiceMiddleware, state=state)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         return _error(400, f"invalid request: {exc.errors()}")
 
     def authorized(request: Request) -> bool:
-        if token is None:
+        if token_bytes is None:
             return True
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), token.encode())
+        # the header's raw bytes (Starlette decodes headers as latin-1): no re-encoding guesses
+        scheme, _, given = request.headers.get("authorization", "").encode("latin-1").partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), token_bytes)
 
     def unauthorized() -> JSONResponse:
         return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
 
-    def unknown_model(name: str) -> JSONResponse:
-        return _error(404, f"unknown model {name!r}; this server serves {state.model_name!r}")
+    def unknown_model(name: str, version: str | None) -> JSONResponse | None:
+        """None when ``name`` (and ``version``, if given) is what this server serves."""
+        if name != state.model_name:
+            return _error(404, f"unknown model {name!r}; this server serves {state.model_name!r}")
+        if version is not None and version != ServedModel.version:
+            return _error(404, f"model {name!r} has no version {version!r}; this server serves version "
+                               f"{ServedModel.version!r}")
+        return None
 
     # --- health and metadata --------------------------------------------------
 
@@ -257,22 +496,35 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
 
     @app.get("/v2")
     async def server_metadata():
-        return {"name": SERVER_NAME, "version": _package_version(), "extensions": ["binary_tensor_data"]}
+        return {"name": SERVER_NAME, "version": _package_version(), "extensions": ["binary_tensor_data", "model_configuration"]}
 
     @app.get("/v2/models/{model_name}")
     @app.get("/v2/models/{model_name}/versions/{model_version}")
     async def model_metadata(model_name: str, model_version: str | None = None):
-        if model_name != state.model_name or model_version not in (None, ServedModel.version):
-            return unknown_model(model_name if model_version is None else f"{model_name}/{model_version}")
+        refused = unknown_model(model_name, model_version)
+        if refused is not None:
+            return refused
         if state.model is None:
             return _error(503, state.not_ready_reason() or "model not loaded")
         return state.model.metadata()
 
+    @app.get("/v2/models/{model_name}/config")
+    @app.get("/v2/models/{model_name}/versions/{model_version}/config")
+    async def model_config(model_name: str, model_version: str | None = None):
+        # Triton's model-configuration extension (perf_analyzer reads it after the metadata)
+        refused = unknown_model(model_name, model_version)
+        if refused is not None:
+            return refused
+        if state.model is None:
+            return _error(503, state.not_ready_reason() or "model not loaded")
+        return state.model.triton_config(settings.queue_delay_ms, settings.max_batch_tokens)
+
     @app.get("/v2/models/{model_name}/ready")
     @app.get("/v2/models/{model_name}/versions/{model_version}/ready")
     async def model_ready(model_name: str, model_version: str | None = None):
-        if model_name != state.model_name or model_version not in (None, ServedModel.version):
-            return unknown_model(model_name)
+        refused = unknown_model(model_name, model_version)
+        if refused is not None:
+            return refused
         reason = state.not_ready_reason()
         if reason:
             return JSONResponse({"name": model_name, "ready": False, "error": reason}, status_code=503)
@@ -280,24 +532,69 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
 
     # --- inference --------------------------------------------------------------
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(request: Request, count_values: bool) -> bytearray:
+        """The body, refused as soon as it is too large (413), holds too many JSON values (400),
+        is not complete within ``timeout_body_s`` (408), or is still arriving when the shutdown
+        grace period ends (503). ``count_values``: the body is all JSON."""
+        limit = min(settings.max_json_body_bytes, settings.max_body_bytes) if count_values else settings.max_body_bytes
+        what = "JSON body" if count_values else "body"
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise ProtocolError(f"body of {declared} bytes exceeds the limit of {settings.max_body_bytes}", 413)
-        chunks, received = [], 0
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > settings.max_body_bytes:
-                raise ProtocolError(f"body exceeds the limit of {settings.max_body_bytes} bytes", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(f"{what} of {declared} bytes exceeds the limit of {limit}", 413)
+        max_values = state.json_value_limit
+        body, values = bytearray(), 0
+        deadline = time.monotonic() + settings.timeout_body_s
+        while True:
+            now = time.monotonic()
+            if state.shutdown_deadline is not None and now >= state.shutdown_deadline:
+                raise ProtocolError("the server is shutting down and the request body was still arriving", 503,
+                                    close=True)
+            if now >= deadline:
+                raise ProtocolError(f"the request body did not arrive within {settings.timeout_body_s:g} s", 408,
+                                    close=True)
+            try:
+                message = await asyncio.wait_for(request.receive(), min(deadline - now, _BODY_POLL_S))
+            except asyncio.TimeoutError:
+                continue
+            if message["type"] == "http.disconnect":
+                raise ProtocolError("client disconnected before sending the whole body", 400, close=True)
+            chunk = message.get("body", b"")
+            if len(body) + len(chunk) > limit:
+                raise ProtocolError(f"{what} exceeds the limit of {limit} bytes", 413)
+            if count_values:
+                values += count_json_values_bound(chunk)
+                if values > max_values:
+                    raise too_many_values(max_values)
+            body += chunk
+            if not message.get("more_body", False):
+                return body
 
-    async def off_loop_if_large(size_bytes: int, fn, *args):
-        """Decoding or encoding a large tensor (JSON above all) would stall every other
-        connection: above 64 KiB it runs in a worker thread (not the device thread)."""
-        if size_bytes < 64 * 1024:
-            return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+    async def decode(body: bytearray, header_length: int | None):
+        if header_length is None:
+            json_part, binary = body, b""
+        else:
+            view = memoryview(body)
+            json_part, binary = view[:header_length], view[header_length:]
+            if header_length > settings.max_json_body_bytes:
+                raise ProtocolError(f"JSON header of {header_length} bytes exceeds the limit of "
+                                    f"{settings.max_json_body_bytes}", 413)
+        plain = header_length is None
+        if len(json_part) >= OFFLOAD_JSON_BYTES:
+            decoded = await state.in_decoder(decode_json_request, bytes(json_part), state.json_value_limit, plain)
+        else:
+            decoded = decode_json_request(json_part, state.json_value_limit, plain)
+        if len(binary) >= OFFLOAD_JSON_BYTES:
+            return await asyncio.to_thread(build_request, decoded, binary)  # torch copies without the lock
+        return build_request(decoded, binary)
+
+    async def encode(model: ServedModel, request_id, output: torch.Tensor, as_binary: bool):
+        header, packed, blobs = response_parts(model.name, model.version, request_id,
+                                               [(OUTPUT_NAME, output, as_binary)])
+        if packed and output.numel() >= OFFLOAD_JSON_VALUES:
+            head = await state.in_decoder(encode_json_response, header, packed)
+        else:
+            head = encode_json_response(header, packed)
+        return finish_response(head, blobs)
 
     @app.post("/v2/models/{model_name}/infer")
     @app.post("/v2/models/{model_name}/versions/{model_version}/infer")
@@ -305,45 +602,48 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
         started = time.perf_counter()
         if not authorized(request):
             return unauthorized()
-        if model_name != state.model_name or model_version not in (None, ServedModel.version):
-            return unknown_model(model_name)
-        reason = state.not_ready_reason()
+        refused = unknown_model(model_name, model_version)
+        if refused is not None:
+            return refused
+        reason = state.not_ready_reason(serving=True)
         if reason or state.batcher is None:
             return _error(503, reason or "not ready")
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding != "identity":
             return _error(400, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed")
         model = state.model
-
-        def decode(body: bytes):
-            parsed = parse_infer_request(body, parse_header_length(request.headers.get(HEADER_LENGTH), len(body)))
+        try:
+            header_value = request.headers.get(HEADER_LENGTH)
+            parse_header_length(header_value, settings.max_body_bytes)  # its syntax, before the body
+            body = await read_body(request, count_values=header_value is None)
+            parsed = await decode(body, parse_header_length(header_value, len(body)))
+            del body
             unknown_outputs = sorted(set(parsed.outputs) - {OUTPUT_NAME})
             if unknown_outputs:
                 raise ProtocolError(f"unknown output(s) {unknown_outputs}; this model has {[OUTPUT_NAME]}")
-            return parsed, model.validate(parsed.inputs, parsed.datatypes)
-
-        try:
-            body = await read_body(request)
-            parsed, model_request = await off_loop_if_large(len(body), decode, body)
+            model_request = model.validate(parsed.inputs, parsed.datatypes)
         except ProtocolError as exc:
-            return _error(exc.status, exc.message)
+            return _error(exc.status, exc.message, close=exc.close)
+        state.infer_active += 1
         try:
             result = await state.batcher.submit(model_request)
         except ShuttingDown as exc:
             return _error(503, str(exc))
         except Exception as exc:  # noqa: BLE001 - a device failure, not the caller's input
             if state.first_report_of(exc):
-                log.exception("forward failed")
+                log.error("forward failed: %s: %s", type(exc).__name__, exc)
                 await asyncio.get_running_loop().run_in_executor(state.executor, state.probe_device)
             return _error(500, f"forward failed: {type(exc).__name__}: {exc}")
+        finally:
+            state.infer_active -= 1
         as_binary = parsed.outputs.get(OUTPUT_NAME, parsed.binary_output_default)
-        body, headers = await off_loop_if_large(
-            result.output.numel() * (1 if as_binary else 8), encode_infer_response,
-            model.name, model.version, parsed.request_id, [(OUTPUT_NAME, result.output, as_binary)],
-        )
+        try:
+            content, headers = await encode(model, parsed.request_id, result.output, as_binary)
+        except ProtocolError as exc:
+            return _error(exc.status, exc.message)
         metrics.queue_latency.labels(model.name).observe(result.queue_s)
         metrics.request_latency.labels(model.name).observe(time.perf_counter() - started)
-        return Response(content=body, headers=headers, media_type=headers["content-type"])
+        return Response(content=content, headers=headers, media_type=headers["content-type"])
 
     # --- kernel health and metrics -----------------------------------------------
 
@@ -353,10 +653,16 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             return unauthorized()
         if level not in ("quick", "full"):
             return _error(400, f"level must be 'quick' or 'full', got {level!r}")
+        if level == "full" and token is None:
+            return _error(403, "level=full runs the long checks on the serving device; this server has no "
+                               "token (MEGAMOE_TOKEN), so it refuses them")
         if state.model is None:
             return _error(503, state.not_ready_reason() or "model not loaded")
-        report = await asyncio.get_running_loop().run_in_executor(state.executor, state.run_selftest, level)
-        return report
+        try:
+            report = await state.health_report(level)
+        except ProtocolError as exc:
+            return _error(exc.status, exc.message, {"Retry-After": "5"} if exc.status == 429 else None)
+        return JSONResponse(strict_json(report))
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -364,3 +670,6 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
         return Response(content=metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+__all__ = ["create_app", "ServiceState", "ServiceMiddleware"]

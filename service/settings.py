@@ -1,10 +1,13 @@
 """Service configuration: environment variables ``MEGAMOE_*`` and ``megamoe serve`` flags.
 
 Every field is both an env var (``MEGAMOE_QUEUE_DELAY_MS``) and a flag
-(``--queue-delay-ms``); a flag wins over the environment.
+(``--queue-delay-ms``); a flag wins over the environment. A setting whose default is
+"unset" takes the word ``unset`` (or an empty value) to mean that.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,36 +19,59 @@ class ServiceSettings(BaseSettings):
         cli_prog_name="megamoe serve",
         cli_kebab_case=True,
         cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_parse_none_str="unset",
+        cli_show_env_vars=True,
+        hide_input_in_errors=True,  # a rejected token must not be printed
         extra="ignore",
     )
 
     checkpoint: str | None = Field(
-        None, description="ModelOpt NVFP4 MoE checkpoint directory to serve; when unset a synthetic preset is served"
+        None, description="ModelOpt NVFP4 MoE checkpoint to serve (a directory or one .safetensors file); unset: "
+        "the synthetic preset. One that cannot be loaded stops the server with exit status 1"
     )
     preset: str = Field("small", description="synthetic preset served when no checkpoint is given (tiny, small, v4-flash, v3)")
     seed: int = Field(0, description="seed of the synthetic preset's weights")
     model_name: str | None = Field(
-        None, description="model name in the URL (/v2/models/<name>); default: the preset name or the checkpoint folder's name"
+        None, description="model name in the URL (/v2/models/<name>); unset: the preset name, the checkpoint "
+        "folder's name, or the checkpoint file's name without .safetensors"
     )
     backend: str = Field(
         "auto",
         description="kernel backend: auto, torch, cuda-sm90, cuda-sm100, or 'package.module:attr' (a Backend subclass or factory)",
     )
-    device: str | None = Field(None, description="torch device for the weights (default: the backend's)")
+    device: str | None = Field(None, description="torch device for the weights; unset: the backend's")
     torch_threads: int = Field(
         0, ge=0,
-        description="torch intra-op CPU threads (0: torch's default, one per core). On a CPU shared with other "
+        description="torch intra-op CPU threads (0: torch's choice, one per core). On a CPU shared with other "
         "busy processes, fewer threads avoid stalls at torch's spinning barriers (see bench/results/serve_cpu*.json)",
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     token: SecretStr | None = Field(
-        None, description="bearer token required by the infer and kernel-health endpoints (unset: no authentication; "
-        "prefer the env var MEGAMOE_TOKEN, flags show in the process list)"
+        None, description="bearer token required by the infer and kernel-health endpoints: visible ASCII, no "
+        "spaces; unset or empty: no authentication (and no full kernel health). Prefer the env var, flags show "
+        "in the process list"
     )
     max_body_bytes: int = Field(
         256 * 1024 * 1024, gt=0,
         description="largest request body accepted, larger ones get 413 (4096 x 7168 FP32 in binary is 117 MB)",
+    )
+    max_json_body_bytes: int = Field(
+        64 * 1024 * 1024, gt=0,
+        description="largest JSON body (or JSON header of a binary body) accepted, larger ones get 413; a JSON "
+        "body also may not hold more numbers than the model takes in one request (400, while it arrives)",
+    )
+    timeout_keep_alive_s: float = Field(
+        5.0, gt=0, description="an idle connection (after a response, or one that never sent a byte) is closed "
+        "after this long",
+    )
+    timeout_request_head_s: float = Field(
+        10.0, gt=0, description="a request line and headers must arrive within this long of their first byte, "
+        "else the connection is closed",
+    )
+    timeout_body_s: float = Field(
+        60.0, gt=0, description="an infer request's body must arrive within this long of its headers, else 408",
     )
     max_tokens_per_request: int = Field(4096, gt=0, description="largest T (rows of hidden_states) in one request")
     max_batch_tokens: int = Field(8192, gt=0, description="largest number of tokens the batcher puts in one forward")
@@ -56,14 +82,36 @@ class ServiceSettings(BaseSettings):
     selftest_interval_s: float = Field(
         0.0, ge=0, description="re-run the quick self-test this often while serving; a failure turns readiness to 503 (0: never)"
     )
-    graceful_shutdown_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may take to finish")
+    graceful_shutdown_s: float = Field(
+        30.0, gt=0, description="on SIGTERM, how long requests in flight may take to finish; a body still "
+        "arriving then gets 503",
+    )
     log_level: str = Field("info", description="uvicorn log level")
 
-    @field_validator("checkpoint", "model_name", "device", "token", mode="before")
+    @field_validator("checkpoint", "model_name", "device", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         # compose passes ``${VAR:-}`` as an empty string: treat it as not given
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token_is_usable(cls, value):
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None or value == "":
+            return None  # not given (compose's ``${MEGAMOE_TOKEN:-}``): no authentication
+        if not isinstance(value, str):
+            raise ValueError("the token must be a string")
+        if not value.strip():
+            raise ValueError("the token is only whitespace: that would turn authentication off silently; set a "
+                             "real token, or leave MEGAMOE_TOKEN empty or unset for no authentication")
+        bad = next((c for c in value if not 0x21 <= ord(c) <= 0x7E), None)
+        if bad is not None:
+            kind = "whitespace" if bad.isspace() else "a non-ASCII character" if ord(bad) > 0x7E else "a control character"
+            raise ValueError(f"the token contains {kind}: a bearer token is visible ASCII without spaces "
+                             "(RFC 6750), which every HTTP client can send")
+        return value
 
     @model_validator(mode="after")
     def _batch_holds_a_request(self) -> "ServiceSettings":
@@ -73,6 +121,16 @@ class ServiceSettings(BaseSettings):
                 f"({self.max_tokens_per_request}): one request has to fit in one batch"
             )
         return self
+
+    def served_model_name(self) -> str:
+        """The model's name in the URL: ``model_name``, else the preset's, the checkpoint folder's,
+        or the checkpoint file's without its ``.safetensors`` suffix."""
+        if self.model_name:
+            return self.model_name
+        if self.checkpoint:
+            path = Path(self.checkpoint).resolve()
+            return (path.stem if path.suffix == ".safetensors" else path.name) or "megamoe"
+        return self.preset
 
     def token_value(self) -> str | None:
         return self.token.get_secret_value() if self.token is not None else None

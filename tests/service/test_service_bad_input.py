@@ -113,8 +113,10 @@ CASES = {
                                           match="topk_weights must have shape"),
     "topk_ids_wrong_shape": json_case(with_input(good_json(1), 1, shape=[K, 1]), match="topk_ids must have shape"),
     "ids_without_weights": json_case({"inputs": good_json(1)["inputs"][:2]}, match="go together"),
-    "ids_and_logits": json_case({"inputs": good_json(1)["inputs"] + [
-        {"name": "router_logits", "datatype": "FP32", "shape": [1, E], "data": [0.0] * E}]}, match="not both"),
+    # with topk_ids given, router_logits is not used for routing, but it is still checked
+    "ids_and_bad_logits": json_case({"inputs": good_json(1)["inputs"] + [
+        {"name": "router_logits", "datatype": "FP32", "shape": [1, E - 1], "data": [0.0] * (E - 1)}]},
+        match="router_logits must have shape"),
     "router_logits_wrong_shape": json_case({"inputs": [good_json(1)["inputs"][0], {
         "name": "router_logits", "datatype": "FP32", "shape": [1, E - 1], "data": [0.0] * (E - 1)}]},
         match="router_logits must have shape"),
@@ -185,7 +187,9 @@ def test_oversized_streamed_body_is_413(http, baseline):
 
 def test_unknown_model_is_404(http, baseline):
     assert_error(http.post("/v2/models/nope/infer", json=good_json(), headers=AUTH), 404, "unknown model")
-    assert_error(http.post(f"/v2/models/{PRESET}/versions/7/infer", json=good_json(), headers=AUTH), 404, "unknown model")
+    assert_error(http.post(f"/v2/models/{PRESET}/versions/7/infer", json=good_json(), headers=AUTH), 404,
+                 f"model '{PRESET}' has no version '7'; this server serves version '1'")
+    assert http.post(f"/v2/models/{PRESET}/versions/1/infer", json=good_json(), headers=AUTH).status_code == 200
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},

@@ -67,7 +67,7 @@ def test_json_nested_and_flat_data_agree():
 @pytest.mark.parametrize("body, header, match", [
     (b"{", None, "malformed JSON"),
     (b'{"inputs": [{"name": "x", "datatype": "INT32", "shape": [1], "data": [3000000000]}]}', None, "range"),
-    (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": []}]}', None, "non-negative"),
+    (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": []}]}', None, "shape must be a list"),
     (b'{"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [1, 70000]}]}', None, "out of FP16 range"),
     (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}', None, "neither"),
     (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1], '
