@@ -61,7 +61,7 @@ def _ref_backend():
     return TorchBackend()
 
 
-def _check_every_column(out, ref, min_cos):
+def check_every_column(out, ref, min_cos):
     """docs/FIELD_BUGS.md row 29: each output column on its own, not only the whole norm."""
     assert out.shape == ref.shape
     o, r = out.double(), ref.double()
@@ -147,12 +147,12 @@ def test_odd_shapes_against_the_reference_every_column(backend, h, i, e, k):
             ref = layer.reference_bf16(x, topk_ids=ids, topk_weights=w).float()
             assert cosine(out, ref) >= 0.97
             if t == 129:
-                _check_every_column(out, ref, 0.9)
+                check_every_column(out, ref, 0.9)
         else:
             ref = _ref_backend().moe_forward(layer.weights, cfg, x, ids, w)
             assert cosine(out, ref) >= 0.99999
             if t == 129:
-                _check_every_column(out, ref, 0.9999)
+                check_every_column(out, ref, 0.9999)
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 What is checked here, without a GPU (the kernel itself never runs in CI):
 
 * the SF layouts CUTLASS is given for A and B (CuTe's ``tile_atom_to_shape_SFA/SFB``)
-  equal the SPEC §2 closed form of :func:`megamoe.nvfp4.sf_offset` for every (m, kb),
+  equal the docs/SPEC.md §2 closed form of :func:`megamoe.nvfp4.sf_offset` for every (m, kb),
   and span exactly the padded size;
-* for the MoE shapes of SPEC §3 and FIELD_BUGS 1-12: per-group problem shapes, strides,
+* for the MoE shapes of docs/SPEC.md §3 and docs/FIELD_BUGS.md rows 1-12: per-group problem shapes, strides,
   pointer offsets (expert rows padded to 128), SF offsets of every group, alphas (gate and
   up separate, global scales far from 1), workspace size and CUTLASS ``can_implement``;
 * the backend's MoE glue and GEMM on the CPU with :func:`emulate_grouped_gemm` in place of
@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 
+from _helpers import cosine, random_nvfp4
 from megamoe import _ext, nvfp4
 from megamoe.presets import PRESETS
 
@@ -57,7 +58,7 @@ def _f32_mul(a: float, b: float) -> float:
 
 
 def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_gs: list[float]) -> None:
-    """Every per-group value of a plan against SPEC §2 and the layout contract of
+    """Every per-group value of a plan against docs/SPEC.md §2 and the layout contract of
     cpp/include/megamoe/sm100_moe_groups.hpp, recomputed here from first principles."""
     parts, n_part, k = plan["parts"], plan["n_part"], plan["k"]
     e = len(counts)
@@ -92,7 +93,7 @@ def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_
         # alpha = activation global scale x weight global scale of (expert, part)
         a_val = a_gs[0] if len(a_gs) == 1 else a_gs[ex]
         assert grp["alpha"] == _f32_mul(a_val, b_gs[ex * parts + p])
-        # SF layouts: padded size, SPEC §2 atom, sampled offsets = closed form
+        # SF layouts: padded size, docs/SPEC.md §2 atom, sampled offsets = closed form
         if c:
             assert grp["sfa_bytes"] == grp["sfa_cosize"] == math.prod(nvfp4.sf_padded_shape(c, kb))
         assert grp["sfb_bytes"] == grp["sfb_cosize"] == sfb_part_bytes
@@ -130,7 +131,7 @@ def test_kernel_info_is_the_one_instantiated_config():
 
 
 # --------------------------------------------------------------------------------------------
-# SF layout: CuTe (what CUTLASS reads) vs the SPEC §2 closed form
+# SF layout: CuTe (what CUTLASS reads) vs the docs/SPEC.md §2 closed form
 # --------------------------------------------------------------------------------------------
 
 SF_SHAPES = [(1, 64), (7, 208), (31, 16), (33, 464), (127, 480), (129, 7168), (300, 1856), (464, 5472),
@@ -148,7 +149,7 @@ def test_sf_layout_equals_spec_closed_form(rows, k, operand):
     assert got.shape == want.shape
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} offsets differ, first at (m, kb) = {divmod(int(bad[0]), kb)}"
-    # a bijection of the logical scales into the padded buffer (FIELD_BUGS 1: size vs cosize)
+    # a bijection of the logical scales into the padded buffer (docs/FIELD_BUGS.md row 1: size vs cosize)
     padded = math.prod(nvfp4.sf_padded_shape(rows, kb))
     assert int(got.max()) < padded and int(got.min()) >= 0
     assert torch.unique(got).numel() == rows * kb
@@ -174,7 +175,7 @@ def test_sf_layout_rejects_bad_arguments():
 
 
 # --------------------------------------------------------------------------------------------
-# plans for the MoE shapes of SPEC §3
+# plans for the MoE shapes of docs/SPEC.md §3
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "v4-flash", "v3"])
@@ -324,12 +325,6 @@ def test_plan_rejects_bad_arguments():
 # the planner's offsets drive a CPU emulation of the kernel: right bytes, right places
 # --------------------------------------------------------------------------------------------
 
-def _random_nvfp4(rows, k, gen, gs):
-    x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-3, 4, (rows, k // 16), generator=gen)
-                                                        .float()).repeat_interleave(16, 1)
-    return nvfp4.quantize(x, torch.tensor(gs, dtype=torch.float32))
-
-
 def test_emulated_grouped_gemm_reads_and_writes_where_the_plan_says():
     from megamoe.backends.cuda_sm100 import emulate_grouped_gemm
 
@@ -337,8 +332,8 @@ def test_emulated_grouped_gemm_reads_and_writes_where_the_plan_says():
     counts, n_part, k = [33, 0, 129, 1], 464, 480
     e, parts = len(counts), 2
     offs = nvfp4.grouped_row_offsets(counts).tolist()
-    acts = [_random_nvfp4(c, k, gen, 1.0) if c else None for c in counts]
-    w = [_random_nvfp4(parts * n_part, k, gen, 1.0) for _ in range(e)]
+    acts = [random_nvfp4(c, k, gen, 1.0) if c else None for c in counts]
+    w = [random_nvfp4(parts * n_part, k, gen, 1.0) for _ in range(e)]
     rows = offs[-1]
     a_data = torch.zeros(rows, k // 2, dtype=torch.uint8)
     a_scale = torch.zeros(rows, k // 16, dtype=torch.uint8)
@@ -381,25 +376,20 @@ def emulated():
     return CudaSm100Backend(device="cpu", executor="emulate", sm_count=SM_COUNT)
 
 
-def _cos(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 @pytest.mark.parametrize("m,n,k", [(1, 128, 64), (33, 256, 208), (129, 464, 512), (7, 20, 96)])
 def test_backend_gemm_emulated_matches_reference(emulated, m, n, k):
     gen = torch.Generator().manual_seed(m * 7 + n)
-    a = _random_nvfp4(m, k, gen, 1e-3)
-    b = _random_nvfp4(n, k, gen, 1e3)
+    a = random_nvfp4(m, k, gen, 1e-3)
+    b = random_nvfp4(n, k, gen, 1e3)
     ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
     out = emulated.gemm(a, b)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    assert _cos(out, ref) > 0.999999
+    assert cosine(out, ref) > 0.999999
     assert torch.allclose(out.double(), ref.double(), rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
     # per-row global scales (a tensor scale per row group) go around the scalar alpha
     a_rows = nvfp4.NVFP4Tensor(a.data, a.scale, torch.linspace(0.5, 2.0, m, dtype=torch.float32))
     ref_rows = nvfp4.gemm(a_rows, b, compute_dtype=torch.float64)
-    assert _cos(emulated.gemm(a_rows, b), ref_rows) > 0.999999
+    assert cosine(emulated.gemm(a_rows, b), ref_rows) > 0.999999
 
 
 def _layer(preset, be, **over):
@@ -425,11 +415,12 @@ def test_moe_forward_emulated_matches_torch_backend(emulated, preset, over, toke
     out = emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
     ref = TorchBackend().moe_forward(layer.weights, layer.config, x, ids, w)
     assert out.shape == ref.shape and torch.isfinite(out).all()
-    assert _cos(out, ref) > 0.99999, _cos(out, ref)
+    assert cosine(out, ref) > 0.99999, cosine(out, ref)
 
 
 def test_moe_forward_emulated_keeps_gate_and_up_scales_apart(emulated):
-    """FIELD_BUGS 10/11: up's weight_scale_2 10x gate's, both far from 1; dropping either changes the output."""
+    """docs/FIELD_BUGS.md rows 10 and 11: up's weight_scale_2 10x gate's, both far from 1; dropping either
+    changes the output."""
     from megamoe.backends.torch_ref import TorchBackend
 
     layer = _layer("tiny", emulated)
@@ -443,11 +434,11 @@ def test_moe_forward_emulated_keeps_gate_and_up_scales_apart(emulated):
     w, ids = layer.route(x)
     ref = TorchBackend().moe_forward(wts, layer.config, x, ids, w)
     out = emulated.moe_forward(prepared, layer.config, x, ids, w)
-    assert _cos(out, ref) > 0.99999
+    assert cosine(out, ref) > 0.99999
     assert torch.equal(prepared.w13_gs.reshape(e, 2), gs.float())
     one_scale = nvfp4.NVFP4Tensor(wts.w13.data, wts.w13.scale, gs[:, 0].float().contiguous())
     wrong = TorchBackend().moe_forward(type(wts)(**{**wts.__dict__, "w13": one_scale}), layer.config, x, ids, w)
-    assert _cos(out, wrong) < 0.999  # the check above could see a dropped up scale
+    assert cosine(out, wrong) < 0.999  # the check above could see a dropped up scale
 
 
 def test_prepare_weights_pads_k_and_swizzles_gate_up_separately(emulated):
@@ -580,11 +571,12 @@ def test_field_bug_6_nan_token_rows_do_not_leak(emulated, dynamic):
     out = emulated.moe_forward(layer._prepared, layer.config, x_all, ids_all, w_all)
     assert torch.allclose(out[:40], clean, rtol=1e-6, atol=1e-6 * float(clean.abs().max()))
     again = emulated.moe_forward(layer._prepared, layer.config, x_all, ids_all, w_all)
-    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again))  # FIELD_BUGS 14: rerun, same bits
+    # docs/FIELD_BUGS.md row 14: rerun, same bits
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again))
 
 
 def test_health_checks_catch_a_swapped_sf_layout_on_this_path():
-    """FIELD_BUGS 2 through the sm100 path: with the M/K-swapped swizzle of megamoe.faults, uniform
+    """docs/FIELD_BUGS.md row 2 through the sm100 path: with the M/K-swapped swizzle of megamoe.faults, uniform
     scales still pass and random scales fail, so the user's selftest would flag it."""
     from megamoe import health
     from megamoe.backends.cuda_sm100 import CudaSm100Backend
@@ -615,7 +607,7 @@ def test_primitives_fall_back_to_the_reference_off_gpu(emulated):
 
 
 # --------------------------------------------------------------------------------------------
-# the MoE glue around the kernel (docs/FIELD_BUGS.md rows 23, 25, 26, 28; issue §3 items)
+# the MoE glue around the kernel (docs/FIELD_BUGS.md rows 23, 25, 26, 28)
 # --------------------------------------------------------------------------------------------
 
 def test_routing_rows_place_each_pair_and_skip_masked_ids():
@@ -744,8 +736,8 @@ def _float_index_add_guard(monkeypatch):
 
 
 def test_moe_forward_combine_uses_no_float_index_add(emulated, monkeypatch):
-    """issue §3: the combine was `out.index_add_` (atomic on CUDA: run-to-run different bits with
-    three or more experts per row). Integer counting may use it (exact in any order), floats not."""
+    """A float `index_add_` combine is atomic on CUDA (run-to-run different bits once three or more
+    experts add into a row). Integer counting may use it (exact in any order), floats not."""
     layer = _layer("tiny", emulated, top_k=4)
     x = torch.randn(33, layer.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     w, ids = layer.route(x)

@@ -280,7 +280,7 @@ std::vector<SfSample> sample_sf_layout(Layout const& layout, int rows, int k) {
   return out;
 }
 
-// Scales (m, kb) of a [rows, k/16] matrix whose offset in `layout` differs from the SPEC §2
+// Scales (m, kb) of a [rows, k/16] matrix whose offset in `layout` differs from the docs/SPEC.md §2
 // closed form (megamoe::sf_offset, the one compiled into every kernel). Every (m, kb) is visited.
 template <class Layout>
 int64_t count_sf_mismatches(Layout const& layout, int rows, int k) {

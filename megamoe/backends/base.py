@@ -46,7 +46,7 @@ class Backend:
         return nvfp4.unswizzle_scales_grouped(buf, group_sizes, cols)
 
     def verify_sf_roundtrip(self, scale: torch.Tensor) -> dict:
-        """SPEC §2 verifier run against this backend's swizzle and unswizzle."""
+        """docs/SPEC.md §2 verifier run against this backend's swizzle and unswizzle."""
         return nvfp4.verify_sf_roundtrip(scale, self.swizzle_scales, self.unswizzle_scales)
 
     def gemm(self, a, b: nvfp4.NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """NVFP4 primitives on any CUDA GPU through the shared kernels (cpp/common).
 
-:class:`CudaCommonMixin` gives a backend the SPEC §1-§2 primitives (quantize, SF
+:class:`CudaCommonMixin` gives a backend the docs/SPEC.md §1-§2 primitives (quantize, SF
 swizzle / unswizzle, grouped swizzle, verifier) running as CUDA kernels. The kernels are
 bit-identical to :mod:`megamoe.nvfp4`; this module only allocates, checks arguments and
 launches on the current torch stream.
@@ -38,7 +38,7 @@ def _as_e4m3(t: torch.Tensor) -> torch.Tensor:
 
 
 class CudaCommonMixin:
-    """SPEC §1-§2 primitives on the GPU (mixed into CUDA backends ahead of Backend)."""
+    """docs/SPEC.md §1-§2 primitives on the GPU (mixed into CUDA backends ahead of Backend)."""
 
     # ---------------------------------------------------------------- quantize
     def quantize(self, x: torch.Tensor, global_scale=None) -> nvfp4.NVFP4Tensor:
@@ -76,7 +76,7 @@ class CudaCommonMixin:
 
     # ---------------------------------------------------------------- SF layout
     def swizzle_scales(self, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """SPEC §2 swizzle on the GPU; every byte of the buffer (padding = 0) is written."""
+        """docs/SPEC.md §2 swizzle on the GPU; every byte of the buffer (padding = 0) is written."""
         if scale.dim() not in (2, 3):
             raise ValueError(f"swizzle_scales expects [rows, cols] or [B, rows, cols], got {tuple(scale.shape)}")
         src = _u8(scale.to(self.device)).contiguous()
@@ -112,7 +112,7 @@ class CudaCommonMixin:
                 int(dst[-1]), int(src[-1]))
 
     def swizzle_scales_grouped(self, scale: torch.Tensor, group_sizes, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Grouped SPEC §2 buffer (group e at row ``grouped_row_offsets(sizes)[e]``), every byte written."""
+        """Grouped docs/SPEC.md §2 buffer (group e at row ``grouped_row_offsets(sizes)[e]``), every byte written."""
         src = _u8(scale.to(self.device)).contiguous()
         cols = src.shape[1]
         src_off, dst_off, total, n = self._group_offsets(group_sizes, src.device)
@@ -136,7 +136,7 @@ class CudaCommonMixin:
 
     # ---------------------------------------------------------------- verifier
     def verify_swizzled(self, scale: torch.Tensor, buf: torch.Tensor, group_sizes=None, max_records: int = 8) -> dict:
-        """Device verifier (SPEC §2): compare a swizzled ``buf`` with linear ``scale``.
+        """Device verifier (docs/SPEC.md §2): compare a swizzled ``buf`` with linear ``scale``.
 
         Every logical scale is looked up through the closed form and every padding byte
         must be zero. Returns ``{"mismatches": int, "first": [(b, m, k), ...]}`` (``b`` is
@@ -156,7 +156,7 @@ class CudaCommonMixin:
         return {"mismatches": r[0], "first": [tuple(r[1 + 3 * i: 4 + 3 * i]) for i in range(n)]}
 
     def verify_sf_roundtrip(self, scale: torch.Tensor) -> dict:
-        """SPEC §2 verifier: the reference check of this backend's swizzle / unswizzle (poisoned
+        """docs/SPEC.md §2 verifier: the reference check of this backend's swizzle / unswizzle (poisoned
         buffer, closed form, round trip) plus the device verifier on the same buffer."""
         report = nvfp4.verify_sf_roundtrip(scale, self.swizzle_scales, self.unswizzle_scales)
         prow, pcol = nvfp4.sf_padded_shape(*scale.shape)

@@ -2,21 +2,21 @@
 
 The expert GEMMs run in CUTLASS's block-scaled ptr-array grouped kernel
 (``cpp/sm100/grouped_gemm_nvfp4.cu``, compiled for sm_100a): tcgen05 MMA reading
-e2m1 codes and e4m3 block scales in the SPEC §2 layout, fp32 accumulation, one
+e2m1 codes and e4m3 block scales in the docs/SPEC.md §2 layout, fp32 accumulation, one
 alpha per group, fp32 output (bf16 output before SwiGLU's re-quantization measured
 cosine 0.99977 against the torch reference in CPU emulation; fp32 matches it).
 
 This path is compiled and host-tested in this project's CI (shapes, strides, SF
-layouts against SPEC §2, pointer offsets, alphas, workspace, ``can_implement``, and
+layouts against docs/SPEC.md §2, pointer offsets, alphas, workspace, ``can_implement``, and
 the whole MoE glue on the CPU with :func:`emulate_grouped_gemm` standing in for the
 kernel). The kernel itself has never run here: no Blackwell GPU was available. It
-is validated on the user's hardware by the SPEC §5 health checks
+is validated on the user's hardware by the docs/SPEC.md §5 health checks
 (``megamoe selftest --backend cuda-sm100``).
 
 How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_groups.hpp``):
 
 * tokens are sorted by expert into a padded activation matrix whose expert blocks start
-  on 128-row boundaries (SPEC §2), quantized (bytes identical to the reference quantizer)
+  on 128-row boundaries (docs/SPEC.md §2), quantized (bytes identical to the reference quantizer)
   and swizzled as one matrix (padding rows are zero, so their scales are zero);
 * GEMM 1 has two groups per expert, gate and up, each with its own alpha
   (``w13_weight_scale_2[e, 0]`` and ``[e, 1]``, times the static input scale), writing the
@@ -52,7 +52,7 @@ __all__ = ["CudaSm100Backend", "PreparedSm100", "RoutingRows", "combine_slots", 
 
 K_ALIGN = 32  # fp4 elements: 16-byte rows for TMA (kernel alignment of A and B)
 N_ALIGN = 4   # fp32 elements: 16-byte output rows and gate/up column offsets
-ROW_ALIGN = 128  # SPEC §2: each expert's rows start on a 128-row boundary
+ROW_ALIGN = 128  # docs/SPEC.md §2: each expert's rows start on a 128-row boundary
 
 
 def _round_up(x: int, m: int) -> int:
@@ -83,7 +83,7 @@ def pad_k(q: nvfp4.NVFP4Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _swizzle_parts(be: Backend, scale: torch.Tensor, parts: int) -> torch.Tensor:
     """Weight scales ``[E, parts * n, Kb]`` -> uint8 ``[E, parts, padded bytes]``, each part
-    swizzled on its own (SPEC §2 layout of an ``[n, Kb]`` matrix)."""
+    swizzled on its own (docs/SPEC.md §2 layout of an ``[n, Kb]`` matrix)."""
     e, rows, kb = scale.shape
     n = rows // parts
     buf = be.swizzle_scales(scale.reshape(e * parts, n, kb).contiguous())
@@ -120,7 +120,7 @@ def emulate_grouped_gemm(plan: dict, a_data: torch.Tensor, a_sf: torch.Tensor, b
 
     ``plan`` is ``megamoe._C.sm100_plan_moe_gemm(...)``: for every group it reads the
     operands at the plan's pointer offsets (the values the launcher's pointer arrays hold,
-    with every base at 0), decodes the scales with the SPEC §2 closed form, and writes
+    with every base at 0), decodes the scales with the docs/SPEC.md §2 closed form, and writes
     ``alpha_g * A_g @ B_g^T`` (fp32, as the kernel's epilogue) into ``out`` at the group's
     offset with row stride ``ldd``. The tests use it to check the planner's offsets and the backend's glue
     on the CPU; it is not a performance path.
@@ -234,7 +234,7 @@ class RoutingRows:
 
 
 def routing_rows(topk_ids: torch.Tensor, num_experts: int) -> RoutingRows:
-    """SPEC §2 row placement of a ``[T, k]`` routing, on the ids' device, without a host sync.
+    """docs/SPEC.md §2 row placement of a ``[T, k]`` routing, on the ids' device, without a host sync.
 
     Expert ``e``'s pairs, in (token, slot) order, take rows ``row_offset_e ..``, with
     ``row_offset_e = sum_{j<e} round_up(count_j, 128)``. Ids outside ``[0, E)`` get no row.
@@ -253,7 +253,7 @@ def routing_rows(topk_ids: torch.Tensor, num_experts: int) -> RoutingRows:
         0, key, torch.ones(pairs, dtype=torch.int64, device=dev))
     counts = counts_all[:e]
     padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    starts = torch.cumsum(padded, 0) - padded          # SPEC §2 row_offset_e
+    starts = torch.cumsum(padded, 0) - padded          # docs/SPEC.md §2 row_offset_e
     first = torch.cumsum(counts_all, 0) - counts_all   # first sorted pair of each expert
     # sum_e round_up(count_e, 128) <= pairs + 127 * (number of non-empty experts)
     rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
@@ -505,7 +505,7 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         return data, self.swizzle_scales(scale), row_gs
 
     def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
-        """Routed experts (SPEC §3) through two grouped GEMMs; float32 ``[T, H]``.
+        """Routed experts (docs/SPEC.md §3) through two grouped GEMMs; float32 ``[T, H]``.
 
         Ids outside ``[0, E)`` (the mask value -1, or another rank's experts) are skipped: no
         row, no GEMM work, no contribution (docs/SPEC.md, masked expert ids). No host

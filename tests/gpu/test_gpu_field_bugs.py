@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gpu_util import sm90_backend
-from _helpers import cosine
+from _helpers import backend_or_skip, capture_graph, cosine
+from test_field_bugs import check_every_column
 from megamoe import nvfp4
 from megamoe.moe import MoELayer
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 def _pair(preset="small", seed=0, **over):
     """(cuda-sm90 layer, torch-backend layer on the GPU) with the same weights."""
-    sm90_backend()
+    backend_or_skip("cuda-sm90")
     gpu = MoELayer.from_preset(preset, seed=seed, backend="cuda-sm90", **over)
     ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
     return gpu, ref
@@ -46,16 +46,6 @@ def _mask(ids, e, gen, frac=0.35):
     bad = torch.tensor([-1, -1, -1, e, e + 7, -5], dtype=ids.dtype)
     repl = bad[torch.randint(0, len(bad), (t, k), generator=gen)]
     return torch.where(mask.cuda(), repl.cuda(), ids), mask.cuda()
-
-
-def _check_every_column(out, ref, min_cos):
-    """docs/FIELD_BUGS.md row 29: each output column on its own, not only the whole norm."""
-    o, r = out.double(), ref.double()
-    col_norm = r.norm(dim=0)
-    assert (col_norm > 0).all(), "reference has an all-zero column: the check would be blind there"
-    col_cos = (o * r).sum(0) / (o.norm(dim=0) * col_norm).clamp_min(1e-300)
-    worst = int(col_cos.argmin())
-    assert float(col_cos.min()) >= min_cos, f"column {worst}: cosine {float(col_cos[worst]):.6f}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -91,14 +81,7 @@ def test_masked_ids_in_a_cuda_graph(gen):
     x, ids, w = _inputs(gpu, t, gen)
     masked, _ = _mask(ids, e, gen)
     xs, ids_s, ws_ = x.clone(), masked.clone(), w.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _fwd(gpu, xs, ids_s, ws_)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = gpu.backend.moe_forward(gpu._prepared, gpu.config, xs, ids_s, ws_)
+    g, out = capture_graph(gpu.backend.moe_forward, gpu._prepared, gpu.config, xs, ids_s, ws_)
     for new_ids in (masked, ids, torch.full_like(ids, -1), _mask(ids, e, gen, 0.6)[0]):
         ids_s.copy_(new_ids)
         g.replay()
@@ -132,7 +115,7 @@ def test_odd_shapes_every_column(h, i, e, k, mode, gen):
         print(f"odd shape H={h} I={i} E={e} k={k} {mode} T={t}: cosine {c:.7f}")
         assert torch.isfinite(out).all() and c >= 0.9999, (t, c)
         if t >= 127:
-            _check_every_column(out, exp, 0.999)
+            check_every_column(out, exp, 0.999)
 
 
 # ------------------------------------------------------------------------------------------
@@ -162,7 +145,7 @@ def test_v3_prefill_past_2_31(v3_pair, gen):
     print(f"v3 T={t}: cosine {c:.7f}, last 2048 tokens {tail:.7f}, worst token {float(per_token.min()):.6f}")
     assert torch.isfinite(out).all() and c >= 0.9999 and tail >= 0.9999
     assert float(per_token.min()) >= 0.99
-    _check_every_column(out, exp, 0.999)
+    check_every_column(out, exp, 0.999)
 
 
 def test_v3_every_slot_on_one_expert_past_2_31(v3_pair, gen):
@@ -191,14 +174,7 @@ def test_graph_captured_on_one_expert_replays_real_routing(t, mode, gen):
     x, ids, w = _inputs(gpu, t, gen)
     zeros = torch.zeros_like(ids)
     xs, ids_s, ws_ = x.clone(), zeros.clone(), w.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _fwd(gpu, xs, ids_s, ws_)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = gpu.backend.moe_forward(gpu._prepared, gpu.config, xs, ids_s, ws_)
+    g, out = capture_graph(gpu.backend.moe_forward, gpu._prepared, gpu.config, xs, ids_s, ws_)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.float(), _fwd(gpu, x, zeros, w))
@@ -251,7 +227,7 @@ def test_many_small_experts_each_compared(gen):
 @pytest.mark.parametrize("t", [1, 5, 127, 129])
 @pytest.mark.parametrize("cols", [4, 29, 64])
 def test_gpu_swizzle_writes_inside_its_buffer(t, cols, gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     scale = (torch.rand((t, cols), generator=gen) * 200 + 1).to(torch.float8_e4m3fn)
     prow, pcol = nvfp4.sf_padded_shape(t, cols)
     n = prow * pcol

@@ -3,64 +3,45 @@
 Skipped, with the reason, everywhere else; in this project's CI they never ran (no
 Blackwell GPU). On a B200: ``pytest tests/sm100_gpu -q``. The kernel is compared with
 the CPU emulator of the same plan (tests/test_sm100_host.py checks the emulator and the
-plan against SPEC §2) and with the torch reference.
+plan against docs/SPEC.md §2) and with the torch reference.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from _helpers import backend_or_skip, capture_graph, cosine, random_nvfp4
 from megamoe import nvfp4
 
 pytestmark = pytest.mark.gpu
 
 
-def _cos(a, b) -> float:
-    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 @pytest.fixture(scope="module")
 def be():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from megamoe.backends import available_backends, get_backend
-
-    ok, why = available_backends()["cuda-sm100"]
-    if not ok:
-        pytest.skip(f"cuda-sm100 not available: {why}")
-    return get_backend("cuda-sm100")
-
-
-def _random_nvfp4(rows, k, gen, gs=1.0, uniform=False):
-    if uniform:
-        return nvfp4.quantize(torch.ones(rows, k), torch.tensor(gs, dtype=torch.float32))
-    x = torch.randn(rows, k, generator=gen) * torch.exp2(
-        torch.randint(-4, 5, (rows, k // 16), generator=gen).float()).repeat_interleave(16, 1)
-    return nvfp4.quantize(x * gs * 100, torch.tensor(gs, dtype=torch.float32))
+    return backend_or_skip("cuda-sm100")
 
 
 @pytest.mark.parametrize("m", [1, 7, 31, 33, 127, 129, 300])
 @pytest.mark.parametrize("n,k", [(128, 64), (464, 208), (256, 7168), (2048, 464)])
 def test_gemm_random_scales_vs_reference(be, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    a = _random_nvfp4(m, k, gen, 1e-3)
-    b = _random_nvfp4(n, k, gen, 1e3)
+    a = random_nvfp4(m, k, gen, 1e-3)
+    b = random_nvfp4(n, k, gen, 1e3)
     ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
     out = be.gemm(a, b).cpu()
-    c = _cos(out, ref)
+    c = cosine(out, ref)
     print(f"sm100 gemm {m}x{n}x{k}: cosine {c:.8f}")
     assert torch.isfinite(out).all() and c >= 0.99999
-    # FIELD_BUGS 12: no column position (mod 32) much worse than the others
+    # docs/FIELD_BUGS.md row 12: no column position (mod 32) much worse than the others
     if n % 32 == 0 and m > 1:
         per_col = (out.double() - ref).abs().amax(0).view(-1, 32).amax(0)
         assert float(per_col.max()) <= 8 * float(per_col.median()) + 1e-30
 
 
 def test_gemm_uniform_scales(be):
-    a = _random_nvfp4(33, 256, None, uniform=True)
-    b = _random_nvfp4(256, 256, None, uniform=True)
-    assert _cos(be.gemm(a, b).cpu(), nvfp4.gemm(a, b, compute_dtype=torch.float64)) >= 0.99999
+    a = random_nvfp4(33, 256, None, uniform=True)
+    b = random_nvfp4(256, 256, None, uniform=True)
+    assert cosine(be.gemm(a, b).cpu(), nvfp4.gemm(a, b, compute_dtype=torch.float64)) >= 0.99999
 
 
 def test_grouped_kernel_equals_emulator_and_leaves_padding_alone(be):
@@ -71,8 +52,8 @@ def test_grouped_kernel_equals_emulator_and_leaves_padding_alone(be):
     counts, n_part, k, parts = [33, 0, 129, 1, 300, 7], 464, 1056, 2
     e = len(counts)
     rows = int(nvfp4.grouped_row_offsets(counts)[-1])
-    a = _random_nvfp4(rows, k, gen)
-    w = _random_nvfp4(e * parts * n_part, k, gen)
+    a = random_nvfp4(rows, k, gen)
+    w = random_nvfp4(e * parts * n_part, k, gen)
     a_sf = nvfp4.swizzle_scales(a.scale)
     b_sf = nvfp4.swizzle_scales(w.scale.reshape(e * parts, n_part, k // 16)).reshape(e, parts, -1)
     a_gs = torch.tensor([1e-3], dtype=torch.float32)
@@ -105,10 +86,10 @@ def test_moe_matches_torch_backend_over_token_counts(be, dynamic, inter):
         out = be.moe_forward(layer._prepared, layer.config, x, ids, w)
         again = be.moe_forward(layer._prepared, layer.config, x, ids, w)
         ref = ref_be.moe_forward(layer.weights, layer.config, x, ids, w)
-        c = _cos(out, ref)
+        c = cosine(out, ref)
         print(f"sm100 moe I={inter} dynamic={dynamic} T={t}: cosine vs torch {c:.7f}")
         assert c >= 0.9999
-        assert torch.equal(out, again)  # FIELD_BUGS 14: same input, same bits
+        assert torch.equal(out, again)  # docs/FIELD_BUGS.md row 14: same input, same bits
 
 
 def test_health_checks_full(be):
@@ -161,7 +142,7 @@ def test_grouped_gemm1_throughput_printed(be, preset, tokens):
 
 
 # --------------------------------------------------------------------------------------------
-# the glue around the kernel (issue §3) and docs/FIELD_BUGS.md rows 23, 25, 26, 28
+# the glue around the kernel and docs/FIELD_BUGS.md rows 23, 25, 26, 28
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("counts,parts,n_part,k", [([33, 0, 129, 1, 300, 7], 2, 464, 1056), ([5] * 60, 1, 1040, 480)])
@@ -173,8 +154,8 @@ def test_device_built_args_equal_the_host_planner_byte_for_byte(be, counts, part
     e = len(counts)
     rows = int(nvfp4.grouped_row_offsets(counts)[-1])
     dev = be.device
-    a = _random_nvfp4(rows, k, gen)
-    w = _random_nvfp4(e * parts * n_part, k, gen)
+    a = random_nvfp4(rows, k, gen)
+    w = random_nvfp4(e * parts * n_part, k, gen)
     a_data, w_data = a.data.to(dev), w.data.to(dev)
     a_sf = nvfp4.swizzle_scales(a.scale).to(dev)
     b_sf = nvfp4.swizzle_scales(w.scale.reshape(e * parts, n_part, k // 16)).reshape(e, parts, -1).to(dev)
@@ -248,7 +229,7 @@ def test_masked_ids_match_zero_weights(be):
     assert torch.equal(be.moe_forward(layer._prepared, cfg, x, masked, nan_w), out)
     ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids,
                                                      torch.where(mask, torch.zeros((), device=be.device), w))
-    assert _cos(out, ref) >= 0.9999
+    assert cosine(out, ref) >= 0.9999
 
 
 @pytest.mark.parametrize("preset,k", [("small", 3), ("v3", 8)])
@@ -270,14 +251,7 @@ def test_graph_captured_on_one_expert_replays_real_routing(be):
     x = torch.randn(t, cfg.hidden_size, device=be.device).to(torch.bfloat16)
     w, ids = layer.route(x)
     xs, ids_s, ws_ = x.clone(), torch.zeros_like(ids), w.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        be.moe_forward(layer._prepared, cfg, xs, ids_s, ws_)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = be.moe_forward(layer._prepared, cfg, xs, ids_s, ws_)
+    g, out = capture_graph(be.moe_forward, layer._prepared, cfg, xs, ids_s, ws_)
     for new_ids in (torch.zeros_like(ids), ids, torch.where(ids % 3 == 0, -1, ids)):
         ids_s.copy_(new_ids)
         g.replay()
@@ -298,4 +272,4 @@ def test_v3_prefill_past_2_31(be):
     out = be.moe_forward(layer._prepared, cfg, x, ids, w)
     ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
     assert torch.isfinite(out).all()
-    assert _cos(out, ref) >= 0.9999 and _cos(out[-2048:], ref[-2048:]) >= 0.9999
+    assert cosine(out, ref) >= 0.9999 and cosine(out[-2048:], ref[-2048:]) >= 0.9999

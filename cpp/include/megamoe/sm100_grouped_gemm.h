@@ -115,7 +115,7 @@ int64_t workspace_bytes(int groups, int sm_count);
 
 struct MoeGemmDevicePointers {
   void const* a = nullptr;              // fp4 [rows, k/2]
-  void const* a_sf = nullptr;           // SPEC §2 swizzled, see sm100_moe_groups.hpp
+  void const* a_sf = nullptr;           // docs/SPEC.md §2 swizzled, see sm100_moe_groups.hpp
   void const* b = nullptr;              // fp4 [E, parts * n_part, k/2]
   void const* b_sf = nullptr;           // [E, parts, round_up(n_part,128) * KT * 4]
   void* d = nullptr;                    // fp32 [rows, parts * n_part]

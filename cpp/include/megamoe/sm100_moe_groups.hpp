@@ -1,4 +1,4 @@
-// Per-group geometry of the Blackwell NVFP4 MoE grouped GEMM (SPEC §2, §3).
+// Per-group geometry of the Blackwell NVFP4 MoE grouped GEMM (docs/SPEC.md §2, §3).
 //
 // Plain integer arithmetic, no CUTLASS types, callable on the host and on the
 // device: the host planner (tested on the CPU) and the device kernel that fills
@@ -8,16 +8,16 @@
 // Grouping. Group g = expert * parts + part. For w13 (parts = 2) group
 // (e, 0) is the gate GEMM and (e, 1) the up GEMM of expert e; they are separate
 // CUTLASS groups so that each carries its own alpha (gate and up
-// weight_scale_2 differ per expert, FIELD_BUGS 10), and they write the two
+// weight_scale_2 differ per expert, docs/FIELD_BUGS.md row 10), and they write the two
 // column halves of one [rows, 2 * n_part] output (ldd = 2 * n_part).
 // For w2 (parts = 1) there is one group per expert.
 //
 // Memory the groups point into (byte offsets from the base pointers):
 //   A    fp4 activations [rows, k/2], expert e's rows start at row_offset(e),
-//        a multiple of 128 (SPEC §2: row_offset_e = sum_{j<e} round_up(tokens_j, 128)).
-//   SFA  SPEC §2 swizzled scales of A, swizzled as one [rows, k/16] matrix; as
+//        a multiple of 128 (docs/SPEC.md §2: row_offset_e = sum_{j<e} round_up(tokens_j, 128)).
+//   SFA  docs/SPEC.md §2 swizzled scales of A, swizzled as one [rows, k/16] matrix; as
 //        every expert block starts on a 128-row tile, expert e's scales are the
-//        standalone SPEC §2 layout of a [tokens_e, k/16] matrix starting at byte
+//        standalone docs/SPEC.md §2 layout of a [tokens_e, k/16] matrix starting at byte
 //        row_offset(e) * sf_padded_cols(k/16).
 //   B    fp4 weights [E, parts * n_part, k/2] (the checkpoint layout, gate rows
 //        then up rows for w13).
@@ -31,7 +31,7 @@
 
 #include <cstdint>
 
-#include "megamoe/sf_layout.hpp"  // the SPEC §2 closed form and padded sizes
+#include "megamoe/sf_layout.hpp"  // the docs/SPEC.md §2 closed form and padded sizes
 
 #if defined(__CUDACC__)
 #define MEGAMOE_HOST_DEVICE __host__ __device__
@@ -41,7 +41,7 @@
 
 namespace megamoe::sm100 {
 
-constexpr int kExpertRowAlign = 128;  // SPEC §2 per-expert row padding (one SF tile of rows)
+constexpr int kExpertRowAlign = 128;  // docs/SPEC.md §2 per-expert row padding (one SF tile of rows)
 constexpr int kOutputElementBytes = 4;  // D is fp32
 
 struct MoeGemmGeometry {
@@ -110,7 +110,7 @@ MEGAMOE_HOST_DEVICE inline GroupGeometry group_geometry(MoeGemmGeometry const& g
   return out;
 }
 
-// Epilogue alpha of a group: activation global scale x weight global scale (SPEC §1: both multiply on decode).
+// Epilogue alpha of a group: activation global scale x weight global scale (docs/SPEC.md §1: both multiply on decode).
 MEGAMOE_HOST_DEVICE inline float group_alpha(GroupGeometry const& gg, float const* a_global_scale,
                                              float const* b_global_scale) {
   return a_global_scale[gg.a_scale_index] * b_global_scale[gg.b_scale_index];
