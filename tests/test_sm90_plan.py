@@ -22,11 +22,11 @@ def kind(name):
 
 
 def test_kernel_enum_is_exported_once_with_its_members():
-    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma32", "wgmma64", "wgmma128"]
+    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma64", "wgmma128"]
     assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
 
 
-@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6])
+@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6, 7, 10])
 def test_decode_streams_one_tile_fused(tpe):
     p = plan(tpe)
     assert (p.kernel, p.token_tile, p.tokens_per_pass, p.gather_x, p.h_operand) == (kind("stream"), 8, 8, True, True), \
@@ -34,15 +34,13 @@ def test_decode_streams_one_tile_fused(tpe):
 
 
 def test_switch_to_wgmma_and_its_tiles():
-    # 6 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
-    assert plan(6).kernel == kind("stream") and plan(6).tokens_per_pass == 8
-    assert (plan(7).kernel, plan(7).token_tile) == (kind("wgmma32"), 32)
-    assert plan(16).kernel == kind("wgmma32")
-    assert (plan(17).kernel, plan(17).token_tile) == (kind("wgmma64"), 64)
+    # 10 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
+    assert plan(10).kernel == kind("stream") and plan(10).tokens_per_pass == 8
+    assert (plan(11).kernel, plan(11).token_tile) == (kind("wgmma64"), 64)
     assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
     assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (7, 32, 33, 5000):
+    for tpe in (11, 32, 33, 5000):
         p = plan(tpe)
         assert not p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
         assert not plan(tpe, w4a16=False).h_operand
@@ -50,7 +48,7 @@ def test_switch_to_wgmma_and_its_tiles():
 
 @pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])
 def test_k_not_multiple_of_64_streams_with_more_tiles_per_pass(k_l1, k_l2):
-    for tpe, tpp in ((1, 8), (6, 8), (7, 16), (10, 16), (11, 32), (21, 32), (22, 64), (5000, 64)):
+    for tpe, tpp in ((1, 8), (6, 8), (10, 8), (11, 32), (21, 32), (22, 64), (5000, 64)):
         p = plan(tpe, k_l1=k_l1, k_l2=k_l2)
         assert (p.kernel, p.tokens_per_pass, p.gather_x) == (kind("stream"), tpp, True), (tpe, p)
     # an explicit wgmma request cannot run such a K either
@@ -111,10 +109,10 @@ def test_backend_asks_the_plan(monkeypatch):
 
     monkeypatch.setattr(_ext.ext, "sm90_plan", spy)
     p = be.plan(12, 4096, 2048, 256, True, True)
-    assert p.kernel == kind("wgmma32") and len(seen) == 1
+    assert p.kernel == kind("wgmma64") and len(seen) == 1
     assert be.plan(12, 4096, 2048, 256, True, True) is p and len(seen) == 1  # cached
     be.kernel = "stream"
     assert be.plan(12, 4096, 2048, 256, True, True).kernel == kind("stream") and len(seen) == 2
-    with pytest.raises(ValueError, match="wgmma256"):
-        be.kernel = "wgmma256"
+    with pytest.raises(ValueError, match="wgmma32"):
+        be.kernel = "wgmma32"
         be.plan(12, 4096, 2048, 256, True, True)

@@ -13,7 +13,6 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmKernel kernel = p.kernel;
   if (kernel == GemmKernel::kAuto) {
     kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? GemmKernel::kStream
-             : p.tokens_per_expert <= kWgmma32UpTo             ? GemmKernel::kWgmma32
              : p.tokens_per_expert <= kWgmma64UpTo             ? GemmKernel::kWgmma64
                                                                : GemmKernel::kWgmma128;
   }
@@ -21,9 +20,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
   if (kernel != GemmKernel::kStream) {
-    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32 ? kWgTiny
-                                             : kernel == GemmKernel::kWgmma64 ? kWgSmall
-                                                                              : kWgMid;
+    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma64 ? kWgSmall : kWgMid;
     return plan;
   }
   plan.token_tile = 8;
@@ -31,7 +28,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   if (tpp != 8 && tpp != 16 && tpp != 32 && tpp != 64) {
     // Enough 8-token tiles per pass for an expert somewhat above the expected count.
     const int64_t want = (p.tokens_per_expert * 3 + 1) / 2;
-    tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 16 ? 16 : want <= 32 ? 32 : 64;
+    tpp = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? 8 : want <= 32 ? 32 : 64;
   }
   plan.tokens_per_pass = tpp;
   plan.gather_x = p.w4a16 && p.gather_input;
@@ -45,10 +42,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
+  if (a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes; the gather of x is streaming-only.
     if (!wg_gemm_supported(a) || a.act_rows || !(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
-    if (a.kernel == GemmKernel::kWgmma32) return launch_wg_gemm<kWgTiny>(a, stream);
     return a.kernel == GemmKernel::kWgmma64 ? launch_wg_gemm<kWgSmall>(a, stream) : launch_wg_gemm<kWgMid>(a, stream);
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;

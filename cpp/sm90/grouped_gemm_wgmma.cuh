@@ -17,12 +17,13 @@
 // (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
 // so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
 //
-// Pipeline per k-tile kt (prefetch distance D = kStages-2):
+// Pipeline per k-tile kt (prefetch distance kStages-1):
 //   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
-//   issue loads of tile kt+D into the slot of tile kt-2 (its wgmmas finished: every warpgroup
-//     waited for them at the end of iteration kt-1, before the barrier)
-//   dequantize tile kt into one of two A register fragments (by k-tile parity) while tile kt-1's
-//     wgmma group still runs; wgmma.fence; 4 wgmma (k16 steps); commit; wait until 1 group is left.
+//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
+//     warpgroup drained them at the end of iteration kt-1, before the barrier)
+//   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
+// The weight copies ask L2 for 256 bytes around each (.L2::256B): a k-tile takes only 32 bytes of
+// each of 128 weight rows, and without the hint DRAM sees 128 scattered 32-byte reads per tile.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -35,15 +36,14 @@ constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;     // weight rows per block
 constexpr int kWgK = 64;         // K per stage
 constexpr int kWgWRowBytes = 48;  // 32 bytes of packed weights per row and stage, padded (16-aligned, conflict-free)
-constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
+constexpr int kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma64 / kWgmma128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
-// Two blocks per SM in every configuration (two independent blocks overlap one's barriers and
-// decoding with the other's MMAs). kMaxN 32: 9 stages (memory-bound middle: bytes in flight);
-// 64: 6 stages; 128: 4 stages (compute-bound: A tiles of 128 tokens).
+// kMaxN 64: 6 stages, 2 blocks/SM (weight streaming: bytes in flight); 128: 4 stages, 2 blocks/SM
+// (two independent blocks overlap one's dequantization with the other's MMAs).
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kStages = kMaxN <= 32 ? 9 : kMaxN <= 64 ? 6 : 4;
+  static constexpr int kStages = kMaxN <= 64 ? 6 : 4;
   static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128;
   static constexpr int kWBytes = kWgRows * kWgWRowBytes;
@@ -141,7 +141,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
                                         int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
   constexpr int S = Cfg::kStages;
-  constexpr int D = S - 2;  // prefetch distance: the slot being refilled held tile kt-2 (tile kt-1's wgmma may run)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
@@ -185,8 +184,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         cp_async(sa + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
       }
     }
-    cp_async(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
-    if (tid < kWgRows) cp_async(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
+    cp_async_l2_256(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
+    if (tid < kWgRows) cp_async_l2_256(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
   };
 
   float acc[N / 2];
@@ -200,39 +199,39 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
 
 #pragma unroll
-  for (int s = 0; s < D; ++s) {
+  for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
     cp_async_commit();
   }
 
-  // One k-tile: its wgmma group stays in flight while the next tile's loads are issued and its
-  // weights decoded into the other A fragment (wgmma.wait_group 1), so ptxas sees no register of
-  // an in-flight wgmma rewritten (af alternates by k-tile parity: the loop below is unrolled by 2).
-  auto step = [&](int kt, uint32_t (&af)[4][4]) {
-    cp_async_wait<D - 1>();    // tile kt landed (this thread's copies)
+  uint32_t af[4][4];
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-2 (its wait<1> in step kt-1)
-    const int pf = kt + D;
-    if (pf < num_k_tiles) load_stage(pf % S, pf);  // the slot of tile kt-2
+    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+    const int pf = kt + S - 1;
+    if (pf < num_k_tiles) load_stage(pf % S, pf);  // the slot of tile kt-1
     cp_async_commit();
 
     const uint8_t* sa = stages + (kt % S) * Cfg::kStageBytes;
     const uint8_t* sw = sa + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
+    const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes);
+    const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes + 16);
+    const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes);
+    const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes + 16);
     const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
     const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
+    const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
+    const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      // the two packed words of rows g and g + 8 for k16 step ks (8-byte loads: short live ranges,
-      // which keeps the tile-128 configuration's 64 accumulators + two A fragments in 128 registers)
-      const uint2 r0 = *reinterpret_cast<const uint2*>(sw + lr0 * kWgWRowBytes + ks * 8);
-      const uint2 r1 = *reinterpret_cast<const uint2*>(sw + (lr0 + 8) * kWgWRowBytes + ks * 8);
       const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
       const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
-      af[ks][0] = bf16x2_mul(nibble_pair_bits((r0.x >> pick_shift) & pick_mask, pick_mul), s0);
-      af[ks][1] = bf16x2_mul(nibble_pair_bits((r1.x >> pick_shift) & pick_mask, pick_mul), s1);
-      af[ks][2] = bf16x2_mul(nibble_pair_bits((r0.y >> pick_shift) & pick_mask, pick_mul), s0);
-      af[ks][3] = bf16x2_mul(nibble_pair_bits((r1.y >> pick_shift) & pick_mask, pick_mul), s1);
+      af[ks][0] = bf16x2_mul(nibble_pair_bits((r0[2 * ks] >> pick_shift) & pick_mask, pick_mul), s0);
+      af[ks][1] = bf16x2_mul(nibble_pair_bits((r1[2 * ks] >> pick_shift) & pick_mask, pick_mul), s1);
+      af[ks][2] = bf16x2_mul(nibble_pair_bits((r0[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s0);
+      af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
     }
     acc_fence(acc);
     wgmma_fence();
@@ -240,17 +239,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     for (int ks = 0; ks < 4; ++ks) Wgmma<N>::mma(acc, af[ks], sw128_desc(sa + ks * 32));
     wgmma_commit();
     acc_fence(acc);
-    wgmma_wait<1>();  // tile kt-1's group is done; tile kt's runs on
-    acc_fence(acc);
-  };
-  uint32_t af0[4][4], af1[4][4];
-  int kt = 0;
-  for (; kt + 1 < num_k_tiles; kt += 2) {
-    step(kt, af0);
-    step(kt + 1, af1);
+    // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
+    // registers feeding one are written while an earlier group is in flight. The other
+    // warpgroup (and block) keep the tensor cores busy meanwhile.
+    wgmma_wait<0>();
   }
-  if (kt < num_k_tiles) step(kt, af0);
-  wgmma_wait<0>();
   acc_fence(acc);
   cp_async_wait<0>();
 
@@ -259,7 +252,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
 template <int kMaxN>
 __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
-  static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
+  static_assert(kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 64 or 128");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
@@ -282,11 +275,7 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   __syncthreads();  // scale_lut visible
 
-  if constexpr (kMaxN == kWgTiny) {
-    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-  } else if constexpr (kMaxN == kWgSmall) {
+  if constexpr (kMaxN == kWgSmall) {
     if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
