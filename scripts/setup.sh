@@ -38,4 +38,6 @@ if [ "$rc" -ne 0 ]; then
   tail -60 build.log >&2
   exit "$rc"
 fi
+echo "[setup] perf_analyzer (Triton's load generator, for the service tests and benchmarks)"
+bash scripts/install_perf_analyzer.sh .venv
 cd /tmp && python -m megamoe.cli info

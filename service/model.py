@@ -23,6 +23,11 @@ from .settings import ServiceSettings
 
 FLOAT_TYPES = ("BF16", "FP16", "FP32")
 INT_TYPES = ("INT32", "INT64")
+#: the datatype each input and the output is advertised with: one that every standard client
+#: sends in every tensor format (perf_analyzer and tritonclient refuse BF16 in JSON); the server
+#: accepts all of ``parameters.datatypes`` regardless, and answers in the dtype of hidden_states
+ADVERTISED = {"hidden_states": "FP32", "topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32",
+              "output": "FP32"}
 INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits")
 OUTPUT_NAME = "output"
 
@@ -109,25 +114,33 @@ class ServedModel:
         backend = self.layer.backend
         return getattr(backend, "name", str(backend))
 
+    def _tensors(self) -> tuple[list[tuple], tuple]:
+        """(name, advertised datatype, accepted datatypes, row width, optional) of the inputs, and of the output."""
+        cfg = self.config
+        inputs = [
+            ("hidden_states", ADVERTISED["hidden_states"], FLOAT_TYPES, cfg.hidden_size, False),
+            # routing: topk_ids + topk_weights, or router_logits, or neither (the layer's router)
+            ("topk_ids", ADVERTISED["topk_ids"], INT_TYPES, cfg.top_k, True),
+            ("topk_weights", ADVERTISED["topk_weights"], FLOAT_TYPES, cfg.top_k, True),
+            ("router_logits", ADVERTISED["router_logits"], FLOAT_TYPES, cfg.num_experts, True),
+        ]
+        return inputs, (OUTPUT_NAME, ADVERTISED["output"], FLOAT_TYPES, cfg.hidden_size, False)
+
     def metadata(self) -> dict:
         cfg = self.config
         hidden, experts, top_k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+        inputs, (out_name, out_type, _, out_width, _) = self._tensors()
         return {
             "name": self.name,
             "versions": [self.version],
             "platform": "megamoe",
             "inputs": [
-                {"name": "hidden_states", "datatype": "BF16", "shape": [-1, hidden],
-                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
-                {"name": "topk_ids", "datatype": "INT32", "shape": [-1, top_k], "optional": True,
-                 "parameters": {"datatypes": list(INT_TYPES)}},
-                {"name": "topk_weights", "datatype": "FP32", "shape": [-1, top_k], "optional": True,
-                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
-                {"name": "router_logits", "datatype": "FP32", "shape": [-1, experts], "optional": True,
-                 "parameters": {"datatypes": list(FLOAT_TYPES)}},
+                {"name": name, "datatype": datatype, "shape": [-1, width],
+                 **({"optional": True} if optional else {}), "parameters": {"datatypes": list(accepted)}}
+                for name, datatype, accepted, width, optional in inputs
             ],
             "outputs": [
-                {"name": OUTPUT_NAME, "datatype": "BF16", "shape": [-1, hidden],
+                {"name": out_name, "datatype": out_type, "shape": [-1, out_width],
                  "parameters": {"datatype": "same as hidden_states"}},
             ],
             "parameters": {
@@ -141,6 +154,45 @@ class ServedModel:
                 "max_tokens_per_request": self.max_tokens_per_request,
                 "torch_threads": self.torch_threads,
             },
+        }
+
+    def triton_config(self, queue_delay_ms: float, max_batch_tokens: int) -> dict:
+        """The model configuration in Triton's JSON form (model-configuration extension,
+        ``GET /v2/models/{m}/config``), which Triton's tools (perf_analyzer, model_analyzer) read
+        after the metadata. ``max_batch_size`` 0: the token dimension T is part of each tensor's
+        shape (``dims`` [-1, width]), so a request carries T distinct rows; the server's own
+        dynamic batcher stacks requests along T (its settings are in ``parameters``). The routing
+        inputs are optional: topk_ids + topk_weights, else router_logits, else the layer's router."""
+        inputs, output = self._tensors()
+
+        def tensor(name, datatype, width, optional=None):
+            entry = {"name": name, "data_type": f"TYPE_{datatype}", "format": "FORMAT_NONE", "dims": [-1, width],
+                     "is_shape_tensor": False}
+            if optional is not None:
+                entry.update(allow_ragged_batch=False, optional=optional)
+            return entry
+
+        cfg = self.config
+        cuda = self.device.type == "cuda"
+        return {
+            "name": self.name,
+            "platform": "",
+            "backend": "megamoe",
+            "version_policy": {"specific": {"versions": [int(self.version)]}},
+            "max_batch_size": 0,
+            "input": [tensor(n, d, w, opt) for n, d, _, w, opt in inputs],
+            "output": [tensor(output[0], output[1], output[3])],
+            "instance_group": [{"name": f"{self.name}_0", "kind": "KIND_GPU" if cuda else "KIND_CPU", "count": 1,
+                                "gpus": [self.device.index or 0] if cuda else []}],
+            # Triton's parameters map: every value is {"string_value": ...}
+            "parameters": {key: {"string_value": str(value)} for key, value in {
+                "backend": self.backend_name, "device": str(self.device), "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                "has_router": self.has_router, "max_tokens_per_request": self.max_tokens_per_request,
+                "max_batch_tokens": max_batch_tokens, "queue_delay_ms": queue_delay_ms,
+                "accepted_float_datatypes": ",".join(FLOAT_TYPES), "accepted_int_datatypes": ",".join(INT_TYPES),
+                "routing": "topk_ids + topk_weights if given, else router_logits if given, else the layer's router",
+            }.items()},
         }
 
     def validate(self, inputs: dict[str, torch.Tensor], datatypes: dict[str, str]) -> ModelRequest:
@@ -164,11 +216,19 @@ class ServedModel:
             raise ProtocolError(f"hidden_states has {tokens} rows; this server takes at most {self.max_tokens_per_request} per request")
         _expect_finite("hidden_states", hidden)
 
+        # Routing, all inputs optional: topk_ids + topk_weights if given, else router_logits if
+        # given, else the layer's router. Every input sent is checked, also one that routing then
+        # does not use (Triton's tools send every optional input, e.g. perf_analyzer --input-data zero).
         has_ids, has_weights, has_logits = ("topk_ids" in inputs), ("topk_weights" in inputs), ("router_logits" in inputs)
         if has_ids != has_weights:
             raise ProtocolError("topk_ids and topk_weights go together: send both or neither")
-        if has_ids and has_logits:
-            raise ProtocolError("send either topk_ids/topk_weights or router_logits, not both")
+        if has_logits:
+            logits = inputs["router_logits"]
+            _expect_dtype("router_logits", datatypes["router_logits"], FLOAT_TYPES)
+            want = [tokens, cfg.num_experts]
+            if list(logits.shape) != want:
+                raise ProtocolError(f"router_logits must have shape {want}, got {list(logits.shape)}")
+            _expect_finite("router_logits", logits)
 
         if has_ids:
             ids, weights = inputs["topk_ids"], inputs["topk_weights"]
@@ -186,12 +246,6 @@ class ServedModel:
             _expect_finite("topk_weights", weights)
             return ModelRequest(hidden, "topk", topk_ids=ids.to(torch.int32), topk_weights=weights.float())
         if has_logits:
-            logits = inputs["router_logits"]
-            _expect_dtype("router_logits", datatypes["router_logits"], FLOAT_TYPES)
-            want = [tokens, cfg.num_experts]
-            if list(logits.shape) != want:
-                raise ProtocolError(f"router_logits must have shape {want}, got {list(logits.shape)}")
-            _expect_finite("router_logits", logits)
             return ModelRequest(hidden, "logits", router_logits=logits.float())
         if not self.has_router:
             raise ProtocolError("this model has no router: send topk_ids and topk_weights, or router_logits")
@@ -227,4 +281,6 @@ def _expect_finite(name: str, tensor: torch.Tensor) -> None:
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
         where = (~finite).nonzero()[0].tolist()
-        raise ProtocolError(f"{name} contains NaN or Inf (first at {where}); this server rejects non-finite inputs")
+        raise ProtocolError(f"{name} contains NaN or Inf (first at {where}); this server rejects non-finite inputs "
+                            "(random bit patterns, such as perf_analyzer's --input-data random, include them: "
+                            "send finite values, e.g. --input-data zero or a data file)")
