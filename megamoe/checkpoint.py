@@ -1,28 +1,42 @@
-"""ModelOpt-format NVFP4 MoE checkpoints: loading, validation, synthetic checkpoints.
+"""NVFP4 MoE checkpoints: loading, validation, synthetic checkpoints (docs/SPEC.md §3.4).
 
-Two tensor layouts are read (an optional common prefix such as ``model.layers.3.mlp.`` is
-found automatically):
+The loader reads one MoE layer from a checkpoint folder (or one .safetensors file), from
+the folder alone: the format from the quantization config, the routing from the
+architecture named in ``config.json``, the activation mode from the quantization config,
+the ``w13`` layout from the format or the architecture. Everything it decides is listed in
+the load report (:class:`LoadReport`, ``megamoe info --checkpoint DIR``); what it cannot
+read it refuses with a :class:`CheckpointError` naming the tensor or the config key.
 
-* fused (vLLM / SPEC §3 names): ``w13_weight`` u8 ``[E, 2I, H/2]``, ``w13_weight_scale`` e4m3
-  ``[E, 2I, H/16]``, ``w13_weight_scale_2`` f32 ``[E, 2]``, ``w13_input_scale`` f32 ``[E]``,
-  ``w2_weight`` ``[E, H, I/2]``, ``w2_weight_scale`` ``[E, H, I/16]``, ``w2_weight_scale_2`` ``[E]``,
-  ``w2_input_scale`` ``[E]``;
-* per expert (ModelOpt's Hugging Face export): ``experts.{e}.{gate,up,down}_proj.{weight,
-  weight_scale, weight_scale_2, input_scale}``, stacked at load; gate and up keep their own
-  ``weight_scale_2``.
+Formats (:func:`load`):
 
-Optional: ``gate.weight`` ``[E, H]`` router, ``gate.e_score_correction_bias`` ``[E]``,
-``shared_experts.gate_up_proj.weight`` ``[2Is, H]`` (or ``gate_proj`` + ``up_proj``) and
-``shared_experts.down_proj.weight`` ``[H, Is]``. An expert weight stored in bf16/fp16/fp32 is
-quantized at load time and *reported* (never silently). The layer's config comes from the
-file's ``megamoe.config`` metadata, a ``config.json`` beside it, or keyword arguments.
+* **ModelOpt NVFP4** (``hf_quant_config.json`` and/or ``quantization_config.quant_method =
+  "modelopt"``; ``quant_algo`` ``NVFP4`` = W4A4, ``W4A16_NVFP4`` = weights only), per-expert
+  layout ``experts.{e}.{gate,up,down}_proj.{weight, weight_scale, weight_scale_2,
+  input_scale}``; the global scales multiply on decode.
+* **compressed-tensors** ``nvfp4-pack-quantized`` (``quant_method = "compressed-tensors"``;
+  ``input_activations`` present = W4A4, absent = W4A16), per-expert layout
+  ``experts.{e}.{gate,up,down}_proj.{weight_packed, weight_scale, weight_global_scale,
+  input_global_scale}``; the global scales are stored as **divisors** (shape ``[1]``) and
+  are inverted at load (docs/FIELD_BUGS.md row 22).
+* **fused** (megamoe's own writer, vLLM names): ``w13_weight`` u8 ``[E, 2I, H/2]``,
+  ``w13_weight_scale`` e4m3 ``[E, 2I, H/16]``, ``w13_weight_scale_2`` f32 ``[E, 2]``,
+  ``w13_input_scale`` f32 ``[E]``, ``w2_*`` likewise; the layer config in the file's
+  ``megamoe.config`` metadata.
+* **Hugging Face dense** fused experts (``experts.gate_up_proj`` ``[E, 2I, H]``,
+  ``experts.down_proj``) in a float dtype: quantized at load, and reported.
+
+Around the experts: ``gate.weight`` (router), ``gate.e_score_correction_bias``, the shared
+expert ``shared_experts.{gate,up,down}_proj`` in bf16 or NVFP4 (either format). An expert
+weight stored in a float dtype is quantized at load time and *reported* (never silently).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,32 +44,60 @@ import torch
 
 from megamoe import nvfp4
 from megamoe.presets import MoEConfig, get_preset
+from megamoe.routing import UnknownArchitecture, architecture_routing
 from megamoe.weights import MoEWeights
 
 log = logging.getLogger("megamoe.checkpoint")
 
-__all__ = ["CheckpointError", "LoadReport", "Loaded", "load", "save", "write_synthetic", "synthetic_weights"]
+__all__ = ["CheckpointError", "LoadReport", "Loaded", "load", "moe_layers", "save", "write_synthetic",
+           "synthetic_weights", "W13_LAYOUTS", "INPUT_SCALE_MODES"]
+
+#: fused gate/up row orders (docs/SPEC.md §3.3): ``gate-up`` = rows ``[gate; up]`` (megamoe's),
+#: ``up-gate`` = ``[up; gate]``, ``interleaved`` = ``[g0, u0, g1, u1, ...]``.
+W13_LAYOUTS = ("gate-up", "up-gate", "interleaved")
+#: input-scale conventions (docs/SPEC.md §3.2): ``per-expert`` = as stored (a value shared by
+#: all experts is broadcast); ``max`` = one value per GEMM, the max over all experts.
+INPUT_SCALE_MODES = ("per-expert", "max")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the tensor."""
+    """A checkpoint that cannot be loaded; the message names the tensor or the config key."""
 
 
 @dataclass
 class LoadReport:
-    """What the loader found and did."""
+    """What the loader found, and every choice it made (``choices``, in order)."""
 
     path: str
     layout: str = "fused"
     prefix: str = ""
+    format: str = "megamoe"
+    producer: str = ""
+    act_mode: str = ""
+    w13_layout: str = "gate-up"
+    input_scales: str = ""
+    shared_expert: str = "none"
+    moe_layers: list[str] = field(default_factory=list)
+    routing: dict = field(default_factory=dict)
+    choices: list[str] = field(default_factory=list)
     tensors: dict[str, str] = field(default_factory=dict)  # name -> "nvfp4" | "quantized-at-load" | dtype
     quantized_at_load: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         q = ", ".join(self.quantized_at_load) or "none"
-        return (f"{self.path}: {self.layout} layout, prefix {self.prefix!r}, {len(self.tensors)} tensors; "
-                f"quantized at load: {q}" + ("".join(f"\n  warning: {w}" for w in self.warnings)))
+        lines = [f"{self.path}: {self.format} ({self.producer or 'producer not stated'}), {self.layout} layout, "
+                 f"layer {self.prefix!r}, {len(self.tensors)} tensors; quantized at load: {q}"]
+        if self.moe_layers:
+            lines.append(f"  MoE layers in the checkpoint: {', '.join(repr(p) for p in self.moe_layers)}")
+        if self.act_mode:
+            lines.append(f"  activations: {self.act_mode}; input scales: {self.input_scales or '-'}; "
+                         f"w13 layout: {self.w13_layout}; shared expert: {self.shared_expert}")
+        if self.routing:
+            lines.append("  routing: " + ", ".join(f"{k}={v}" for k, v in self.routing.items()))
+        lines += [f"  choice: {c}" for c in self.choices]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
 
 
 @dataclass
@@ -191,21 +233,6 @@ def write_synthetic(path, preset: str = "tiny", seed: int = 0, progress: bool = 
 # loading
 # ------------------------------------------------------------------------------------------
 
-_HF_KEYS = {  # Hugging Face config.json -> MoEConfig
-    "hidden_size": "hidden_size",
-    "moe_intermediate_size": "intermediate_size",
-    "n_routed_experts": "num_experts",
-    "num_experts": "num_experts",
-    "num_experts_per_tok": "top_k",
-    "scoring_func": "scoring",
-    "n_group": "n_group",
-    "topk_group": "topk_group",
-    "norm_topk_prob": "renormalize",
-    "routed_scaling_factor": "routed_scaling_factor",
-    "n_shared_experts": "n_shared_experts",
-}
-
-
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
@@ -217,117 +244,174 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
+_PROJ_ALIASES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*?)experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.")
+_FUSED = re.compile(r"^(?P<prefix>.*?)w13_weight$")
+_HF_FUSED = re.compile(r"^(?P<prefix>.*?)experts\.gate_up_proj$")
+_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def moe_layers(keys) -> list[tuple[str, str]]:
+    """``(prefix, layout)`` of every MoE layer among tensor names ``keys``, in layer order.
+    ``layout`` is ``fused`` (``w13_weight``), ``per-expert`` or ``hf-fused``
+    (``experts.gate_up_proj``)."""
+    found: dict[str, str] = {}
+    for k in keys:
+        for pat, layout in ((_FUSED, "fused"), (_PER_EXPERT, "per-expert"), (_HF_FUSED, "hf-fused")):
+            m = pat.match(k)
+            if m and not m.group("prefix").endswith("shared_"):
+                found.setdefault(m.group("prefix"), layout)
+                break
+
+    def order(p: str):
+        m = _LAYER_NO.search(p)
+        return (int(m.group(1)) if m else -1, p)
+
+    return sorted(found.items(), key=lambda kv: order(kv[0]))
+
+
 def _find_prefix(keys: list[str]) -> tuple[str, str]:
-    for k in keys:
-        if k.endswith("w13_weight"):
-            return k[: -len("w13_weight")], "fused"
-    for k in keys:
-        if k.endswith("experts.0.gate_proj.weight"):
-            return k[: -len("experts.0.gate_proj.weight")], "per-expert"
-    raise CheckpointError("no MoE expert tensors found (looked for '*w13_weight' and '*experts.0.gate_proj.weight')")
+    """The first MoE layer's ``(prefix, layout)``."""
+    layers = moe_layers(keys)
+    if not layers:
+        raise CheckpointError("no MoE expert tensors found (looked for '*w13_weight', "
+                              "'*experts.{e}.{gate,up,down}_proj.*' and '*experts.gate_up_proj')")
+    return layers[0]
 
 
-def load(path, *, config: MoEConfig | None = None, top_k: int | None = None, prefix: str | None = None,
-         device="cpu", **config_overrides) -> Loaded:
-    """Load one NVFP4 MoE layer.
-
-    Args:
-        path: a .safetensors file or a directory of them.
-        config: the layer config; by default read from the file's metadata or config.json.
-        top_k: needed only when neither the metadata nor config.json says it.
-        prefix: tensor name prefix; found automatically when None.
-        device: where the tensors go.
-
-    Raises:
-        CheckpointError naming the tensor for a missing tensor, a wrong shape or dtype, or
-        a K that is not a multiple of 16.
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = _files(path)
-    where: dict[str, Path] = {}
-    meta: dict[str, str] = {}
-    # Each file is opened once: re-opening re-parses the header, which for a sharded model
-    # file of ~15k tensors costs ~20 ms a tensor (minutes for a per-expert layout).
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for f in files:
-            fh = handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            meta.update(fh.metadata() or {})
-            for k in fh.keys():
-                where[k] = f
-        return _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides)
+def _choose_layer(keys: list[str], layer, prefix) -> tuple[str, str, list[str]]:
+    layers = moe_layers(keys)
+    names = [p for p, _ in layers]
+    if prefix is not None:
+        for p, lay in layers:
+            if p == prefix:
+                return p, lay, names
+        raise CheckpointError(f"prefix {prefix!r}: no MoE layer there (MoE layers: {names or 'none'})")
+    if not layers:
+        _find_prefix(keys)
+    if layer is None:
+        return layers[0][0], layers[0][1], names
+    if isinstance(layer, str) and not layer.isdigit():
+        return _choose_layer(keys, None, layer if layer.endswith(".") else layer + ".")
+    n = int(layer)
+    for p, lay in layers:
+        m = _LAYER_NO.search(p)
+        if m and int(m.group(1)) == n:
+            return p, lay, names
+    raise CheckpointError(f"layer {n}: not a MoE layer of this checkpoint (MoE layers: {names})")
 
 
-def _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides) -> Loaded:
-    if prefix is None:
-        prefix, layout = _find_prefix(list(where))
-    else:
-        layout = "fused" if prefix + "w13_weight" in where else "per-expert"
-    report = LoadReport(path=str(path), layout=layout, prefix=prefix)
+# ---------------------------------------------------------------- formats
 
-    def get(name: str, required: bool = True):
-        full = prefix + name
-        if full not in where:
-            if required:
-                raise CheckpointError(f"{full}: missing from {path}")
-            return None
-        t = handles[where[full]].get_tensor(full)
-        report.tensors[full] = str(t.dtype).replace("torch.", "")
-        return t
+@dataclass
+class _Format:
+    name: str                 # "modelopt" | "compressed-tensors" | "megamoe" | "fused" | "hf-dense"
+    producer: str = ""
+    act_mode: str | None = None   # declared by the quantization config; None: not declared
+    divisor: bool = False         # global scales stored as divisors (compressed-tensors)
+    source: str = ""
 
-    if layout == "fused":
-        w13, w2, in1, in2 = _load_fused(get, report, prefix)
-    else:
-        w13, w2, in1, in2 = _load_per_expert(get, report, prefix, where)
 
-    e = w13.data.shape[0]
-    h = w13.data.shape[2] * 2
-    i = w2.data.shape[2] * 2
-    dense = read_dense_tensors(lambda name: get(name, required=False), prefix)
-    if config is None:
-        config = _config_from(meta, path, e, h, i, top_k, dense["shared_gate_up"], config_overrides)
-    elif config_overrides:
-        config = config.with_(**config_overrides)
-    weights = assemble_weights(w13, w2, in1, in2, dense)
+def _read_json(p: Path, report: "LoadReport") -> dict | None:
+    if not p.exists():
+        return None
     try:
-        weights.validate(config)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {prefix}{exc}") from None
-    if report.quantized_at_load:
-        log.warning("quantized at load time (stored in higher precision): %s", ", ".join(report.quantized_at_load))
-    return Loaded(weights.to(device), config, report)
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{p}: unreadable JSON ({exc})") from None
 
 
-def read_dense_tensors(get_optional, prefix: str) -> dict:
-    """Router, correction bias and shared expert (every rank keeps these whole).
+def _detect_format(meta: dict, hf: dict | None, hq: dict | None, layout: str) -> _Format:
+    qc = (hf or {}).get("quantization_config")
+    if "megamoe.config" in meta:
+        return _Format("megamoe", "megamoe", None, False, "safetensors metadata megamoe.config")
+    if hq is not None or (qc and qc.get("quant_method") == "modelopt"):
+        algo_hq = ((hq or {}).get("quantization") or {}).get("quant_algo")
+        algo_qc = (qc or {}).get("quant_algo") if qc and qc.get("quant_method") == "modelopt" else None
+        if algo_hq and algo_qc and algo_hq != algo_qc:
+            raise CheckpointError(f"hf_quant_config.json quantization.quant_algo={algo_hq!r} but config.json "
+                                  f"quantization_config.quant_algo={algo_qc!r}")
+        algo = algo_hq or algo_qc
+        where = "hf_quant_config.json quantization.quant_algo" if algo_hq else "config.json quantization_config.quant_algo"
+        modes = {"NVFP4": "w4a4", "W4A16_NVFP4": "w4a16"}
+        if algo not in modes:
+            raise CheckpointError(f"{where}={algo!r}: not an NVFP4 MoE checkpoint megamoe reads "
+                                  f"(supported: {', '.join(modes)})")
+        prod = ((hq or {}).get("producer") or (qc or {}).get("producer") or {})
+        return _Format("modelopt", f"{prod.get('name', 'modelopt')} {prod.get('version', '')}".strip(),
+                       modes[algo], False, f"{where}={algo!r}")
+    if qc:
+        qm = qc.get("quant_method")
+        if qm != "compressed-tensors":
+            raise CheckpointError(f"config.json quantization_config.quant_method={qm!r}: not supported "
+                                  f"(modelopt, compressed-tensors)")
+        return _ct_format(qc)
+    if layout == "hf-fused":
+        return _Format("hf-dense", "", None, False, "no quantization config; expert weights in a float dtype")
+    return _Format("fused", "", None, False, "no quantization config")
 
-    ``get_optional(name)`` returns the tensor or None. The shared expert may be stored as
-    ``gate_up_proj`` or as ``gate_proj`` + ``up_proj``; it must be a float dtype.
-    """
-    shared_gu = get_optional("shared_experts.gate_up_proj.weight")
-    if shared_gu is None:
-        g = get_optional("shared_experts.gate_proj.weight")
-        u = get_optional("shared_experts.up_proj.weight")
-        shared_gu = torch.cat([g, u]) if g is not None and u is not None else None
-    shared_down = get_optional("shared_experts.down_proj.weight")
-    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
-        if t is not None and t.dtype == torch.uint8:
-            raise CheckpointError(f"{prefix}{name}: NVFP4 shared experts are not supported; store them in bf16")
-    return {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
-            "shared_gate_up": shared_gu, "shared_down": shared_down}
+
+def _ct_format(qc: dict) -> _Format:
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise CheckpointError("config.json quantization_config.config_groups: missing (compressed-tensors)")
+    found = None
+    for gname, g in groups.items():
+        fmt = g.get("format") or qc.get("format")
+        w = g.get("weights") or {}
+        key = f"config.json quantization_config.config_groups.{gname}"
+        if fmt != "nvfp4-pack-quantized":
+            raise CheckpointError(f"{key}.format={fmt!r}: megamoe reads compressed-tensors 'nvfp4-pack-quantized' only")
+        if (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy", "tensor_group")) != \
+                (4, "float", 16, "tensor_group"):
+            raise CheckpointError(f"{key}.weights={w!r}: not NVFP4 (4-bit float, group 16, tensor_group)")
+        ia = g.get("input_activations")
+        if ia is None:
+            mode = "w4a16"
+        else:
+            if (ia.get("num_bits"), ia.get("type"), ia.get("group_size"), ia.get("strategy", "tensor_group")) != \
+                    (4, "float", 16, "tensor_group"):
+                raise CheckpointError(f"{key}.input_activations={ia!r}: not NVFP4 activations")
+            if ia.get("dynamic") not in ("local", False):
+                raise CheckpointError(f"{key}.input_activations.dynamic={ia.get('dynamic')!r}: megamoe needs a "
+                                      f"static global scale (input_global_scale; dynamic 'local')")
+            mode = "w4a4"
+        if found is not None and found[0] != mode:
+            raise CheckpointError(f"{key}: activation mode {mode} differs from group {found[1]}'s {found[0]}")
+        found = (mode, gname)
+    ver = qc.get("version", "")
+    return _Format("compressed-tensors", f"compressed-tensors {ver}".strip(), found[0], True,
+                   f"config.json quantization_config (nvfp4-pack-quantized, "
+                   f"input_activations {'present' if found[0] == 'w4a4' else 'null'})")
 
 
-def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
-    bias, gu, down = dense["bias"], dense["shared_gate_up"], dense["shared_down"]
-    return MoEWeights(
-        w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
-        router_bias=None if bias is None else bias.float(),
-        shared_gate_up=None if gu is None else gu.to(torch.bfloat16),
-        shared_down=None if down is None else down.to(torch.bfloat16),
-    )
+# ---------------------------------------------------------------- scale checks
 
+def _check_scales(name: str, t: torch.Tensor, what: str) -> None:
+    """Every value of a global / input scale finite and > 0, else a CheckpointError naming
+    ``name`` (docs/FIELD_BUGS.md row 17)."""
+    tf = t.float()
+    bad = ~(torch.isfinite(tf) & (tf > 0))
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0].tolist()] if tf.dim() else []
+        v = float(tf[tuple(idx)]) if idx else float(tf)
+        at = f" at index {tuple(idx)}" if idx else ""
+        raise CheckpointError(f"{name}: {what} {v!r}{at}; every {what} must be finite and > 0")
+
+
+def _expert_scale_check(name: str, t: torch.Tensor, what: str) -> None:
+    """Like :func:`_check_scales` for a stacked ``[E]`` / ``[E, 2]`` tensor; names the expert."""
+    tf = t.float()
+    bad = ~(torch.isfinite(tf) & (tf > 0))
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        e = idx[0] if idx else 0
+        part = {0: " (gate)", 1: " (up)"}.get(idx[1], "") if len(idx) > 1 else ""
+        raise CheckpointError(f"{name}: expert {e}{part}: {what} {float(tf[tuple(idx)])!r}; "
+                              f"every {what} must be finite and > 0")
+
+
+# ---------------------------------------------------------------- fused layout
 
 def _check_k(name: str, data: torch.Tensor, scale: torch.Tensor | None) -> int:
     k = data.shape[-1] * 2 if data.dtype == torch.uint8 else data.shape[-1]
@@ -365,49 +449,201 @@ def _as_nvfp4(get, report, name: str, gs_name: str, gs_rows: int, prefix: str) -
     _check_k(prefix + name, data, scale)
     gs = get(gs_name).float()
     want = (data.shape[0], gs_rows) if gs_rows > 1 else (data.shape[0],)
+    if gs_rows > 1 and tuple(gs.shape) == (data.shape[0],):
+        gs = gs.unsqueeze(1).expand(-1, gs_rows).contiguous()  # one scale for gate and up
     if tuple(gs.shape) != want:
         raise CheckpointError(f"{prefix}{gs_name}: shape {tuple(gs.shape)}, expected {want}")
+    _expert_scale_check(prefix + gs_name, gs, "global scale")
     report.tensors[prefix + name] = "nvfp4"
     return nvfp4.NVFP4Tensor(data, scale, gs)
+
+
+def _fused_input_scale(get, name: str, e: int, prefix: str) -> torch.Tensor | None:
+    t = get(name, required=False)
+    if t is None:
+        return None
+    t = t.float()
+    if t.numel() == 1:
+        t = t.reshape(1).expand(e).contiguous()  # one value for the layer: shared by all experts
+    elif t.dim() == 2 and t.shape[0] == e:
+        t = t.amax(dim=1)  # separate gate/up values: the larger (docs/SPEC.md §3.2)
+    t = t.reshape(-1)
+    if t.numel() != e:
+        raise CheckpointError(f"{prefix}{name}: {t.numel()} values, expected one per expert ({e}) or one")
+    _expert_scale_check(prefix + name, t, "input scale")
+    return t
 
 
 def _load_fused(get, report, prefix):
     w13 = _as_nvfp4(get, report, "w13_weight", "w13_weight_scale_2", 2, prefix)
     w2 = _as_nvfp4(get, report, "w2_weight", "w2_weight_scale_2", 1, prefix)
-    in1 = get("w13_input_scale", required=False)
-    in2 = get("w2_input_scale", required=False)
-    return w13, w2, None if in1 is None else in1.float().reshape(-1), None if in2 is None else in2.float().reshape(-1)
+    e = w13.data.shape[0]
+    return w13, w2, _fused_input_scale(get, "w13_input_scale", e, prefix), _fused_input_scale(get, "w2_input_scale", e, prefix)
 
 
-def _load_per_expert(get, report, prefix, where):
-    e = 0
-    while f"{prefix}experts.{e}.gate_proj.weight" in where:
-        e += 1
+def _load_hf_fused(get, report, prefix):
+    """transformers' fused experts ``experts.gate_up_proj [E, 2I, H]`` + ``experts.down_proj
+    [E, H, I]`` in a float dtype: quantized at load (reported)."""
+    w13 = _as_nvfp4(lambda n, required=True: get(n.replace("w13_weight", "experts.gate_up_proj"), required),
+                    report, "w13_weight", "", 2, prefix)
+    w2 = _as_nvfp4(lambda n, required=True: get(n.replace("w2_weight", "experts.down_proj"), required),
+                   report, "w2_weight", "", 1, prefix)
+    report.quantized_at_load[:] = [n.replace("w13_weight", "experts.gate_up_proj").replace("w2_weight", "experts.down_proj")
+                                   for n in report.quantized_at_load]
+    return w13, w2, None, None
+
+
+def _apply_w13_layout(w13: nvfp4.NVFP4Tensor, layout: str) -> nvfp4.NVFP4Tensor:
+    """Rows of a fused ``[E, 2I, ...]`` gate/up tensor reordered to ``[gate; up]`` (exact: rows
+    are independent in NVFP4)."""
+    if layout == "gate-up":
+        return w13
+    n = w13.data.shape[1]
+    if layout == "up-gate":
+        perm = torch.cat([torch.arange(n // 2, n), torch.arange(0, n // 2)])
+        gs = w13.global_scale.flip(-1) if w13.global_scale.dim() == 2 else w13.global_scale
+    elif layout == "interleaved":
+        perm = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+        gs = w13.global_scale
+        if gs.dim() == 2 and not torch.equal(gs[:, 0], gs[:, 1]):
+            raise CheckpointError("w13_weight_scale_2: separate gate/up scales cannot apply to interleaved rows")
+    else:
+        raise CheckpointError(f"w13_layout={layout!r}: expected one of {W13_LAYOUTS}")
+    perm = perm.to(w13.data.device)
+    return nvfp4.NVFP4Tensor(w13.data[:, perm].contiguous(), w13.scale[:, perm].contiguous(), gs.contiguous())
+
+
+# ---------------------------------------------------------------- per-expert layout
+
+# tensor names of one projection, per format: (data, block scales, global scale, input scale)
+_NAMES = {
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+}
+
+
+def _proj_names(get, base: str) -> tuple[str, tuple]:
+    """The naming of projection ``base`` (ModelOpt or compressed-tensors), from its tensors."""
+    if get(base + "weight_packed", required=False) is not None:
+        return "compressed-tensors", _NAMES["compressed-tensors"]
+    return "modelopt", _NAMES["modelopt"]
+
+
+def _scalar_scale(name: str, t: torch.Tensor, divisor: bool, what: str) -> torch.Tensor:
+    """A per-tensor scale (shape [], [1]) as a float32 decode multiplier; a divisor is inverted."""
+    if t.numel() != 1:
+        raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected one value ([] or [1])")
+    _check_scales(name, t, what + (" (a divisor)" if divisor else ""))
+    v = t.float().reshape(())
+    return torch.reciprocal(v) if divisor else v
+
+
+def _read_proj(get, report, prefix: str, base: str, fmt_name: str | None = None):
+    """One projection ``base`` (e.g. ``experts.3.gate_proj.``) -> (NVFP4Tensor [N, K],
+    input decode scale or None, naming used, shapes {suffix: shape})."""
+    naming, (dn, sn, gn, inn) = _proj_names(get, base)
+    if fmt_name is not None and fmt_name in _NAMES and naming != fmt_name and \
+            get(base + "weight", required=False) is None:
+        raise CheckpointError(f"{prefix}{base}: {naming} tensor names in a {fmt_name} checkpoint")
+    divisor = naming == "compressed-tensors"
+    full = prefix + base
+    data = get(base + dn, required=False)
+    shapes: dict[str, tuple] = {}
+    if data is None and naming == "compressed-tensors":
+        data = get(base + "weight")  # an unquantized (ignored) module
+    elif data is None:
+        data = get(base + dn)  # raises, naming it
+    shapes[dn] = tuple(data.shape)
+    if data.dim() != 2:
+        raise CheckpointError(f"{full}{dn}: expected 2 dims [N, K/2], got shape {tuple(data.shape)}")
+    if torch.is_floating_point(data):
+        _check_k(full + dn, data, None)
+        q = nvfp4.quantize(data.float(), nvfp4.default_global_scale(data))
+        report.quantized_at_load.append(full + dn)
+        report.tensors[full + dn] = f"quantized-at-load (stored {data.dtype})"
+    else:
+        if data.dtype != torch.uint8:
+            raise CheckpointError(f"{full}{dn}: dtype {data.dtype}, expected uint8 (packed E2M1) or a float dtype")
+        scale = get(base + sn)
+        shapes[sn] = tuple(scale.shape)
+        if scale.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{full}{sn}: dtype {scale.dtype}, expected float8_e4m3fn")
+        _check_k(full + dn, data, scale)
+        gs_t = get(base + gn)
+        shapes[gn] = tuple(gs_t.shape)
+        q = nvfp4.NVFP4Tensor(data, scale, _scalar_scale(full + gn, gs_t, divisor, "global scale"))
+        report.tensors[full + dn] = "nvfp4"
+    isc = get(base + inn, required=False)
+    if isc is not None:
+        shapes[inn] = tuple(isc.shape)
+        isc = _scalar_scale(full + inn, isc, divisor, "input scale")
+    return q, isc, naming, shapes
+
+
+def _expert_ids(prefix: str, where) -> list[int]:
+    ids = set()
+    n = len(prefix)
+    for k in where:
+        if k.startswith(prefix + "experts."):
+            head = k[n + len("experts."):].split(".", 1)[0]
+            if head.isdigit():
+                ids.add(int(head))
+    return sorted(ids)
+
+
+def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None):
+    ids = _expert_ids(prefix, where)
+    if not ids:
+        raise CheckpointError(f"{prefix}experts.0.*: no expert tensors")
+    e = ids[-1] + 1
+    missing = sorted(set(range(e)) - set(ids))
+    if missing:
+        raise CheckpointError(f"{prefix}experts.{missing[0]}.*: expert {missing[0]} is missing "
+                              f"(experts 0..{e - 1} expected; none of its tensors are in the checkpoint)")
+    projs = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+
+    def base_of(ex, proj):
+        for name in projs[proj]:
+            b = f"experts.{ex}.{name}."
+            if any(get(b + s, required=False) is not None for s in ("weight", "weight_packed")):
+                return b
+        return f"experts.{ex}.{projs[proj][0]}."
+
     parts: dict[str, list] = {"gate": [], "up": [], "down": []}
-    in1, in2 = [], []
+    inputs: dict[str, list] = {"gate": [], "up": [], "down": []}
+    first_shapes: dict[str, dict] = {}
     for ex in range(e):
         for proj in ("gate", "up", "down"):
-            base = f"experts.{ex}.{proj}_proj."
-            data = get(base + "weight")
-            if torch.is_floating_point(data):
-                q = nvfp4.quantize(data.float(), nvfp4.default_global_scale(data))
-                report.quantized_at_load.append(prefix + base + "weight")
-                report.tensors[prefix + base + "weight"] = f"quantized-at-load (stored {data.dtype})"
-            else:
-                scale = get(base + "weight_scale")
-                if scale.dtype != torch.float8_e4m3fn:
-                    raise CheckpointError(f"{prefix}{base}weight_scale: dtype {scale.dtype}, expected float8_e4m3fn")
-                _check_k(prefix + base + "weight", data, scale)
-                q = nvfp4.NVFP4Tensor(data, scale, get(base + "weight_scale_2").float().reshape(()))
-                report.tensors[prefix + base + "weight"] = "nvfp4"
+            base = base_of(ex, proj)
+            try:
+                q, isc, naming, shapes = _read_proj(get, report, prefix, base, fmt_name)
+            except CheckpointError as exc:
+                msg = str(exc)
+                if ": missing" in msg:
+                    raise CheckpointError(f"{msg} (expert {ex}; the checkpoint has experts 0..{e - 1})") from None
+                raise CheckpointError(f"{msg} (expert {ex})") from None
+            ref = first_shapes.setdefault(proj, {"shapes": shapes, "expert": ex, "input": isc is not None})
+            for suffix, shp in shapes.items():
+                want = ref["shapes"].get(suffix)
+                if want is not None and want != shp:
+                    raise CheckpointError(f"{prefix}{base}{suffix}: shape {shp} for expert {ex}, but expert "
+                                          f"{ref['expert']} has {want}: experts disagree")
+            if set(shapes) != set(ref["shapes"]) or (isc is not None) != ref["input"]:
+                have = set(ref["shapes"]) | ({_NAMES[naming][3]} if ref["input"] else set())
+                mine = set(shapes) | ({_NAMES[naming][3]} if isc is not None else set())
+                gone = sorted(have - mine) or sorted(mine - have)
+                who = ex if have - mine else ref["expert"]
+                raise CheckpointError(f"{prefix}experts.{who}.{base.split('.')[2]}.{gone[0]}: missing for expert "
+                                      f"{who} (present for expert {ex if who != ex else ref['expert']})")
             parts[proj].append(q)
-            isc = get(base + "input_scale", required=False)
-            if isc is not None:
-                (in2 if proj == "down" else in1).append((ex, proj, float(isc.float().reshape(()))))
+            inputs[proj].append(isc)
     for proj in ("gate", "up", "down"):
         shapes = {tuple(q.data.shape) for q in parts[proj]}
         if len(shapes) != 1:
             raise CheckpointError(f"{prefix}experts.*.{proj}_proj.weight: experts disagree on shape: {sorted(shapes)}")
+    if parts["gate"][0].data.shape != parts["up"][0].data.shape:
+        raise CheckpointError(f"{prefix}experts.0.up_proj: shape {tuple(parts['up'][0].shape)} differs from "
+                              f"gate_proj {tuple(parts['gate'][0].shape)}")
     w13 = nvfp4.NVFP4Tensor(
         torch.stack([torch.cat([g.data, u.data]) for g, u in zip(parts["gate"], parts["up"])]),
         torch.stack([torch.cat([g.scale, u.scale]) for g, u in zip(parts["gate"], parts["up"])]),
@@ -416,40 +652,353 @@ def _load_per_expert(get, report, prefix, where):
     w2 = nvfp4.NVFP4Tensor(torch.stack([d.data for d in parts["down"]]), torch.stack([d.scale for d in parts["down"]]),
                            torch.stack([d.global_scale for d in parts["down"]]))
     s1 = s2 = None
-    if in1:
-        s1 = torch.zeros(e)
-        for ex, proj, v in in1:
-            if s1[ex] and s1[ex] != v:
-                report.warnings.append(f"expert {ex}: gate and up input_scale differ; using the larger")
-            s1[ex] = max(float(s1[ex]), v)
-    if in2:
-        s2 = torch.zeros(e)
-        for ex, _, v in in2:
-            s2[ex] = v
+    if inputs["gate"][0] is not None or inputs["up"][0] is not None:
+        g = torch.stack(inputs["gate"])
+        u = torch.stack(inputs["up"])
+        differ = (g != u).nonzero().flatten().tolist()
+        if differ:
+            report.warnings.append(f"experts {differ[:8]}{'...' if len(differ) > 8 else ''}: gate and up input "
+                                   f"scales differ; using the larger (docs/SPEC.md §3.2)")
+        s1 = torch.maximum(g, u)
+    if inputs["down"][0] is not None:
+        s2 = torch.stack(inputs["down"])
     return w13, w2, s1, s2
 
 
+# ---------------------------------------------------------------- dense parts
+
+def _shared_nvfp4(get_optional, prefix: str):
+    """An NVFP4 shared expert (``shared_experts.{gate,up,down}_proj``), either naming ->
+    (gate_up NVFP4 [2Is, H] with global scale [2], down NVFP4 [H, Is], in1, in2)."""
+    report = LoadReport(path="")
+
+    def get(name, required=True):
+        t = get_optional(name)
+        if t is None and required:
+            raise CheckpointError(f"{prefix}{name}: missing")
+        return t
+
+    g, ig, _, _ = _read_proj(get, report, prefix, "shared_experts.gate_proj.")
+    u, iu, _, _ = _read_proj(get, report, prefix, "shared_experts.up_proj.")
+    d, idn, _, _ = _read_proj(get, report, prefix, "shared_experts.down_proj.")
+    if g.data.shape != u.data.shape:
+        raise CheckpointError(f"{prefix}shared_experts.up_proj: shape {tuple(u.shape)} differs from gate_proj {tuple(g.shape)}")
+    gu = nvfp4.NVFP4Tensor(torch.cat([g.data, u.data]), torch.cat([g.scale, u.scale]),
+                           torch.stack([g.global_scale.reshape(()), u.global_scale.reshape(())]))
+    in1 = None if ig is None and iu is None else torch.maximum(ig, iu) if ig is not None and iu is not None else (ig if ig is not None else iu)
+    return gu, d, in1, idn, report
+
+
+def read_dense_tensors(get_optional, prefix: str) -> dict:
+    """Router, correction bias and shared expert (every rank keeps these whole).
+
+    ``get_optional(name)`` returns the tensor or None. The shared expert may be stored as
+    ``gate_up_proj`` or as ``gate_proj`` + ``up_proj``, in a float dtype or in NVFP4
+    (ModelOpt or compressed-tensors naming; then ``shared_kind`` is ``"nvfp4"`` and the
+    input scales come along).
+    """
+    out = {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
+           "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
+           "shared_kind": "none", "shared_report": None}
+    packed = get_optional("shared_experts.gate_proj.weight_packed")
+    plain = get_optional("shared_experts.gate_proj.weight")
+    if packed is not None or (plain is not None and plain.dtype == torch.uint8):
+        gu, d, in1, in2, rep = _shared_nvfp4(get_optional, prefix)
+        out.update(shared_gate_up=gu, shared_down=d, shared_in1=in1, shared_in2=in2, shared_kind="nvfp4",
+                   shared_report=rep)
+        return out
+    shared_gu = get_optional("shared_experts.gate_up_proj.weight")
+    if shared_gu is None:
+        u = get_optional("shared_experts.up_proj.weight")
+        shared_gu = torch.cat([plain, u]) if plain is not None and u is not None else None
+    shared_down = get_optional("shared_experts.down_proj.weight")
+    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
+        if t is not None and not torch.is_floating_point(t):
+            raise CheckpointError(f"{prefix}{name}: dtype {t.dtype}: a shared expert is bf16/fp16/fp32 or NVFP4 "
+                                  f"with its scales")
+    out.update(shared_gate_up=shared_gu, shared_down=shared_down,
+               shared_kind="none" if shared_gu is None else str(shared_gu.dtype).replace("torch.", ""))
+    return out
+
+
+def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
+    bias, gu, down = dense["bias"], dense["shared_gate_up"], dense["shared_down"]
+    kw = {}
+    if dense.get("shared_kind") == "nvfp4":
+        kw = {"shared_gate_up_input_scale": dense["shared_in1"], "shared_down_input_scale": dense["shared_in2"]}
+    else:
+        gu = None if gu is None else gu.to(torch.bfloat16)
+        down = None if down is None else down.to(torch.bfloat16)
+    return MoEWeights(
+        w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
+        router_bias=None if bias is None else bias.float(), shared_gate_up=gu, shared_down=down, **kw,
+    )
+
+
+# ---------------------------------------------------------------- load
+
+def load(path, *, layer: int | str | None = None, config: MoEConfig | None = None, top_k: int | None = None,
+         prefix: str | None = None, w13_layout: str | None = None, input_scales: str = "per-expert",
+         device="cpu", **config_overrides) -> Loaded:
+    """Load one NVFP4 MoE layer from a checkpoint folder or file (docs/SPEC.md §3.4).
+
+    Args:
+        path: a checkpoint folder (``*.safetensors`` + ``config.json`` + any
+            ``hf_quant_config.json``) or one ``.safetensors`` file.
+        layer: the model's layer number (``model.layers.N``) or a tensor-name prefix;
+            default: the first MoE layer.
+        config: the layer config, overriding what the checkpoint implies (then the
+            architecture need not be known).
+        top_k: experts per token, where nothing in the checkpoint says it.
+        prefix: tensor name prefix of the layer (alternative to ``layer``).
+        w13_layout: the row order of a fused gate/up tensor (``W13_LAYOUTS``) where the
+            checkpoint does not declare it; refused where the gate and up projections are
+            separate tensors.
+        input_scales: ``per-expert`` (as stored) or ``max`` (one value per GEMM: the max over
+            all experts), docs/SPEC.md §3.2.
+        device: where the tensors go.
+        config_overrides: MoEConfig fields to override (reported).
+
+    Raises:
+        CheckpointError naming the tensor or config key: a missing tensor, an expert missing
+        one tensor, experts whose tensors disagree in shape, a wrong dtype, a K that is not
+        a multiple of 16, a global or input scale that is zero, negative, NaN or inf, an
+        unknown quantization method or architecture, an undeclared fused gate/up layout,
+        an activation mode the quantization config contradicts.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = _files(path)
+    where: dict[str, Path] = {}
+    meta: dict[str, str] = {}
+    # Each file is opened once: re-opening re-parses the header, which for a sharded model
+    # file of ~15k tensors costs ~20 ms a tensor (minutes for a per-expert layout).
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for f in files:
+            fh = handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            meta.update(fh.metadata() or {})
+            for k in fh.keys():
+                where[k] = f
+        return _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides,
+                            layer=layer, w13_layout=w13_layout, input_scales=input_scales)
+
+
+def _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides, *,
+                 layer=None, w13_layout=None, input_scales="per-expert") -> Loaded:
+    if input_scales not in INPUT_SCALE_MODES:
+        raise CheckpointError(f"input_scales={input_scales!r}: expected one of {INPUT_SCALE_MODES}")
+    if w13_layout is not None and w13_layout not in W13_LAYOUTS:
+        raise CheckpointError(f"w13_layout={w13_layout!r}: expected one of {W13_LAYOUTS}")
+    prefix, layout, names = _choose_layer(list(where), layer, prefix)
+    folder = path if path.is_dir() else path.parent
+    report = LoadReport(path=str(path), layout=layout, prefix=prefix, moe_layers=names)
+    hf = _read_json(folder / "config.json", report)
+    hq = _read_json(folder / "hf_quant_config.json", report)
+    fmt = _detect_format(meta, hf, hq, layout)
+    report.format, report.producer = fmt.name, fmt.producer
+    report.choices.append(f"format {fmt.name} ({fmt.source})")
+    if len(names) > 1:
+        report.choices.append(f"layer {prefix!r} ({'as asked' if layer is not None or prefix else 'the first MoE layer'}"
+                              f" of {len(names)})")
+
+    def get(name: str, required: bool = True):
+        full = prefix + name
+        if full not in where:
+            if required:
+                raise CheckpointError(f"{full}: missing from {path}")
+            return None
+        t = handles[where[full]].get_tensor(full)
+        report.tensors[full] = str(t.dtype).replace("torch.", "")
+        return t
+
+    if fmt.name in ("modelopt", "compressed-tensors") and layout != "per-expert":
+        raise CheckpointError(f"{prefix}: a {fmt.name} checkpoint with {layout} expert tensors "
+                              f"({'w13_weight' if layout == 'fused' else 'experts.gate_up_proj'}): megamoe reads "
+                              f"this format's per-expert layout (experts.{{e}}.gate_proj...)")
+    arch = None
+    if hf is not None and config is None and fmt.name != "megamoe":
+        try:
+            arch = architecture_routing(hf)
+        except UnknownArchitecture as exc:
+            raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
+
+    if layout == "fused":
+        w13, w2, in1, in2 = _load_fused(get, report, prefix)
+    elif layout == "hf-fused":
+        w13, w2, in1, in2 = _load_hf_fused(get, report, prefix)
+    else:
+        w13, w2, in1, in2 = _load_per_expert(get, report, prefix, where, fmt.name)
+
+    # ---- w13 layout (docs/SPEC.md §3.3)
+    if layout == "per-expert":
+        if w13_layout is not None:
+            raise CheckpointError(f"w13_layout={w13_layout!r}: this checkpoint stores gate and up as separate "
+                                  f"tensors ({prefix}experts.{{e}}.gate_proj / up_proj); there is no fused order")
+        report.w13_layout = "separate gate/up tensors, stacked [gate; up]"
+    else:
+        declared, why = None, ""
+        if fmt.name == "megamoe":
+            declared, why = "gate-up", "megamoe's own writer (docs/SPEC.md §3.3)"
+        elif layout == "hf-fused" and arch is not None:
+            declared, why = arch.w13_layout, f"{arch.model_type} fused gate_up_proj"
+        chosen = w13_layout or declared
+        if chosen is None:
+            raise CheckpointError(f"{prefix}w13_weight: the gate/up row order of this fused tensor is not declared "
+                                  f"by the checkpoint; pass w13_layout= one of {W13_LAYOUTS}")
+        if w13_layout is not None and declared is not None and w13_layout != declared:
+            report.warnings.append(f"w13 layout {w13_layout!r} as asked, though the checkpoint declares {declared!r}")
+        report.w13_layout = chosen
+        report.choices.append(f"w13 layout {chosen} ({'as asked' if w13_layout else why})")
+        w13 = _apply_w13_layout(w13, chosen)
+
+    e = w13.data.shape[0]
+    h = w13.data.shape[2] * 2
+    i = w2.data.shape[2] * 2
+
+    def get_opt(name):
+        return get(name, required=False)
+
+    dense = read_dense_tensors(get_opt, prefix)
+    if dense["shared_report"] is not None:
+        report.tensors.update({prefix + k if not k.startswith(prefix) else k: v
+                               for k, v in dense["shared_report"].tensors.items()})
+        report.quantized_at_load += dense["shared_report"].quantized_at_load
+
+    # ---- activation mode (docs/SPEC.md §3.4)
+    has_inputs = in1 is not None or in2 is not None
+    if (in1 is None) != (in2 is None):
+        name = "w13 (gate/up)" if in1 is None else "w2 (down)"
+        raise CheckpointError(f"{prefix}: input scales present for one GEMM but missing for {name}")
+    if fmt.act_mode == "w4a4" and not has_inputs:
+        n = _NAMES.get(fmt.name, ("", "", "", "input_scale"))[3]
+        raise CheckpointError(f"{prefix}experts.0.gate_proj.{n}: missing; {fmt.source} declares NVFP4 "
+                              f"activations (W4A4), which need the static input scales")
+    if fmt.act_mode == "w4a16" and has_inputs:
+        raise CheckpointError(f"{prefix}: input scales present but {fmt.source} declares weight-only NVFP4 (W4A16)")
+    if dense["shared_kind"] == "nvfp4" and (dense["shared_in1"] is None) != (not has_inputs):
+        raise CheckpointError(f"{prefix}shared_experts: input scales {'missing' if has_inputs else 'present'} while the "
+                              f"routed experts' are {'present' if has_inputs else 'missing'}")
+
+    # ---- layer config: routing from the architecture
+    cfg_src = ""
+    if config is not None:
+        cfg_src = "given by the caller"
+    elif fmt.name == "megamoe" or "megamoe.config" in meta:
+        config = MoEConfig.from_dict(json.loads(meta["megamoe.config"]))
+        cfg_src = "safetensors metadata megamoe.config"
+    else:
+        config, cfg_src = _config_from_arch(arch, hf, path, e, h, i, top_k, dense, report)
+    if "act_mode" not in config_overrides:
+        if fmt.act_mode is not None:
+            want = fmt.act_mode  # declared by the quantization config
+        elif cfg_src.startswith("config.json") or cfg_src.startswith("the tensors"):
+            want = "w4a4" if has_inputs else "w4a16"  # no quantization config: input scales decide
+        else:
+            want = config.act_mode  # megamoe metadata or the caller's config
+        if want != config.act_mode:
+            config = config.with_(act_mode=want)
+    if top_k is not None and config.top_k != top_k:
+        config = config.with_(top_k=top_k)
+        report.choices.append(f"top_k={top_k} (as asked)")
+    if config_overrides:
+        config = config.with_(**config_overrides)
+        report.choices.append("overridden by the caller: " + ", ".join(f"{k}={v!r}" for k, v in config_overrides.items()))
+    report.choices.append(f"layer config: {cfg_src}")
+    if (config.hidden_size, config.intermediate_size, config.num_experts) != (h, i, e):
+        raise CheckpointError(f"{path}: config says H={config.hidden_size}, I={config.intermediate_size}, "
+                              f"E={config.num_experts} but the tensors of {prefix!r} have H={h}, I={i}, E={e}")
+    report.act_mode = config.act_mode + (" (dynamic per-row scales)" if config.act_mode == "w4a4" and not has_inputs else "")
+    report.choices.append(f"activations {report.act_mode} ("
+                          + (fmt.source if fmt.act_mode else ("input scales present" if has_inputs else "no input scales"))
+                          + ")")
+
+    # ---- input-scale convention (docs/SPEC.md §3.2)
+    if has_inputs:
+        shared_all = bool(torch.all(in1 == in1[0])) and bool(torch.all(in2 == in2[0]))
+        if input_scales == "max":
+            in1 = in1.amax().expand(e).contiguous()
+            in2 = in2.amax().expand(e).contiguous()
+            report.input_scales = "max over all experts (as asked)"
+        else:
+            report.input_scales = "per expert, as stored" + (" (one value shared by all experts)" if shared_all else "")
+        report.choices.append(f"input scales {report.input_scales}")
+
+    # ---- shared expert
+    report.shared_expert = dense["shared_kind"] if dense["shared_gate_up"] is not None else "none"
+    if config.n_shared_experts and dense["shared_gate_up"] is None:
+        raise CheckpointError(f"{prefix}shared_experts.gate_proj: missing; the config has n_shared_experts="
+                              f"{config.n_shared_experts}")
+    if dense["shared_gate_up"] is not None:
+        report.choices.append(f"shared expert {report.shared_expert}"
+                              + (", activations quantized with its own input scales" if dense["shared_in1"] is not None else ""))
+    if config.scoring == "sigmoid" and dense["bias"] is None and arch is not None and arch.model_type == "deepseek_v3":
+        raise CheckpointError(f"{prefix}gate.e_score_correction_bias: missing; deepseek_v3 routing (noaux_tc) needs it")
+    report.routing = {k: getattr(config, k) for k in ("num_experts", "top_k", "scoring", "n_group", "topk_group",
+                                                       "renormalize", "routed_scaling_factor", "n_shared_experts")}
+    report.routing["correction_bias"] = dense["bias"] is not None
+    report.routing["router"] = dense["router"] is not None
+
+    weights = assemble_weights(w13, w2, in1, in2, dense)
+    try:
+        weights.validate(config)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {prefix}{exc}") from None
+    if report.quantized_at_load:
+        log.warning("quantized at load time (stored in higher precision): %s", ", ".join(report.quantized_at_load))
+    return Loaded(weights.to(device), config, report)
+
+
+def _config_from_arch(arch, hf, path: Path, e, h, i, top_k, dense, report) -> tuple[MoEConfig, str]:
+    d: dict = {"hidden_size": h, "intermediate_size": i, "num_experts": e}
+    if arch is not None:
+        f = dict(arch.fields)
+        report.choices += [f"routing: {c}" for c in arch.choices]
+        report.warnings += [f"{arch.model_type}: {n}" for n in arch.notes if "required" not in n]
+        if f.get("num_experts") is not None and f["num_experts"] > e:
+            raise CheckpointError(f"{report.prefix}experts.{e}.*: missing (config.json says {f['num_experts']} "
+                                  f"experts, the checkpoint has experts 0..{e - 1})")
+        for k in ("num_experts", "intermediate_size"):
+            if f.get(k) is not None and f[k] != d[k]:
+                raise CheckpointError(f"{path}: config.json says {k}={f[k]} but the tensors have {d[k]}")
+        d.update({k: v for k, v in f.items() if v is not None})
+        src = f"config.json model_type {arch.model_type!r}"
+    else:
+        src = "the tensors" + (" and top_k as given" if top_k is not None else "")
+    if top_k is not None:
+        d["top_k"] = top_k
+    if "top_k" not in d:
+        raise CheckpointError(f"{path}: top_k is unknown (no megamoe.config metadata, no config.json with a "
+                              f"known model_type): pass top_k= or config=")
+    gu = dense["shared_gate_up"]
+    if gu is not None:
+        n = d.get("n_shared_experts") or 1
+        d["n_shared_experts"] = n
+        d["shared_intermediate_size"] = gu.shape[0] // 2 // n
+    elif arch is None:
+        d["n_shared_experts"] = 0
+    if arch is None:
+        d.setdefault("scoring", "softmax")
+        report.choices.append("routing: softmax top-k (no architecture given; the caller declared top_k)")
+    return MoEConfig.from_dict(d), src
+
+
 def _config_from(meta, path: Path, e, h, i, top_k, shared_gu, overrides) -> MoEConfig:
+    """The layer config as :func:`load` decides it (used by the sharded loader)."""
     if "megamoe.config" in meta:
         cfg = MoEConfig.from_dict(json.loads(meta["megamoe.config"]))
     else:
-        d: dict = {"hidden_size": h, "intermediate_size": i, "num_experts": e}
-        cj = (path if path.is_dir() else path.parent) / "config.json"
-        if cj.exists():
-            hf = json.loads(cj.read_text())
-            for k, v in hf.items():
-                if k in _HF_KEYS and v is not None:
-                    d[_HF_KEYS[k]] = v
-            d.update({"hidden_size": h, "intermediate_size": i, "num_experts": e})
-        if top_k is not None:
-            d["top_k"] = top_k
-        if "top_k" not in d:
-            raise CheckpointError(f"{path}: top_k is unknown (no megamoe.config metadata, no config.json "
-                                  f"num_experts_per_tok): pass top_k=")
-        if shared_gu is not None:
-            d.setdefault("n_shared_experts", 1)
-            d["shared_intermediate_size"] = shared_gu.shape[0] // 2 // d["n_shared_experts"]
-        cfg = MoEConfig.from_dict(d)
+        folder = path if path.is_dir() else path.parent
+        hf = _read_json(folder / "config.json", None)
+        arch = None
+        if hf is not None:
+            try:
+                arch = architecture_routing(hf)
+            except UnknownArchitecture as exc:
+                raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
+        cfg, _ = _config_from_arch(arch, hf, path, e, h, i, top_k, {"shared_gate_up": shared_gu},
+                                   LoadReport(path=str(path)))
     if (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts) != (h, i, e):
         raise CheckpointError(f"{path}: config says H={cfg.hidden_size}, I={cfg.intermediate_size}, "
                               f"E={cfg.num_experts} but the tensors have H={h}, I={i}, E={e}")

@@ -1,10 +1,13 @@
-"""Expert routing (SPEC §3): softmax top-k, and sigmoid with correction bias and
-group-limited top-k (DeepSeek-V3 style)."""
+"""Expert routing (docs/SPEC.md §3): softmax top-k, and sigmoid with correction bias and
+group-limited top-k (DeepSeek-V3 style); and the routing each supported architecture
+(Hugging Face ``model_type``) implies (:func:`architecture_routing`)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["route"]
+__all__ = ["route", "architecture_routing", "ArchitectureRouting", "UnknownArchitecture", "ARCHITECTURES"]
 
 
 def route(
@@ -64,3 +67,133 @@ def route(
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
     weights = weights * routed_scaling_factor
     return weights.float(), ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------
+# The routing of an architecture, from its Hugging Face config.json
+# ------------------------------------------------------------------------------------------
+
+class UnknownArchitecture(ValueError):
+    """config.json names a ``model_type`` whose routing megamoe does not know (never guessed)."""
+
+
+@dataclass(frozen=True)
+class ArchitectureRouting:
+    """What one ``model_type`` means for an MoE layer.
+
+    ``fields`` are :class:`megamoe.presets.MoEConfig` fields (routing, shapes, shared expert);
+    ``choices`` says, for each field, where its value came from (a config.json key, or the
+    architecture's default when config.json omits the key); ``w13_layout`` is the order of a
+    fused gate/up tensor in this architecture's own (Hugging Face) layout; ``notes`` are
+    differences from the architecture's reference code that the caller should know.
+    """
+
+    model_type: str
+    fields: dict
+    choices: list[str]
+    w13_layout: str
+    notes: list[str]
+
+
+def _take(hf: dict, key: str, default, choices: list[str], field_name: str, *, required: bool = False):
+    if key in hf and hf[key] is not None:
+        choices.append(f"{field_name}={hf[key]!r} (config.json {key})")
+        return hf[key]
+    if required:
+        raise UnknownArchitecture(f"config.json: {key} is missing (needed for {field_name})")
+    choices.append(f"{field_name}={default!r} (architecture default; config.json has no {key})")
+    return default
+
+
+def _silu_only(hf: dict, model_type: str) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnknownArchitecture(f"config.json hidden_act={act!r}: megamoe's experts are SwiGLU (silu); "
+                                  f"{model_type} with {act!r} is not supported")
+
+
+def _deepseek_v3(hf: dict) -> ArchitectureRouting:
+    # transformers' DeepseekV3TopkRouter: sigmoid scores, e_score_correction_bias added for
+    # selection only, group-limited top-k (a group scores the sum of its two best biased
+    # scores), chosen weights = unbiased scores, renormalised if norm_topk_prob, times
+    # routed_scaling_factor. transformers 5 writes no scoring_func / topk_method; DeepSeek's
+    # own config.json writes scoring_func="sigmoid", topk_method="noaux_tc".
+    c: list[str] = []
+    _silu_only(hf, "deepseek_v3")
+    scoring = hf.get("scoring_func")
+    if scoring not in (None, "sigmoid"):
+        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: deepseek_v3 routes with sigmoid scores")
+    method = hf.get("topk_method")
+    if method not in (None, "noaux_tc"):
+        raise UnknownArchitecture(f"config.json topk_method={method!r}: deepseek_v3 routing is 'noaux_tc' "
+                                  f"(sigmoid, correction bias, group-limited top-k)")
+    c.append("scoring='sigmoid' (deepseek_v3" + (", config.json scoring_func)" if scoring else
+                                                 "; config.json has no scoring_func)"))
+    f = {"scoring": "sigmoid"}
+    f["num_experts"] = _take(hf, "n_routed_experts", 256, c, "num_experts")
+    f["top_k"] = _take(hf, "num_experts_per_tok", 8, c, "top_k")
+    f["n_group"] = _take(hf, "n_group", 8, c, "n_group")
+    f["topk_group"] = _take(hf, "topk_group", 4, c, "topk_group")
+    f["renormalize"] = bool(_take(hf, "norm_topk_prob", True, c, "renormalize"))
+    f["routed_scaling_factor"] = float(_take(hf, "routed_scaling_factor", 2.5, c, "routed_scaling_factor"))
+    f["intermediate_size"] = _take(hf, "moe_intermediate_size", 2048, c, "intermediate_size")
+    f["n_shared_experts"] = _take(hf, "n_shared_experts", 1, c, "n_shared_experts") or 0
+    if f["n_shared_experts"]:
+        # DeepseekV3MLP(intermediate_size = moe_intermediate_size * n_shared_experts)
+        f["shared_intermediate_size"] = f["intermediate_size"]
+        c.append(f"shared expert: {f['n_shared_experts']} x moe_intermediate_size (deepseek_v3)")
+    return ArchitectureRouting("deepseek_v3", f, c, "gate-up", [
+        "the e_score_correction_bias tensor is required (noaux_tc selection)"])
+
+
+def _mixtral(hf: dict) -> ArchitectureRouting:
+    # transformers' MixtralTopKRouter: softmax over all experts (float32), top-k, always
+    # renormalised, no scaling, no shared expert.
+    c: list[str] = ["scoring='softmax', renormalize=True (mixtral)"]
+    _silu_only(hf, "mixtral")
+    f = {"scoring": "softmax", "renormalize": True, "routed_scaling_factor": 1.0, "n_shared_experts": 0}
+    f["num_experts"] = _take(hf, "num_local_experts", 8, c, "num_experts")
+    f["top_k"] = _take(hf, "num_experts_per_tok", 2, c, "top_k")
+    f["intermediate_size"] = _take(hf, "intermediate_size", 14336, c, "intermediate_size")
+    return ArchitectureRouting("mixtral", f, c, "gate-up", [
+        "router logits: transformers computes them in the model dtype, megamoe in float32 "
+        "(a near-tie may pick a different expert)"])
+
+
+def _qwen3_moe(hf: dict) -> ArchitectureRouting:
+    # transformers' Qwen3MoeTopKRouter: softmax (float32), top-k, renormalised only if
+    # norm_topk_prob (default False), no scaling, no shared expert.
+    c: list[str] = ["scoring='softmax' (qwen3_moe)"]
+    _silu_only(hf, "qwen3_moe")
+    f = {"scoring": "softmax", "routed_scaling_factor": 1.0, "n_shared_experts": 0}
+    f["num_experts"] = _take(hf, "num_experts", 128, c, "num_experts")
+    f["top_k"] = _take(hf, "num_experts_per_tok", 8, c, "top_k")
+    f["renormalize"] = bool(_take(hf, "norm_topk_prob", False, c, "renormalize"))
+    f["intermediate_size"] = _take(hf, "moe_intermediate_size", 768, c, "intermediate_size")
+    return ArchitectureRouting("qwen3_moe", f, c, "gate-up", [
+        "router logits and weights: transformers computes logits and returns weights in the model dtype, "
+        "megamoe keeps float32 (a near-tie may pick a different expert)"])
+
+
+#: model_type -> rule. Each rule is checked against the transformers router of that
+#: architecture on recorded inputs (tests/fixtures/real/routing_*.safetensors).
+ARCHITECTURES = {"deepseek_v3": _deepseek_v3, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+
+
+def architecture_routing(hf_config: dict) -> ArchitectureRouting:
+    """The MoE routing (and expert shapes) that ``hf_config`` (a parsed config.json) implies.
+
+    Raises:
+        UnknownArchitecture: no ``model_type``, a ``model_type`` megamoe has no rule for,
+            or a key whose value the rule does not support (named in the message).
+    """
+    mt = hf_config.get("model_type")
+    if mt is None:
+        raise UnknownArchitecture("config.json has no model_type: the routing cannot be known "
+                                  f"(supported: {', '.join(sorted(ARCHITECTURES))}; or pass the config)")
+    rule = ARCHITECTURES.get(mt)
+    if rule is None:
+        raise UnknownArchitecture(f"config.json model_type={mt!r}: megamoe does not know this architecture's "
+                                  f"routing (supported: {', '.join(sorted(ARCHITECTURES))}); pass the config "
+                                  f"explicitly to load it anyway")
+    return rule(hf_config)

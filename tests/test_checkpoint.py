@@ -1,5 +1,10 @@
-"""ModelOpt checkpoint loading, synthetic checkpoints, and bad checkpoints."""
+"""Checkpoint loading (docs/SPEC.md §3.4): ModelOpt and compressed-tensors per-expert layouts,
+fused layouts and their gate/up order, routing from config.json, activation mode, input-scale
+convention, synthetic checkpoints, and bad checkpoints named by tensor and expert. The
+checkpoints written by the real producers are tested in tests/test_real_checkpoints.py."""
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -9,6 +14,87 @@ from megamoe import checkpoint as C
 from megamoe import nvfp4 as F
 from megamoe.moe import MoELayer
 from megamoe.presets import MoEConfig
+
+
+def _proj_tensors(q: F.NVFP4Tensor, isc, naming: str) -> dict:
+    """One projection's tensors in a producer's naming (global scales as divisors for
+    compressed-tensors)."""
+    gs = q.global_scale.reshape(())
+    if naming == "compressed-tensors":
+        t = {"weight_packed": q.data.contiguous(), "weight_scale": q.scale.contiguous(),
+             "weight_global_scale": torch.reciprocal(gs).reshape(1)}
+        if isc is not None:
+            t["input_global_scale"] = torch.reciprocal(isc.reshape(())).reshape(1)
+        return t
+    t = {"weight": q.data.contiguous(), "weight_scale": q.scale.contiguous(), "weight_scale_2": gs.clone()}
+    if isc is not None:
+        t["input_scale"] = isc.reshape(()).clone()
+    return t
+
+
+def write_per_expert(folder, w, cfg, prefix="model.layers.0.mlp.", naming="modelopt", hf=None, quant="auto",
+                     shared_nvfp4=False):
+    """``w`` written the way ModelOpt / compressed-tensors export a per-expert MoE layer, with a
+    config.json (``hf``) and the quantization config of ``quant`` ("auto": the naming's W4A4 or
+    W4A16 by whether ``w`` has input scales; None: none)."""
+    t = {}
+    i = cfg.intermediate_size
+    for e in range(cfg.num_experts):
+        q13 = w.w13[e]
+        for proj, rows, g in (("gate", slice(0, i), 0), ("up", slice(i, 2 * i), 1)):
+            part = F.NVFP4Tensor(q13.data[rows], q13.scale[rows], q13.global_scale[g])
+            isc = None if w.w13_input_scale is None else w.w13_input_scale[e]
+            for k, v in _proj_tensors(part, isc, naming).items():
+                t[f"{prefix}experts.{e}.{proj}_proj.{k}"] = v
+        isc = None if w.w2_input_scale is None else w.w2_input_scale[e]
+        for k, v in _proj_tensors(w.w2[e], isc, naming).items():
+            t[f"{prefix}experts.{e}.down_proj.{k}"] = v
+    if w.router_weight is not None:
+        t[prefix + "gate.weight"] = w.router_weight
+    if w.router_bias is not None:
+        t[prefix + "gate.e_score_correction_bias"] = w.router_bias
+    if w.shared_gate_up is not None:
+        is_ = w.shared_gate_up.shape[0] // 2
+        gu, down = w.shared_gate_up.float(), w.shared_down.float()
+        for proj, mat in (("gate", gu[:is_]), ("up", gu[is_:]), ("down", down)):
+            if shared_nvfp4:
+                q = F.quantize(mat, F.default_global_scale(mat))
+                src = w.w2_input_scale if proj == "down" else w.w13_input_scale
+                isc = None if src is None else src.max()
+                for k, v in _proj_tensors(q, isc, naming).items():
+                    t[f"{prefix}shared_experts.{proj}_proj.{k}"] = v
+            else:
+                t[f"{prefix}shared_experts.{proj}_proj.weight"] = mat.to(torch.bfloat16).contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    hf = dict(hf or {})
+    a4 = w.w13_input_scale is not None
+    if quant == "auto":
+        quant = {"modelopt": "modelopt", "compressed-tensors": "ct"}[naming]
+    if quant == "modelopt":
+        (folder / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "test"},
+             "quantization": {"quant_algo": "NVFP4" if a4 else "W4A16_NVFP4", "group_size": 16}}))
+    elif quant == "ct":
+        nv = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group", "symmetric": True}
+        hf["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(nv, dynamic=False),
+                                          "input_activations": dict(nv, dynamic="local") if a4 else None}}}
+    (folder / "config.json").write_text(json.dumps(hf))
+    return folder
+
+
+def deepseek_v3_config(cfg) -> dict:
+    return {"model_type": "deepseek_v3", "hidden_size": cfg.hidden_size, "hidden_act": "silu",
+            "n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k, "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group, "norm_topk_prob": cfg.renormalize,
+            "routed_scaling_factor": cfg.routed_scaling_factor, "moe_intermediate_size": cfg.intermediate_size,
+            "n_shared_experts": cfg.n_shared_experts}
+
+
+V3_TINY = MoEConfig(64, 32, 6, 2, scoring="sigmoid", n_group=3, topk_group=2, routed_scaling_factor=2.5,
+                    n_shared_experts=1, shared_intermediate_size=32)
 
 
 @pytest.fixture
@@ -52,22 +138,11 @@ def test_per_expert_modelopt_layout_with_prefix(tmp_path, gen):
     cfg = MoEConfig(64, 32, 4, 2)
     w = C.synthetic_weights(cfg, seed=5)
     pre = "model.layers.3.mlp."
-    t = {pre + "gate.weight": w.router_weight}
-    for e in range(4):
-        for proj, q, gs_idx in (("gate", w.w13[e], 0), ("up", w.w13[e], 1)):
-            rows = slice(0, 32) if proj == "gate" else slice(32, 64)
-            t[f"{pre}experts.{e}.{proj}_proj.weight"] = q.data[rows].contiguous()
-            t[f"{pre}experts.{e}.{proj}_proj.weight_scale"] = q.scale[rows].contiguous()
-            t[f"{pre}experts.{e}.{proj}_proj.weight_scale_2"] = w.w13.global_scale[e, gs_idx].clone()
-            t[f"{pre}experts.{e}.{proj}_proj.input_scale"] = w.w13_input_scale[e].clone()
-        t[f"{pre}experts.{e}.down_proj.weight"] = w.w2.data[e].contiguous()
-        t[f"{pre}experts.{e}.down_proj.weight_scale"] = w.w2.scale[e].contiguous()
-        t[f"{pre}experts.{e}.down_proj.weight_scale_2"] = w.w2.global_scale[e].clone()
-        t[f"{pre}experts.{e}.down_proj.input_scale"] = w.w2_input_scale[e].clone()
-    save_file(t, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 2, "scoring_func": "softmax"}))
+    write_per_expert(tmp_path, w, cfg, prefix=pre, hf={"model_type": "mixtral", "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2, "intermediate_size": 32})
     loaded = C.load(tmp_path)
     assert loaded.report.layout == "per-expert" and loaded.report.prefix == pre
+    assert loaded.config.scoring == "softmax" and loaded.config.top_k == 2 and loaded.config.renormalize
     assert torch.equal(loaded.weights.w13.data, w.w13.data)
     assert torch.equal(loaded.weights.w13.global_scale, w.w13.global_scale)
     assert torch.equal(loaded.weights.w2.global_scale, w.w2.global_scale)
@@ -105,7 +180,8 @@ def _broken(tmp_path, mutate):
 @pytest.mark.parametrize("mutate,msg", [
     (lambda t: t.pop("w2_weight_scale"), "w2_weight_scale: missing"),
     (lambda t: t.pop("w13_weight_scale_2"), "w13_weight_scale_2: missing"),
-    (lambda t: t.update(w13_weight_scale_2=t["w13_weight_scale_2"][:, 0].contiguous()), "w13_weight_scale_2: shape"),
+    (lambda t: t.update(w13_weight_scale_2=t["w13_weight_scale_2"][:-1].contiguous()), "w13_weight_scale_2: shape"),
+    (lambda t: t.update(w13_weight_scale_2=t["w13_weight_scale_2"].repeat(1, 2)), "w13_weight_scale_2: shape"),
     (lambda t: t.update(w2_weight_scale=t["w2_weight_scale"].float()), "w2_weight_scale: dtype"),
     (lambda t: t.update(w2_weight=t["w2_weight"][:, :, :-4].contiguous()), "w2_weight"),
     (lambda t: t.update(w13_weight=t["w13_weight"][:, :, :-4].contiguous(),
@@ -123,11 +199,373 @@ def test_missing_file_and_unknown_top_k(tmp_path):
         C.load(tmp_path / "nope.safetensors")
     t = load_file(str(C.write_synthetic(tmp_path / "x.safetensors", "tiny")))
     save_file(t, str(tmp_path / "nometa.safetensors"))
+    # without megamoe's metadata nothing declares the fused gate/up order (docs/SPEC.md §3.3)
+    with pytest.raises(C.CheckpointError, match="w13_layout"):
+        C.load(tmp_path / "nometa.safetensors", top_k=2)
     with pytest.raises(C.CheckpointError, match="top_k"):
-        C.load(tmp_path / "nometa.safetensors")
-    assert C.load(tmp_path / "nometa.safetensors", top_k=2).config.top_k == 2
+        C.load(tmp_path / "nometa.safetensors", w13_layout="gate-up")
+    loaded = C.load(tmp_path / "nometa.safetensors", top_k=2, w13_layout="gate-up")
+    assert loaded.config.top_k == 2 and loaded.config.act_mode == "w4a4"
+    assert any("w13 layout gate-up (as asked)" in c for c in loaded.report.choices)
 
 
 def test_write_is_atomic(tmp_path):
     p = C.write_synthetic(tmp_path / "a.safetensors", "tiny")
     assert p.exists() and not list(tmp_path.glob("*.partial"))
+
+
+# ------------------------------------------------------------------------------------------
+# formats, routing from config.json, activation mode
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+def test_per_expert_formats_load_the_same_layer(tmp_path, gen, naming, act):
+    w = C.synthetic_weights(V3_TINY, seed=7, static_input_scales=act == "w4a4")
+    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY))
+    loaded = C.load(tmp_path)
+    r = loaded.report
+    assert r.format == naming and loaded.config.act_mode == act and r.act_mode.startswith(act)
+    # the routing of deepseek_v3, with no scoring_func in config.json (transformers 5 writes none)
+    c = loaded.config
+    assert (c.scoring, c.n_group, c.topk_group, c.routed_scaling_factor, c.renormalize) == ("sigmoid", 3, 2, 2.5, True)
+    assert any("scoring='sigmoid'" in ch and "no scoring_func" in ch for ch in r.choices)
+    assert torch.equal(loaded.weights.w13.data, w.w13.data) and torch.equal(loaded.weights.w13.scale, w.w13.scale)
+    if naming == "modelopt":
+        assert torch.equal(loaded.weights.w13.global_scale, w.w13.global_scale)
+    else:  # stored as divisors 1/gs: inverted at load (docs/FIELD_BUGS.md row 22), to the float32 rounding
+        torch.testing.assert_close(loaded.weights.w13.global_scale, w.w13.global_scale, rtol=2e-7, atol=0)
+        torch.testing.assert_close(loaded.weights.w2.global_scale, w.w2.global_scale, rtol=2e-7, atol=0)
+        if act == "w4a4":
+            torch.testing.assert_close(loaded.weights.w2_input_scale, w.w2_input_scale, rtol=2e-7, atol=0)
+    x = torch.randn(24, 64, generator=gen)
+    ref = MoELayer(w, V3_TINY.with_(act_mode=act), backend="torch")
+    got = MoELayer(loaded.weights, loaded.config, backend="torch")
+    assert torch.equal(got.route(x)[1], ref.route(x)[1])
+    from _helpers import cosine
+    assert cosine(got(x), ref(x)) > 0.99999
+
+
+def test_compressed_tensors_divisor_multiplied_would_be_garbage(tmp_path):
+    # docs/FIELD_BUGS.md row 22: a consumer multiplying by the stored divisor is off by ~gs^-2
+    w = C.synthetic_weights(V3_TINY, seed=8)
+    write_per_expert(tmp_path, w, V3_TINY, naming="compressed-tensors", hf=deepseek_v3_config(V3_TINY))
+    stored = load_file(str(tmp_path / "model.safetensors"))["model.layers.0.mlp.experts.2.up_proj.weight_global_scale"]
+    got = C.load(tmp_path).weights.w13.global_scale[2, 1]
+    assert float(stored) > 100 and float(got) < 1e-2  # a divisor, and its inverse
+    assert float(got) * float(stored) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("shared", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
+def test_shared_expert_bf16_or_nvfp4(tmp_path, gen, shared, naming):
+    w = C.synthetic_weights(V3_TINY, seed=9)
+    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY),
+                     shared_nvfp4=shared == "nvfp4")
+    loaded = C.load(tmp_path)
+    assert loaded.report.shared_expert == ("nvfp4" if shared == "nvfp4" else "bfloat16")
+    sw = loaded.weights.shared_gate_up
+    x = torch.randn(16, 64, generator=gen)
+    layer = MoELayer(loaded.weights, loaded.config, backend="torch")
+    dense = layer._shared_expert(x)
+    exact = (torch.nn.functional.silu(x @ w.shared_gate_up.float()[:32].T) * (x @ w.shared_gate_up.float()[32:].T)) \
+        @ w.shared_down.float().T
+    from _helpers import cosine
+    if shared == "nvfp4":
+        assert isinstance(sw, F.NVFP4Tensor) and sw.global_scale.shape == (2,)
+        assert loaded.weights.shared_gate_up_input_scale is not None
+        assert torch.equal(loaded.weights.shared_gate_up_input_scale.float(),
+                           (w.w13_input_scale.max() if naming == "modelopt" else
+                            torch.reciprocal(torch.reciprocal(w.w13_input_scale.max()))))
+        # its activations are quantized like a routed expert's (same reference function)
+        from megamoe import reference
+        like_routed = reference.expert_mlp(x, F.dequantize(sw), F.dequantize(loaded.weights.shared_down), loaded.config,
+                                           loaded.weights.shared_gate_up_input_scale,
+                                           loaded.weights.shared_down_input_scale)
+        assert torch.equal(dense, like_routed)
+        assert 0.95 < cosine(dense, exact) < 0.9999
+        assert any("activations quantized with its own input scales" in c for c in loaded.report.choices)
+        # the bf16 yardstick decodes the weights and skips activation quantization
+        yard = layer._shared_expert(x, quantize_activations=False)
+        assert not torch.equal(yard, dense)
+    else:
+        assert sw.dtype == torch.bfloat16
+        torch.testing.assert_close(dense, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_input_scale_convention_per_expert_and_max(tmp_path, gen):
+    """docs/SPEC.md §3.2 / docs/FIELD_BUGS.md row 18: per-expert scales are kept as stored; one
+    value for all experts is broadcast; input_scales='max' reduces over all experts."""
+    w = C.synthetic_weights(V3_TINY, seed=10)
+    assert len(torch.unique(w.w13_input_scale)) == V3_TINY.num_experts  # distinct per expert
+    write_per_expert(tmp_path / "per", w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    per = C.load(tmp_path / "per")
+    assert torch.equal(per.weights.w13_input_scale, w.w13_input_scale)
+    assert torch.equal(per.weights.w2_input_scale, w.w2_input_scale)
+    assert per.report.input_scales == "per expert, as stored"
+    mx = C.load(tmp_path / "per", input_scales="max")
+    assert torch.equal(mx.weights.w13_input_scale, w.w13_input_scale.max().expand(6))
+    assert torch.equal(mx.weights.w2_input_scale, w.w2_input_scale.max().expand(6))
+    assert "max over all experts" in mx.report.input_scales
+    x = torch.randn(32, 64, generator=gen)
+    a = MoELayer(per.weights, per.config, backend="torch")(x)
+    b = MoELayer(mx.weights, mx.config, backend="torch")(x)
+    assert not torch.equal(a, b)  # the convention matters, so it is stated and reported
+    # one value shared by the layer (TensorRT-LLM style), in the fused layout: broadcast
+    t = load_file(str(C.write_synthetic(tmp_path / "f.safetensors", "tiny", seed=1)))
+    t["w13_input_scale"] = t["w13_input_scale"].max().reshape(())
+    t["w2_input_scale"] = t["w2_input_scale"].max().reshape(1)
+    save_file(t, str(tmp_path / "shared.safetensors"), metadata={"megamoe.config": json.dumps(C.get_preset("tiny").to_dict())})
+    sh = C.load(tmp_path / "shared.safetensors")
+    assert torch.equal(sh.weights.w13_input_scale, t["w13_input_scale"].expand(8))
+    assert "shared by all experts" in sh.report.input_scales
+    with pytest.raises(C.CheckpointError, match="input_scales"):
+        C.load(tmp_path / "per", input_scales="mean")
+
+
+def test_unknown_architecture_and_format_refused(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=11)
+    hf = deepseek_v3_config(V3_TINY)
+    write_per_expert(tmp_path / "a", w, V3_TINY, hf=dict(hf, model_type="llama4_text"))
+    with pytest.raises(C.CheckpointError, match="model_type='llama4_text'"):
+        C.load(tmp_path / "a")
+    # explicit config: then the architecture need not be known
+    assert C.load(tmp_path / "a", config=V3_TINY).config == V3_TINY
+    write_per_expert(tmp_path / "b", w, V3_TINY, hf={k: v for k, v in hf.items() if k != "model_type"})
+    with pytest.raises(C.CheckpointError, match="no model_type"):
+        C.load(tmp_path / "b")
+    write_per_expert(tmp_path / "c", w, V3_TINY, hf=dict(hf, scoring_func="softmax"))
+    with pytest.raises(C.CheckpointError, match="scoring_func='softmax'"):
+        C.load(tmp_path / "c")
+    write_per_expert(tmp_path / "d", w, V3_TINY, hf=dict(hf, quantization_config={"quant_method": "gptq"}), quant=None)
+    with pytest.raises(C.CheckpointError, match="quant_method='gptq'"):
+        C.load(tmp_path / "d")
+    write_per_expert(tmp_path / "e", w, V3_TINY, hf=hf)
+    (tmp_path / "e" / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(C.CheckpointError, match="quant_algo='FP8'"):
+        C.load(tmp_path / "e")
+    write_per_expert(tmp_path / "f", w, V3_TINY, hf=dict(hf, hidden_act="gelu"))
+    with pytest.raises(C.CheckpointError, match="hidden_act='gelu'"):
+        C.load(tmp_path / "f")
+
+
+def test_architecture_defaults_are_reported(tmp_path):
+    w = C.synthetic_weights(V3_TINY.with_(n_group=8, topk_group=4, num_experts=8), seed=12)
+    hf = {"model_type": "deepseek_v3", "hidden_size": 64, "n_routed_experts": 8, "moe_intermediate_size": 32,
+          "num_experts_per_tok": 2}
+    write_per_expert(tmp_path, w, V3_TINY.with_(num_experts=8), hf=hf)
+    loaded = C.load(tmp_path)
+    c = loaded.config
+    assert (c.n_group, c.topk_group, c.routed_scaling_factor, c.renormalize, c.n_shared_experts) == (8, 4, 2.5, True, 1)
+    text = loaded.report.summary()
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"):
+        assert f"architecture default; config.json has no {key}" in text
+
+
+@pytest.mark.parametrize("quant,drop,msg", [
+    ("modelopt", "input", "declares NVFP4 activations"),
+    ("ct", "input", "declares NVFP4 activations"),
+])
+def test_activation_mode_must_match_the_quantization_config(tmp_path, quant, drop, msg):
+    w = C.synthetic_weights(V3_TINY, seed=13)
+    naming = "modelopt" if quant == "modelopt" else "compressed-tensors"
+    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY))
+    t = load_file(str(tmp_path / "model.safetensors"))
+    t = {k: v for k, v in t.items() if "input_" not in k}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match=msg):
+        C.load(tmp_path)
+
+
+def test_weight_only_config_with_input_scales_refused(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=14)
+    write_per_expert(tmp_path, w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W4A16_NVFP4"}}))
+    with pytest.raises(C.CheckpointError, match="W4A16"):
+        C.load(tmp_path)
+
+
+def test_layer_choice(tmp_path):
+    w0 = C.synthetic_weights(V3_TINY, seed=15)
+    w1 = C.synthetic_weights(V3_TINY, seed=16)
+    write_per_expert(tmp_path / "x", w0, V3_TINY, prefix="model.layers.3.mlp.", hf=deepseek_v3_config(V3_TINY))
+    write_per_expert(tmp_path / "y", w1, V3_TINY, prefix="model.layers.1.mlp.", hf=deepseek_v3_config(V3_TINY))
+    t = load_file(str(tmp_path / "x" / "model.safetensors"))
+    t.update(load_file(str(tmp_path / "y" / "model.safetensors")))
+    save_file(t, str(tmp_path / "x" / "model.safetensors"))
+    first = C.load(tmp_path / "x")
+    assert first.report.prefix == "model.layers.1.mlp." and torch.equal(first.weights.w13.data, w1.w13.data)
+    assert first.report.moe_layers == ["model.layers.1.mlp.", "model.layers.3.mlp."]
+    third = C.load(tmp_path / "x", layer=3)
+    assert torch.equal(third.weights.w13.data, w0.w13.data)
+    assert C.load(tmp_path / "x", layer="model.layers.3.mlp").report.prefix == "model.layers.3.mlp."
+    with pytest.raises(C.CheckpointError, match=r"layer 2: not a MoE layer .*layers\.1.*layers\.3"):
+        C.load(tmp_path / "x", layer=2)
+
+
+def test_hf_dense_fused_experts_quantized_at_load(tmp_path, gen):
+    cfg = MoEConfig(64, 32, 4, 2)
+    w = C.synthetic_weights(cfg, seed=17)
+    t = {"model.layers.0.mlp.experts.gate_up_proj": F.dequantize(w.w13).to(torch.bfloat16),
+         "model.layers.0.mlp.experts.down_proj": F.dequantize(w.w2).to(torch.bfloat16),
+         "model.layers.0.mlp.gate.weight": w.router_weight}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "norm_topk_prob": True}))
+    loaded = C.load(tmp_path)
+    r = loaded.report
+    assert r.format == "hf-dense" and r.w13_layout == "gate-up"
+    assert any("qwen3_moe fused gate_up_proj" in c for c in r.choices)
+    assert r.quantized_at_load == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    assert loaded.config.act_mode == "w4a16"  # no input scales and no quantization config
+    from _helpers import cosine
+    x = torch.randn(8, 64, generator=gen)
+    ref = MoELayer(w, cfg.with_(act_mode="w4a16"), backend="torch")
+    assert cosine(MoELayer(loaded.weights, loaded.config, backend="torch")(x), ref(x)) > 0.99
+
+
+# ------------------------------------------------------------------------------------------
+# the fused gate/up order (docs/SPEC.md §3.3, docs/FIELD_BUGS.md row 27)
+# ------------------------------------------------------------------------------------------
+
+def _fused_without_metadata(tmp_path, order: str):
+    cfg = C.get_preset("tiny")
+    t = load_file(str(C.write_synthetic(tmp_path / "src.safetensors", "tiny", seed=3)))
+    gs = t["w13_weight_scale_2"]
+    gs[:, 1] = gs[:, 0]  # one scale for both halves, so the interleaved order can hold it
+    t["w13_weight_scale_2"] = gs[:, 0].contiguous()
+    ref = dict(t)
+    n = t["w13_weight"].shape[1]
+    if order == "up-gate":
+        perm = torch.cat([torch.arange(n // 2, n), torch.arange(n // 2)])
+    elif order == "interleaved":
+        perm = torch.stack([torch.arange(n // 2), torch.arange(n // 2, n)], 1).reshape(-1)
+    else:
+        perm = torch.arange(n)
+    for k in ("w13_weight", "w13_weight_scale"):
+        t[k] = t[k][:, perm].contiguous()
+    save_file(t, str(tmp_path / f"{order}.safetensors"))
+    save_file(ref, str(tmp_path / "ref.safetensors"), metadata={"megamoe.config": json.dumps(cfg.to_dict())})
+    return tmp_path / f"{order}.safetensors", C.load(tmp_path / "ref.safetensors")
+
+
+@pytest.mark.parametrize("order", ["gate-up", "up-gate", "interleaved"])
+def test_w13_layout_declared_and_wrong_layout_fails_numerically(tmp_path, gen, order):
+    path, ref = _fused_without_metadata(tmp_path, order)
+    with pytest.raises(C.CheckpointError, match="w13_layout"):
+        C.load(path, top_k=2)  # never guessed
+    got = C.load(path, top_k=2, w13_layout=order)
+    assert torch.equal(got.weights.w13.data, ref.weights.w13.data)
+    assert torch.equal(got.weights.w13.scale.view(torch.uint8), ref.weights.w13.scale.view(torch.uint8))
+    x = torch.randn(16, 256, generator=gen)
+    from _helpers import cosine
+    good = MoELayer(ref.weights, ref.config, backend="torch")(x)
+    assert torch.equal(MoELayer(got.weights, got.config, backend="torch")(x), good)
+    for other in C.W13_LAYOUTS:
+        if other == order:
+            continue
+        bad = C.load(path, top_k=2, w13_layout=other)
+        assert cosine(MoELayer(bad.weights, bad.config, backend="torch")(x), good) < 0.9, other
+
+
+def test_w13_layout_refused_for_separate_gate_up(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=18)
+    write_per_expert(tmp_path, w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    with pytest.raises(C.CheckpointError, match="separate"):
+        C.load(tmp_path, w13_layout="interleaved")
+
+
+# ------------------------------------------------------------------------------------------
+# scales and per-expert tensors that would poison the output (docs/FIELD_BUGS.md row 17)
+# ------------------------------------------------------------------------------------------
+
+BAD_VALUES = [0.0, -0.5, math.nan, math.inf]
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+@pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("tensor", ["up_proj.global", "down_proj.input", "gate_proj.input"])
+def test_bad_per_expert_scale_names_tensor_and_expert(tmp_path, value, naming, tensor):
+    w = C.synthetic_weights(V3_TINY, seed=19)
+    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY))
+    proj, kind = tensor.split(".")
+    suffix = {("modelopt", "global"): "weight_scale_2", ("modelopt", "input"): "input_scale",
+              ("compressed-tensors", "global"): "weight_global_scale",
+              ("compressed-tensors", "input"): "input_global_scale"}[naming, kind]
+    name = f"model.layers.0.mlp.experts.4.{proj}.{suffix}"
+    t = load_file(str(tmp_path / "model.safetensors"))
+    t[name] = torch.full_like(t[name], value)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}: .*expert 4"):
+        C.load(tmp_path)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+@pytest.mark.parametrize("name,idx,part", [("w13_weight_scale_2", (3, 1), "expert 3 \\(up\\)"),
+                                           ("w2_weight_scale_2", (5,), "expert 5"),
+                                           ("w13_input_scale", (2,), "expert 2"),
+                                           ("w2_input_scale", (7,), "expert 7")])
+def test_bad_fused_scale_names_tensor_and_expert(tmp_path, value, name, idx, part):
+    def mutate(t):
+        t[name][idx] = value
+    with pytest.raises(C.CheckpointError, match=rf"{name}: {part}"):
+        C.load(_broken(tmp_path, mutate))
+
+
+@pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
+def test_tensor_missing_for_one_expert(tmp_path, naming):
+    w = C.synthetic_weights(V3_TINY, seed=20)
+    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY))
+    t0 = load_file(str(tmp_path / "model.safetensors"))
+    gs = "weight_scale_2" if naming == "modelopt" else "weight_global_scale"
+    isc = "input_scale" if naming == "modelopt" else "input_global_scale"
+    cases = [f"model.layers.0.mlp.experts.5.up_proj.{gs}", f"model.layers.0.mlp.experts.2.down_proj.{isc}",
+             "model.layers.0.mlp.experts.3.gate_proj.weight_scale", f"model.layers.0.mlp.experts.0.down_proj.{isc}"]
+    for name in cases:
+        save_file({k: v for k, v in t0.items() if k != name}, str(tmp_path / "model.safetensors"))
+        expert = name.split(".experts.")[1].split(".")[0]
+        with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}: missing.*expert {expert}"):
+            C.load(tmp_path)
+    # a whole expert missing in the middle, and one missing at the end (config says 6)
+    for gone in (3, 5):
+        save_file({k: v for k, v in t0.items() if f".experts.{gone}." not in k}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(C.CheckpointError, match=rf"model\.layers\.0\.mlp\.experts\.{gone}\.\*: .*missing"):
+            C.load(tmp_path)
+
+
+def test_scales_that_disagree_in_shape_between_experts(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=21)
+    write_per_expert(tmp_path, w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    t0 = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.4.gate_proj.weight_scale_2"
+    t = dict(t0)
+    t[name] = t[name].reshape(1)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}: shape \(1,\) for expert 4, but expert 0 has \(\)"):
+        C.load(tmp_path)
+    t = dict(t0)
+    t[name] = t[name].reshape(1).expand(2).contiguous()
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}"):
+        C.load(tmp_path)
+    # a projection whose data and block scales are consistent but differ from the other experts
+    t = dict(t0)
+    for suf in ("weight", "weight_scale"):
+        k = f"model.layers.0.mlp.experts.2.down_proj.{suf}"
+        t[k] = t[k][:-16].contiguous()
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match=r"experts\.2\.down_proj\.weight: shape \(48, 16\) for expert 2, "
+                                                r"but expert 0 has \(64, 16\)"):
+        C.load(tmp_path)
+
+
+def test_report_lists_every_choice(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=22)
+    write_per_expert(tmp_path, w, V3_TINY, naming="compressed-tensors", hf=deepseek_v3_config(V3_TINY),
+                     shared_nvfp4=True)
+    text = C.load(tmp_path).report.summary()
+    for word in ("format compressed-tensors", "routing: scoring='sigmoid'", "activations w4a4",
+                 "input scales per expert", "shared expert nvfp4", "layer config: config.json model_type 'deepseek_v3'",
+                 "w13 layout: separate gate/up tensors"):
+        assert word in text, word

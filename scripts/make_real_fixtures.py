@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""Make NVFP4 MoE checkpoints with the real producers, and record the producers' own forward.
+
+Each fixture is a tiny randomly initialised Hugging Face ``DeepseekV3`` model (built from a
+config: nothing is downloaded), quantized on the CPU by the tool itself, and written by the
+tool's own exporter:
+
+* NVIDIA ModelOpt (``nvidia-modelopt[hf]``): ``mtq.quantize`` + ``export_hf_checkpoint``;
+* llmcompressor / compressed-tensors: ``oneshot`` + ``save_pretrained(save_compressed=True)``.
+
+Beside the checkpoint the script stores ``reference.safetensors`` with, for every MoE layer,
+the layer's input ``x`` (the real hidden states that reach the layer on a fixed batch of
+tokens), the Hugging Face router's choice (``topk_ids``, ``topk_weights``, ``router_logits``),
+the tool's fake-quantized forward of the whole MoE block ``y`` (routed experts + shared
+expert, bf16 as the tool computes it) and of its shared expert alone ``y_shared``, the
+same forward of a float32 copy of the calibrated model ``y_fp32`` (the tool's math without
+its bf16 roundings), and activation bytes made by the tool's own NVFP4
+quantize function (ModelOpt ``NVFP4QTensor.quantize``; compressed-tensors
+``quantize`` + ``pack_fp4_to_uint8``) on the GEMM inputs it saw: ``act1.*`` on ``x`` with the
+layer's first-GEMM input scale of one expert, ``act2.*`` on that expert's SwiGLU output.
+
+The two producers pin different ``transformers`` versions, so each runs in its own venv:
+
+    /path/venv-modelopt/bin/python scripts/make_real_fixtures.py modelopt --out tests/fixtures/real
+    /path/venv-llmc/bin/python     scripts/make_real_fixtures.py llmcompressor --out tests/fixtures/real
+
+(or ``all``, which runs whichever producers the current interpreter can import). The result
+is deterministic for a given producer version (fixed seeds). ModelOpt's fake-quant forward
+needs CUDA for its dynamic block quantizer; on a CPU the script swaps in a quantizer built on
+ModelOpt's own pure-torch ``NVFP4QTensor.quantize`` / ``dequantize`` with the calibrated amax
+(the same functions its exporter uses), so the recorded forward is still ModelOpt's math.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+# One spec per fixture: model shape, routing, producer, scheme. Small on purpose (a few
+# hundred KB each): they are committed to the repository.
+FIXTURES = {
+    # ModelOpt NVFP4 (W4A4), shared expert quantized too (the tool's default)
+    "modelopt_nvfp4": dict(producer="modelopt", scheme="NVFP4", shared="nvfp4", seed=11,
+                           experts=8, top_k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                           norm_topk_prob=True),
+    # ModelOpt NVFP4 (W4A4) with the shared expert kept in bf16 by a quantizer rule
+    "modelopt_nvfp4_shared_bf16": dict(producer="modelopt", scheme="NVFP4", shared="bf16", seed=12,
+                                       experts=6, top_k=2, n_group=2, topk_group=1,
+                                       routed_scaling_factor=1.5, norm_topk_prob=False),
+    # compressed-tensors nvfp4-pack-quantized, W4A4, shared expert quantized
+    "llmc_nvfp4": dict(producer="llmcompressor", scheme="NVFP4", shared="nvfp4", seed=21,
+                       experts=8, top_k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                       norm_topk_prob=True),
+    # compressed-tensors nvfp4-pack-quantized, W4A16 (weights only), shared expert in bf16
+    "llmc_nvfp4a16": dict(producer="llmcompressor", scheme="NVFP4A16", shared="bf16", seed=22,
+                          experts=6, top_k=3, n_group=2, topk_group=2, routed_scaling_factor=1.0,
+                          norm_topk_prob=True),
+}
+
+HIDDEN = 128
+MOE_INTER = 64
+LAYERS = 2          # both MoE (first_k_dense_replace=0)
+VOCAB = 256
+CALIB_SEQS, CALIB_LEN = 16, 32
+TEST_SEQS, TEST_LEN = 2, 24   # 48 tokens per MoE layer in the reference
+
+
+def build_model(spec: dict):
+    """A tiny random DeepseekV3 with the interesting cases present: a spread
+    ``e_score_correction_bias``, up rows scaled 0.1x-10x against gate rows per expert,
+    a router strong enough that the scores differ."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    torch.manual_seed(spec["seed"])
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=LAYERS, first_k_dense_replace=0, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=spec["experts"], num_experts_per_tok=spec["top_k"], n_shared_experts=1,
+        n_group=spec["n_group"], topk_group=spec["topk_group"], norm_topk_prob=spec["norm_topk_prob"],
+        routed_scaling_factor=spec["routed_scaling_factor"], max_position_embeddings=128,
+        num_nextn_predict_layers=0, tie_word_embeddings=False,
+    )
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            e = spec["experts"]
+            mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.08)
+            mlp.gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.05)
+            gu = mlp.experts.gate_up_proj  # [E, 2I, H]: gate rows then up rows
+            gu.copy_(torch.randn(gu.shape, generator=g) * HIDDEN ** -0.5)
+            ratio = 10 ** (2 * torch.rand(e, generator=g) - 1)
+            gu[:, MOE_INTER:, :] *= ratio.view(e, 1, 1)
+            dp = mlp.experts.down_proj
+            dp.copy_(torch.randn(dp.shape, generator=g) * MOE_INTER ** -0.5)
+            for lin in (mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * HIDDEN ** -0.5)
+            sd = mlp.shared_experts.down_proj
+            sd.weight.copy_(torch.randn(sd.weight.shape, generator=g) * MOE_INTER ** -0.5)
+    model = model.to(torch.bfloat16).eval()
+    return model, cfg
+
+
+def token_batches(seed: int):
+    g = torch.Generator().manual_seed(seed + 2000)
+    calib = torch.randint(0, VOCAB, (CALIB_SEQS, CALIB_LEN), generator=g)
+    test = torch.randint(0, VOCAB, (TEST_SEQS, TEST_LEN), generator=g)
+    return calib, test
+
+
+def capture_moe_inputs(model, tokens) -> dict[int, torch.Tensor]:
+    """The hidden states that reach each MoE block on ``tokens`` (forward hooks)."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(i, args[0].detach().reshape(-1, HIDDEN).clone())))
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None) -> None:
+    """The HF router's choice and the (fake-quantized) MoE block's output on ``x``; with
+    ``mlp32`` (the same calibrated block in float32) also its float32 forward ``y_fp32``."""
+    with torch.no_grad():
+        logits, tw, ti = mlp.gate(x)
+        y = mlp(x.unsqueeze(0)).reshape(x.shape)
+        y_shared = mlp.shared_experts(x.unsqueeze(0)).reshape(x.shape)
+    out[f"{key}.x"] = x.contiguous()
+    out[f"{key}.router_logits"] = logits.float().contiguous()
+    out[f"{key}.topk_ids"] = ti.to(torch.int32).contiguous()
+    out[f"{key}.topk_weights"] = tw.float().contiguous()
+    out[f"{key}.y"] = y.contiguous()
+    out[f"{key}.y_shared"] = y_shared.contiguous()
+    if mlp32 is not None:
+        with torch.no_grad():
+            out[f"{key}.y_fp32"] = mlp32(x.float().unsqueeze(0)).reshape(x.shape).contiguous()
+
+
+def write_fixture(name: str, spec: dict, ckpt_dir: Path, ref: dict, meta: dict, out_root: Path) -> Path:
+    from safetensors.torch import save_file
+
+    dst = out_root / name
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in sorted(ckpt_dir.iterdir()):
+        if f.suffix in (".safetensors", ".json", ".yaml") and not f.name.startswith("tokenizer"):
+            shutil.copy2(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(dst / "reference.safetensors"))
+    (dst / "fixture.json").write_text(json.dumps({"name": name, **meta, "spec": spec}, indent=1, sort_keys=True) + "\n")
+    return dst
+
+
+# ------------------------------------------------------------------------------------------
+# ModelOpt
+# ------------------------------------------------------------------------------------------
+
+def _modelopt_cpu_quantizer():
+    """ModelOpt's dynamic NVFP4 block fake-quant on the CPU, from its own NVFP4QTensor."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    def fake_quant(inputs, block_size, amax, bias, num_bits, scale_bits, *rest):
+        assert tuple(num_bits) == (2, 1) and tuple(scale_bits) == (4, 3), (num_bits, scale_bits)
+        gs2 = amax.float().amax() / (6.0 * 448.0)
+        qt, sf, gs = NVFP4QTensor.quantize(inputs.float(), block_size, None, gs2)
+        deq = qt.dequantize(dtype=torch.float32, scale=sf, double_scale=gs, block_sizes={-1: block_size})
+        return deq.to(inputs.dtype)
+
+    return fake_quant
+
+
+def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    import modelopt.torch.quantization.nn.modules.tensor_quantizer as tq
+    import transformers
+    from modelopt.torch.export import export_hf_checkpoint
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    model, _ = build_model(spec)
+    calib, test = token_batches(spec["seed"])
+    qcfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    if spec["shared"] == "bf16":
+        qcfg["quant_cfg"].append({"quantizer_name": "*shared_experts*", "enable": False})
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for row in calib:
+                m(row.unsqueeze(0))
+
+    mtq.quantize(model, qcfg, forward_loop)
+    tq.dynamic_block_quant = _modelopt_cpu_quantizer()  # CPU stand-in for the CUDA kernel
+    # The exporter's first step: modules that share an input (the shared expert's gate and
+    # up) get one input amax and one weight amax. Done here, before the recorded forward,
+    # so that the forward is the one of the model the exporter writes.
+    requantize_resmooth_fused_llm_layers(model)
+
+    xs = capture_moe_inputs(model, test)
+    model32 = copy.deepcopy(model).float()
+    ref: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        mlp, key, x = layer.mlp, f"layers.{i}", xs[i]
+        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp)
+        experts = mlp.experts
+        # the activation quantization the tool does, with its own function and scales
+        e = int(ref[f"{key}.topk_ids"][0, 0])
+        gs1 = NVFP4QTensor.get_activation_scaling_factor(experts.gate_up_proj_input_quantizer)
+        qt, sf, _ = NVFP4QTensor.quantize(x.float(), 16, None, gs1)
+        ref[f"{key}.act1.data"], ref[f"{key}.act1.scale"] = qt._quantized_data.contiguous(), sf.contiguous()
+        ref[f"{key}.act1.global_scale"] = gs1.reshape(()).float()
+        # the second GEMM's input for expert e, as the tool computes it (fake-quant first GEMM)
+        tok = (ref[f"{key}.topk_ids"] == e).any(-1).nonzero().flatten()
+        captured = {}
+        orig = experts.down_proj_input_quantizer.forward
+
+        def grab(inp, orig=orig):
+            captured.setdefault("h", inp.detach().clone())
+            return orig(inp)
+
+        experts.down_proj_input_quantizer.forward = grab
+        with torch.no_grad():
+            experts(x[tok], torch.full((len(tok), 1), e, dtype=torch.long), torch.ones(len(tok), 1, dtype=x.dtype))
+        experts.down_proj_input_quantizer.forward = orig
+        h = captured["h"]
+        gs2 = NVFP4QTensor.get_activation_scaling_factor(experts.down_proj_input_quantizer)
+        qt2, sf2, _ = NVFP4QTensor.quantize(h.float(), 16, None, gs2)
+        ref[f"{key}.act2.input"], ref[f"{key}.act2.expert"] = h.contiguous(), torch.tensor(e, dtype=torch.int32)
+        ref[f"{key}.act2.data"], ref[f"{key}.act2.scale"] = qt2._quantized_data.contiguous(), sf2.contiguous()
+        ref[f"{key}.act2.global_scale"] = gs2.reshape(()).float()
+        ref[f"{key}.act1.expert"] = torch.tensor(e, dtype=torch.int32)
+
+    ckpt = work / name
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    export_hf_checkpoint(model, export_dir=str(ckpt))
+    meta = {"producer": "nvidia-modelopt", "producer_version": modelopt.__version__,
+            "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+            "forward": "ModelOpt fake-quant forward of the calibrated model (bf16); dynamic NVFP4 block "
+                       "quantizer evaluated with ModelOpt's NVFP4QTensor.quantize/dequantize on CPU",
+            "act_quantize": "modelopt NVFP4QTensor.quantize(x, 16, None, input_scale)"}
+    return write_fixture(name, spec, ckpt, ref, meta, out_root)
+
+
+# ------------------------------------------------------------------------------------------
+# llmcompressor / compressed-tensors
+# ------------------------------------------------------------------------------------------
+
+def _ct_quantize_bytes(mod, inp: torch.Tensor):
+    """compressed-tensors' own NVFP4 activation quantization of ``inp`` as module ``mod``'s
+    input quantizer does it (dynamic local block scales, the stored global scale): block
+    scales from its ``compute_dynamic_scales_and_zp``, codes from its ``quantize`` and
+    ``pack_fp4_to_uint8``. Returns ``(packed uint8 [T, K/2], scales e4m3 [T, K/16])``."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = mod.quantization_scheme.input_activations
+    gsc = mod.input_global_scale
+    with torch.no_grad():
+        scale, zp = compute_dynamic_scales_and_zp(value=inp, args=args, module=mod, global_scale=gsc)
+        q = quantize(inp, scale, zp, args, global_scale=gsc)
+    return pack_fp4_to_uint8(q.reshape(-1, inp.shape[-1])), scale.reshape(inp.shape[0], -1).to(torch.float8_e4m3fn)
+
+
+def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path:
+    import compressed_tensors
+    import llmcompressor
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model, cfg = build_model(spec)
+    calib, test = token_batches(spec["seed"])
+    cfg_dir = work / f"{name}-config"
+    if cfg_dir.exists():
+        shutil.rmtree(cfg_dir)
+    model.config.save_pretrained(cfg_dir)
+    model.config._name_or_path = str(cfg_dir)
+    tok = _offline_tokenizer(cfg_dir)
+    ds = Dataset.from_dict({"input_ids": [r.tolist() for r in calib],
+                            "attention_mask": [[1] * CALIB_LEN for _ in calib]})
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    if spec["shared"] == "bf16":
+        ignore.append("re:.*shared_experts.*")
+    recipe = QuantizationModifier(targets="Linear", scheme=spec["scheme"], ignore=ignore)
+    oneshot(model=model, dataset=ds, recipe=recipe, processor=tok, num_calibration_samples=CALIB_SEQS,
+            max_seq_length=CALIB_LEN)
+    xs = capture_moe_inputs(model, test)
+    model32 = copy.deepcopy(model).float()
+    ref: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        mlp, key, x = layer.mlp, f"layers.{i}", xs[i]
+        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp)
+        _ct_activation_bytes(mlp, x, ref, key, spec)
+    ckpt = work / name
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    model.save_pretrained(ckpt, save_compressed=True)
+    meta = {"producer": "llmcompressor", "producer_version": llmcompressor.__version__,
+            "compressed_tensors_version": compressed_tensors.__version__,
+            "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+            "forward": "compressed-tensors fake-quant forward of the calibrated model (bf16, CPU)",
+            "act_quantize": "compressed-tensors quantize() + pack_fp4_to_uint8 with the stored global scale"}
+    return write_fixture(name, spec, ckpt, ref, meta, out_root)
+
+
+def _offline_tokenizer(cfg_dir: Path):
+    """A word-level tokenizer made here (nothing downloaded); only its presence matters."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
+    fast.save_pretrained(cfg_dir)
+    return fast
+
+
+def _ct_activation_bytes(mlp, x, ref, key, spec):
+    if spec["scheme"] != "NVFP4":
+        return
+    e = int(ref[f"{key}.topk_ids"][0, 0])
+    expert = mlp.experts[e]
+    ref[f"{key}.act1.expert"] = torch.tensor(e, dtype=torch.int32)
+    ref[f"{key}.act1.data"], ref[f"{key}.act1.scale"] = _ct_quantize_bytes(expert.gate_proj, x)
+    ref[f"{key}.act1.global_scale_divisor"] = expert.gate_proj.input_global_scale.detach().float().reshape(())
+    up_data, up_scale = _ct_quantize_bytes(expert.up_proj, x)
+    ref[f"{key}.act1.up_data"], ref[f"{key}.act1.up_scale"] = up_data, up_scale
+    captured = {}
+    hook = expert.down_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("h", a[0].detach().clone()))
+    tok = (ref[f"{key}.topk_ids"] == e).any(-1).nonzero().flatten()
+    with torch.no_grad():
+        mlp.experts(x[tok], torch.full((len(tok), 1), e, dtype=torch.long), torch.ones(len(tok), 1, dtype=x.dtype))
+    hook.remove()
+    h = captured["h"]
+    ref[f"{key}.act2.expert"] = torch.tensor(e, dtype=torch.int32)
+    ref[f"{key}.act2.input"] = h.contiguous()
+    ref[f"{key}.act2.data"], ref[f"{key}.act2.scale"] = _ct_quantize_bytes(expert.down_proj, h)
+    ref[f"{key}.act2.global_scale_divisor"] = expert.down_proj.input_global_scale.detach().float().reshape(())
+
+
+# ------------------------------------------------------------------------------------------
+# routing of each architecture megamoe claims, from transformers' own router modules
+# ------------------------------------------------------------------------------------------
+
+ROUTERS = {
+    # name: (model_type, config kwargs)
+    "routing_deepseek_v3": ("deepseek_v3", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                                norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "routing_deepseek_v3_nonorm": ("deepseek_v3", dict(n_routed_experts=10, num_experts_per_tok=2, n_group=1,
+                                                       topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "routing_mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "routing_qwen3_moe": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=True)),
+    "routing_qwen3_moe_nonorm": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=False)),
+}
+
+
+def run_routing(out_root: Path) -> list[Path]:
+    """Each claimed architecture's transformers router on random bf16 hidden states:
+    ``router_logits``, ``topk_ids``, ``topk_weights``, with the config.json it implies in the
+    file's metadata (``config``)."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    made = []
+    for n, (name, (model_type, kw)) in enumerate(ROUTERS.items()):
+        torch.manual_seed(500 + n)
+        cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, **kw)
+        if model_type == "deepseek_v3":
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
+        elif model_type == "mixtral":
+            from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as R
+        else:
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as R
+        router = R(cfg)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(router.weight.shape) * 0.1)
+            if hasattr(router, "e_score_correction_bias"):
+                router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape) * 0.05)
+        router = router.to(torch.bfloat16)
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
+        x = torch.randn(64, HIDDEN).to(torch.bfloat16)
+        with torch.no_grad():
+            logits, weights, ids = router(x)
+        t = {"router_logits": logits.float().contiguous(), "topk_ids": ids.to(torch.int32).contiguous(),
+             "topk_weights": weights.float().contiguous()}
+        if hasattr(router, "e_score_correction_bias"):
+            t["e_score_correction_bias"] = router.e_score_correction_bias.float().contiguous()
+        dst = out_root / f"{name}.safetensors"
+        save_file(t, str(dst), metadata={"config": cfg.to_json_string(use_diff=False),
+                                         "transformers_version": transformers.__version__,
+                                         "router": R.__name__})
+        made.append(dst)
+    return made
+
+
+# ------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("producer", choices=("modelopt", "llmcompressor", "routing", "all"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "real"))
+    p.add_argument("--work", default=None, help="scratch folder for the tools' raw output (default: a temp dir)")
+    p.add_argument("--only", nargs="*", default=None, help="fixture names (default: every one of the producer)")
+    args = p.parse_args(argv)
+    import tempfile
+
+    torch.set_num_threads(1)
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="megamoe-fixtures-"))
+    runners = {"modelopt": run_modelopt, "llmcompressor": run_llmcompressor}
+    wanted = [args.producer] if args.producer != "all" else [
+        p for p, mod in (("modelopt", "modelopt"), ("llmcompressor", "llmcompressor")) if _importable(mod)]
+    made = []
+    if args.producer in ("routing", "all"):
+        made += run_routing(out_root)
+        for m in made:
+            print(f"   -> {m}", flush=True)
+    for name, spec in FIXTURES.items():
+        if spec["producer"] not in wanted or (args.only and name not in args.only):
+            continue
+        print(f"== {name} ({spec['producer']}, {spec['scheme']}, shared expert {spec['shared']})", flush=True)
+        made.append(runners[spec["producer"]](name, spec, out_root, work))
+        print(f"   -> {made[-1]}", flush=True)
+    if not made:
+        print("nothing made", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
