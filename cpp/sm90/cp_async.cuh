@@ -14,17 +14,6 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
 }
-// The same with an L2 prefetch-size hint: L2 fetches the 256-byte block around the source, so a
-// row read 16-32 bytes per step streams from DRAM in 256-byte bursts (the next steps hit L2).
-__device__ __forceinline__ void cp_async_l2_256(void* smem, const void* gmem, int bytes_valid, int size) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if (size == 16)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
-  else if (size == 8)
-    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
-  else
-    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }

@@ -25,11 +25,9 @@ namespace megamoe::sm90 {
 constexpr int kStreamThreads = 128;
 constexpr int kStreamRows = 32;
 
-// Weight loads: read once, so no L1 allocation; L2 fetches 256-byte blocks (a warp takes 128 bytes of
-// a row per step, the block 512).
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;

@@ -22,8 +22,6 @@
 //   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
 //     warpgroup drained them at the end of iteration kt-1, before the barrier)
 //   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
-// The weight copies ask L2 for 256 bytes around each (.L2::256B): a k-tile takes only 32 bytes of
-// each of 128 weight rows, and without the hint DRAM sees 128 scattered 32-byte reads per tile.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -184,8 +182,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         cp_async(sa + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
       }
     }
-    cp_async_l2_256(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
-    if (tid < kWgRows) cp_async_l2_256(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
+    cp_async(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
+    if (tid < kWgRows) cp_async(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
   };
 
   float acc[N / 2];
