@@ -53,3 +53,89 @@ def test_bias_changes_selection_not_weights():
 def test_bad_arguments(kw, msg):
     with pytest.raises(ValueError, match=msg):
         route(torch.randn(2, 8), **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# the routing of each architecture, from config.json (docs/SPEC.md §3.4)
+# ------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from megamoe.routing import ARCHITECTURES, UnknownArchitecture, architecture_routing  # noqa: E402
+
+ROUTERS = sorted((Path(__file__).resolve().parent / "fixtures" / "real").glob("routing_*.safetensors"))
+
+
+def test_every_claimed_architecture_has_a_recorded_router():
+    from safetensors import safe_open
+
+    seen = set()
+    for p in ROUTERS:
+        with safe_open(str(p), "pt") as f:
+            seen.add(json.loads(f.metadata()["config"])["model_type"])
+    assert seen == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("path", ROUTERS, ids=[p.stem for p in ROUTERS])
+def test_rule_matches_the_transformers_router(path):
+    """transformers' own router module of the architecture (run by scripts/make_real_fixtures.py
+    on random bf16 hidden states) against megamoe's route() with the fields that
+    architecture_routing() derives from the same config.json."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        hf = json.loads(f.metadata()["config"])
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    rule = architecture_routing(hf)
+    fl = rule.fields
+    w, ids = route(t["router_logits"], fl["top_k"], fl["scoring"], t.get("e_score_correction_bias"),
+                   fl.get("n_group"), fl.get("topk_group"), fl["renormalize"], fl["routed_scaling_factor"])
+    got, want = ids.long().sort(-1), t["topk_ids"].long().sort(-1)
+    assert torch.equal(got.values, want.values)
+    gw, ww = w.gather(1, got.indices), t["topk_weights"].gather(1, want.indices)
+    if hf["model_type"] == "qwen3_moe":
+        gw = gw.to(torch.bfloat16).float()  # transformers returns Qwen3-MoE weights in the logits' dtype
+        torch.testing.assert_close(gw, ww, rtol=1e-2, atol=1e-3)
+    else:
+        torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
+    # the fields that matter here do matter: the other scoring picks other experts
+    other = "softmax" if fl["scoring"] == "sigmoid" else "sigmoid"
+    _, ids2 = route(t["router_logits"], fl["top_k"], other, t.get("e_score_correction_bias"),
+                    fl.get("n_group"), fl.get("topk_group"), fl["renormalize"], fl["routed_scaling_factor"])
+    if fl["scoring"] == "sigmoid":
+        assert not torch.equal(ids2.long().sort(-1).values, want.values)
+
+
+def test_deepseek_v3_rule_and_defaults():
+    r = architecture_routing({"model_type": "deepseek_v3", "n_routed_experts": 64, "num_experts_per_tok": 6})
+    f = r.fields
+    assert (f["scoring"], f["num_experts"], f["top_k"], f["n_group"], f["topk_group"], f["renormalize"],
+            f["routed_scaling_factor"], f["n_shared_experts"]) == ("sigmoid", 64, 6, 8, 4, True, 2.5, 1)
+    assert r.w13_layout == "gate-up"
+    assert any("architecture default; config.json has no n_group" in c for c in r.choices)
+    assert any("config.json n_routed_experts" in c for c in r.choices)
+    ok = architecture_routing({"model_type": "deepseek_v3", "scoring_func": "sigmoid", "topk_method": "noaux_tc"})
+    assert ok.fields["scoring"] == "sigmoid"
+
+
+@pytest.mark.parametrize("hf,msg", [
+    ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"model_type": "deepseek_v3", "topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"model_type": "mixtral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
+    ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
+    ({"n_routed_experts": 8}, "no model_type"),
+])
+def test_unknown_or_unsupported_is_refused(hf, msg):
+    with pytest.raises(UnknownArchitecture, match=msg):
+        architecture_routing(hf)
+
+
+def test_mixtral_and_qwen3_moe_rules():
+    m = architecture_routing({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                              "intermediate_size": 256}).fields
+    assert (m["scoring"], m["renormalize"], m["routed_scaling_factor"], m["n_shared_experts"], m["intermediate_size"]) \
+        == ("softmax", True, 1.0, 0, 256)
+    q = architecture_routing({"model_type": "qwen3_moe", "num_experts": 16}).fields
+    assert (q["scoring"], q["renormalize"], q["top_k"], q["num_experts"]) == ("softmax", False, 8, 16)
