@@ -17,7 +17,9 @@ How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_gr
 
 * tokens are sorted by expert into a padded activation matrix whose expert blocks start
   on 128-row boundaries (docs/SPEC.md §2), quantized (bytes identical to the reference quantizer)
-  and swizzled as one matrix (padding rows are zero, so their scales are zero);
+  and swizzled as one matrix (the codes and scales of padding rows are zeroed after
+  quantization: every scale byte the kernel's TMA can read is defined); ids outside
+  ``[0, E)`` (masked, docs/SPEC.md §3.1) get no row;
 * GEMM 1 has two groups per expert, gate and up, each with its own alpha
   (``w13_weight_scale_2[e, 0]`` and ``[e, 1]``, times the static input scale), writing the
   two column halves of one ``[rows, 2I]`` output; the weight scales of gate and up are
@@ -28,7 +30,9 @@ How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_gr
   activation scale 1 and each output row is multiplied by its row's scale afterwards;
 * no host synchronisation: token counts stay on the device, where a small kernel fills
   CUTLASS's per-group arrays; the padded row count is bounded on the host by
-  ``T*k + 127 * min(E, T*k)``.
+  ``T*k + 127 * min(E, T*k)``, whatever the routing (all tokens on one expert included);
+* the combine gathers each token's k rows and adds them in slot order (no atomics: same
+  input, same bits, docs/FIELD_BUGS.md row 28).
 
 Quantization and SF swizzling use the shared CUDA kernels of ``cpp/common`` on a GPU
 (the reference of :mod:`megamoe.nvfp4` on other devices, i.e. under the emulator).

@@ -273,3 +273,21 @@ def test_v3_prefill_past_2_31(be):
     ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
     assert torch.isfinite(out).all()
     assert cosine(out, ref) >= 0.9999 and cosine(out[-2048:], ref[-2048:]) >= 0.9999
+
+
+def test_many_small_experts_each_compared(be):
+    """docs/FIELD_BUGS.md row 24: CUTLASS's grouped kernel replaces its tensor maps per group
+    inside the kernel; 160 experts with 1-2 tokens each and per-expert global scales, every token
+    (so every expert) compared with the torch backend."""
+    from megamoe.backends.torch_ref import TorchBackend
+
+    e = 160
+    layer = _layer_for(be, "tiny", hidden_size=1040, intermediate_size=208, num_experts=e, top_k=2)
+    cfg = layer.config
+    ids = torch.stack([torch.arange(e), (torch.arange(e) * 7 + 3) % e], dim=1).to(torch.int32).to(be.device)
+    x = torch.randn(e, cfg.hidden_size, device=be.device).to(torch.bfloat16)
+    w = torch.rand(e, 2, device=be.device) + 0.1
+    out = be.moe_forward(layer._prepared, cfg, x, ids, w)
+    ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
+    per_token = torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=1)
+    assert float(per_token.min()) >= 0.999, int(per_token.argmin())
