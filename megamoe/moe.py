@@ -26,12 +26,19 @@ class MoELayer:
 
     def __init__(self, weights: MoEWeights, config: MoEConfig, backend: str | Backend = "auto",
                  device: str | torch.device | None = None) -> None:
-        weights.validate(config)
+        self._check_weights(weights, config)
         self.config = config
         self.backend = get_backend(backend, device=device)
         self.device = self.backend.device
         self.weights = weights.to(self.device)
-        self._prepared = self.backend.prepare_weights(self.weights)
+        self._prepared = self.backend.prepare_weights(self._routed_weights())
+
+    def _check_weights(self, weights: MoEWeights, config: MoEConfig) -> None:
+        weights.validate(config)
+
+    def _routed_weights(self) -> MoEWeights:
+        """What the backend prepares (the routed experts; the layer runs the rest itself)."""
+        return self.weights
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -131,10 +138,15 @@ class MoELayer:
         src = getattr(self.weights, name)
         hit = cache.get(name)
         if hit is None or hit[0] is not src:
-            hit = cache[name] = (src, src.float())
+            hit = cache[name] = (src, nvfp4.dequantize(src) if isinstance(src, nvfp4.NVFP4Tensor) else src.float())
         return hit[1]
 
-    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+    def _shared_expert(self, x: torch.Tensor, quantize_activations: bool = True) -> torch.Tensor:
+        w = self.weights
+        if quantize_activations and isinstance(w.shared_gate_up, nvfp4.NVFP4Tensor):
+            # a shared expert stored in NVFP4 runs like a routed one (docs/SPEC.md §3.4)
+            return reference.expert_mlp(x.float(), self._float32("shared_gate_up"), self._float32("shared_down"),
+                                        self.config, w.shared_gate_up_input_scale, w.shared_down_input_scale)
         return reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
                                    self.config.swiglu_limit)
 
@@ -155,7 +167,7 @@ class MoELayer:
 
         out = reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)
         if cfg.n_shared_experts:
-            out = out + self._shared_expert(x)
+            out = out + self._shared_expert(x, quantize_activations=False)
         return out
 
     def expert_weight_bytes(self, topk_ids: torch.Tensor) -> int:

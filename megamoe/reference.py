@@ -66,12 +66,13 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: t
     """One expert on its rows: ``[n, H]`` -> ``[n, H]`` in the dtype of the decoded weights.
 
     ``w13`` ``[2I, H]`` (gate rows, then up rows) and ``w2`` ``[H, I]`` are the expert's decoded
-    weights; ``in1`` / ``in2`` its static input scales (None: dynamic). With
-    ``quantize_activations`` False the activations enter the GEMMs unchanged (the bf16 yardstick).
+    weights (a routed expert, or a shared expert stored in NVFP4: I is ``w2``'s); ``in1`` /
+    ``in2`` its static input scales (None: dynamic). With ``quantize_activations`` False the
+    activations enter the GEMMs unchanged (the bf16 yardstick).
     """
     dtype = w13.dtype
     a1 = activation_to_gemm_input(x, cfg, in1, dtype) if quantize_activations else x.to(dtype)
-    hmid = swiglu(a1 @ w13.T, cfg.intermediate_size, cfg.swiglu_limit)
+    hmid = swiglu(a1 @ w13.T, w2.shape[1], cfg.swiglu_limit)
     # the second activation is quantized from float32, as a kernel's epilogue holds it
     a2 = activation_to_gemm_input(hmid.float(), cfg, in2, dtype) if quantize_activations else hmid
     return a2 @ w2.T
