@@ -59,7 +59,10 @@ class Backend:
 
     def moe_forward(self, prepared, cfg, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts only: ``sum_j w[t,j] * expert_{ids[t,j]}(x_t)``, ``[T, H]`` float32 or x.dtype."""
+        """Routed experts only: ``sum_j w[t,j] * expert_{ids[t,j]}(x_t)``, ``[T, H]`` float32 or x.dtype.
+
+        Slots whose id is outside ``[0, E)`` (masked, ``-1``) contribute nothing and their weight
+        is not read (docs/SPEC.md §3.1); ``T = 0`` gives an empty ``[0, H]`` result."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
