@@ -256,11 +256,13 @@ def test_compressed_tensors_divisor_multiplied_would_be_garbage(tmp_path):
     assert float(got) * float(stored) == pytest.approx(1.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("n_shared", [1, 2])
 @pytest.mark.parametrize("shared", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
-def test_shared_expert_bf16_or_nvfp4(tmp_path, gen, shared, naming):
-    w = C.synthetic_weights(V3_TINY, seed=9)
-    write_per_expert(tmp_path, w, V3_TINY, naming=naming, hf=deepseek_v3_config(V3_TINY),
+def test_shared_expert_bf16_or_nvfp4(tmp_path, gen, shared, naming, n_shared):
+    cfg = V3_TINY.with_(n_shared_experts=n_shared)  # 2: the shared expert is 2x wider than a routed one
+    w = C.synthetic_weights(cfg, seed=9)
+    write_per_expert(tmp_path, w, cfg, naming=naming, hf=deepseek_v3_config(cfg),
                      shared_nvfp4=shared == "nvfp4")
     loaded = C.load(tmp_path)
     assert loaded.report.shared_expert == ("nvfp4" if shared == "nvfp4" else "bfloat16")
@@ -268,7 +270,9 @@ def test_shared_expert_bf16_or_nvfp4(tmp_path, gen, shared, naming):
     x = torch.randn(16, 64, generator=gen)
     layer = MoELayer(loaded.weights, loaded.config, backend="torch")
     dense = layer._shared_expert(x)
-    exact = (torch.nn.functional.silu(x @ w.shared_gate_up.float()[:32].T) * (x @ w.shared_gate_up.float()[32:].T)) \
+    is_ = 32 * n_shared
+    assert loaded.config.shared_intermediate_size * loaded.config.n_shared_experts == is_
+    exact = (torch.nn.functional.silu(x @ w.shared_gate_up.float()[:is_].T) * (x @ w.shared_gate_up.float()[is_:].T)) \
         @ w.shared_down.float().T
     from _helpers import cosine
     if shared == "nvfp4":
@@ -277,12 +281,14 @@ def test_shared_expert_bf16_or_nvfp4(tmp_path, gen, shared, naming):
         assert torch.equal(loaded.weights.shared_gate_up_input_scale.float(),
                            (w.w13_input_scale.max() if naming == "modelopt" else
                             torch.reciprocal(torch.reciprocal(w.w13_input_scale.max()))))
-        # its activations are quantized like a routed expert's (same reference function)
+        # its activations are quantized like a routed expert's (the reference's functions),
+        # its SwiGLU split at its own width
         from megamoe import reference
-        like_routed = reference.expert_mlp(x, F.dequantize(sw), F.dequantize(loaded.weights.shared_down), loaded.config,
-                                           loaded.weights.shared_gate_up_input_scale,
-                                           loaded.weights.shared_down_input_scale)
-        assert torch.equal(dense, like_routed)
+        c = loaded.config
+        a1 = reference.activation_to_gemm_input(x.float(), c, loaded.weights.shared_gate_up_input_scale)
+        hmid = reference.swiglu(a1 @ F.dequantize(sw).T, is_, c.swiglu_limit)
+        a2 = reference.activation_to_gemm_input(hmid.float(), c, loaded.weights.shared_down_input_scale)
+        torch.testing.assert_close(dense, a2 @ F.dequantize(loaded.weights.shared_down).T, rtol=1e-6, atol=1e-6)
         assert 0.95 < cosine(dense, exact) < 0.9999
         assert any("activations quantized with its own input scales" in c for c in loaded.report.choices)
         # the bf16 yardstick decodes the weights and skips activation quantization

@@ -254,3 +254,19 @@ def test_regenerated_fixtures_are_identical(tmp_path):
             for k in a:
                 assert a[k].dtype == b[k].dtype, (d.name, f, k)
                 assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), (d.name, f, k)
+
+
+def test_info_prints_what_the_loader_decided(capsys):
+    """``megamoe info --checkpoint DIR [--layer N]``: format, layer, routing, activation mode,
+    input scales, w13 layout, shared expert, what was quantized at load."""
+    from megamoe.cli import main
+
+    d = FIXTURES / "llmc_nvfp4"
+    assert main(["info", "--checkpoint", str(d), "--layer", "1"]) == 0
+    out = capsys.readouterr().out
+    for word in ("compressed-tensors", "layer 'model.layers.1.mlp.'", "scoring=sigmoid", "n_group=4",
+                 "activations: w4a4", "input scales: per expert", "shared expert: nvfp4", "quantized at load: none",
+                 "choice: routing: scoring='sigmoid' (deepseek_v3; config.json has no scoring_func)"):
+        assert word in out, word
+    assert main(["info", "--checkpoint", str(d), "--layer", "7"]) == 1
+    assert "layer 7: not a MoE layer" in capsys.readouterr().err
