@@ -7,7 +7,26 @@ import os
 import sys
 
 
+def _cmd_info_checkpoint(args) -> int:
+    """What the loader decides for a checkpoint (docs/SPEC.md §3.4): format, layer, routing,
+    activation mode, input scales, w13 layout, shared expert, what it quantized at load."""
+    from megamoe import checkpoint
+
+    try:
+        loaded = checkpoint.load(args.checkpoint, layer=args.layer)
+    except checkpoint.CheckpointError as exc:
+        print(f"info: {exc}", file=sys.stderr)
+        return 1
+    c = loaded.config
+    print(loaded.report.summary())
+    print(f"  layer shape: H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, k={c.top_k}, "
+          f"{c.act_mode}, shared experts {c.n_shared_experts}")
+    return 0
+
+
 def _cmd_info(args) -> int:
+    if getattr(args, "checkpoint", None):
+        return _cmd_info_checkpoint(args)
     import torch
 
     from megamoe import health
@@ -100,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
                "  megamoe serve --help                          the HTTP service (KServe v2) and its settings")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    sub.add_parser("info", help="show the build, the GPU and the backends available here")
+    inf = sub.add_parser("info", help="show the build, the GPU and the backends available here; with "
+                                      "--checkpoint, what the loader decides for a checkpoint")
+    inf.add_argument("--checkpoint", default=None, metavar="DIR",
+                     help="checkpoint folder or .safetensors file: print the load report (format, layer, routing, "
+                          "activation mode, input scales, w13 layout, shared expert, what was quantized at load)")
+    inf.add_argument("--layer", default=None, metavar="N",
+                     help="with --checkpoint: the model's layer number (model.layers.N) or a tensor-name prefix "
+                          "(default: the first MoE layer)")
 
     st = sub.add_parser("selftest", help="run the kernel health checks (docs/SPEC.md §5); exit 1 on failure",
                         description="Run the kernel health checks of docs/SPEC.md §5 (SF round trip, GEMM cosine on uniform and random "
