@@ -22,7 +22,7 @@ def kind(name):
 
 
 def test_kernel_enum_is_exported_once_with_its_members():
-    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma64", "wgmma128"]
+    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma32", "wgmma64", "wgmma128"]
     assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
 
 
@@ -36,8 +36,11 @@ def test_decode_streams_one_tile_fused(tpe):
 def test_switch_to_wgmma_and_its_tiles():
     # 10 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
     assert plan(10).kernel == kind("stream") and plan(10).tokens_per_pass == 8
-    assert (plan(11).kernel, plan(11).token_tile) == (kind("wgmma64"), 64)
-    assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(11).kernel, plan(11).token_tile) == (kind("wgmma32"), 32)
+    assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma32"), 32)
+    # tile 32 steps K by 128: a K that is a multiple of 64 only runs tile 64 in that range
+    assert (plan(11, k_l2=2112).kernel, plan(32, k_l1=1088).token_tile) == (kind("wgmma64"), 64)
+    assert plan(11, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma64")
     assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
     for tpe in (11, 32, 33, 5000):
@@ -109,10 +112,10 @@ def test_backend_asks_the_plan(monkeypatch):
 
     monkeypatch.setattr(_ext.ext, "sm90_plan", spy)
     p = be.plan(12, 4096, 2048, 256, True, True)
-    assert p.kernel == kind("wgmma64") and len(seen) == 1
+    assert p.kernel == kind("wgmma32") and len(seen) == 1
     assert be.plan(12, 4096, 2048, 256, True, True) is p and len(seen) == 1  # cached
     be.kernel = "stream"
     assert be.plan(12, 4096, 2048, 256, True, True).kernel == kind("stream") and len(seen) == 2
-    with pytest.raises(ValueError, match="wgmma32"):
-        be.kernel = "wgmma32"
+    with pytest.raises(ValueError, match="wgmma256"):
+        be.kernel = "wgmma256"
         be.plan(12, 4096, 2048, 256, True, True)

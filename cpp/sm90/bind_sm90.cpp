@@ -51,6 +51,7 @@ void register_sm90(nb::module_& m) {
   nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
       .value("auto", sm90::GemmKernel::kAuto)
       .value("stream", sm90::GemmKernel::kStream)
+      .value("wgmma32", sm90::GemmKernel::kWgmma32)
       .value("wgmma64", sm90::GemmKernel::kWgmma64)
       .value("wgmma128", sm90::GemmKernel::kWgmma128);
   nb::enum_<sm90::Epilogue>(m, "Sm90Epilogue", "what the grouped GEMM writes")
@@ -63,7 +64,7 @@ void register_sm90(nb::module_& m) {
       .def_ro("gather_x", &sm90::GemmPlan::gather_x)
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
       .def("__repr__", [](const sm90::GemmPlan& p) {
-        static const char* names[] = {"stream", "wgmma64", "wgmma128"};
+        static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
                ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +

@@ -12,15 +12,21 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   const bool wgmma_shape = p.k_l1 % kWgK == 0 && p.k_l2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
   GemmKernel kernel = p.kernel;
   if (kernel == GemmKernel::kAuto) {
-    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? GemmKernel::kStream
-             : p.tokens_per_expert <= kWgmma64UpTo             ? GemmKernel::kWgmma64
-                                                               : GemmKernel::kWgmma128;
+    const bool k128 = p.k_l1 % WgCfg<kWgTiny>::kKS == 0 && p.k_l2 % WgCfg<kWgTiny>::kKS == 0;
+    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
+             : p.tokens_per_expert <= kWgmma32UpTo && k128        ? GemmKernel::kWgmma32
+             : p.tokens_per_expert <= kWgmma64UpTo                ? GemmKernel::kWgmma64
+                                                                  : GemmKernel::kWgmma128;
   }
   if (!wgmma_shape) kernel = GemmKernel::kStream;
+  if (kernel == GemmKernel::kWgmma32 && (p.k_l1 % WgCfg<kWgTiny>::kKS || p.k_l2 % WgCfg<kWgTiny>::kKS))
+    kernel = GemmKernel::kWgmma64;  // an explicit tile-32 request on a K it cannot step through
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
   if (kernel != GemmKernel::kStream) {
-    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma64 ? kWgSmall : kWgMid;
+    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kWgTiny
+                                             : kernel == GemmKernel::kWgmma64 ? kWgSmall
+                                                                              : kWgMid;
     return plan;
   }
   plan.token_tile = 8;
@@ -42,10 +48,14 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
+  if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes; the gather of x is streaming-only.
-    if (!wg_gemm_supported(a) || a.act_rows || !(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
-    return a.kernel == GemmKernel::kWgmma64 ? launch_wg_gemm<kWgSmall>(a, stream) : launch_wg_gemm<kWgMid>(a, stream);
+    if (a.act_rows || !(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
+    if (a.kernel == GemmKernel::kWgmma32)
+      return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;
+    if (a.kernel == GemmKernel::kWgmma64)
+      return wg_gemm_supported<kWgSmall>(a) ? launch_wg_gemm<kWgSmall>(a, stream) : cudaErrorInvalidValue;
+    return wg_gemm_supported<kWgMid>(a) ? launch_wg_gemm<kWgMid>(a, stream) : cudaErrorInvalidValue;
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;
   if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;

@@ -32,20 +32,24 @@ namespace megamoe::sm90 {
 
 constexpr int kWgThreads = 256;
 constexpr int kWgRows = 128;     // weight rows per block
-constexpr int kWgK = 64;         // K per stage
-constexpr int kWgWRowBytes = 48;  // 32 bytes of packed weights per row and stage, padded (16-aligned, conflict-free)
-constexpr int kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma64 / kWgmma128
+constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1 or 2)
+constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
-// kMaxN 64: 6 stages, 2 blocks/SM (weight streaming: bytes in flight); 128: 4 stages, 2 blocks/SM
-// (two independent blocks overlap one's dequantization with the other's MMAs).
+// Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
+// dequantization with the other's MMAs). kMaxN 32: K 128 per stage, 5 stages (the memory-bound
+// middle: half the per-stage fixed cost per weight byte); 64: K 64, 6 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kStages = kMaxN <= 64 ? 6 : 4;
+  static constexpr int kKS = kMaxN == kWgTiny ? 128 : 64;  // K per stage
+  static constexpr int kSub = kKS / kWgK;                  // SW128 activation sub-tiles per stage
+  static constexpr int kStages = kMaxN == kWgTiny ? 5 : kMaxN == kWgSmall ? 6 : 4;
   static constexpr int kMinBlocks = 2;
-  static constexpr int kABytes = kMaxN * 128;
-  static constexpr int kWBytes = kWgRows * kWgWRowBytes;
-  static constexpr int kRaw = kABytes + kWBytes + kWgRows * 4;
+  // packed weights per row and stage (kKS / 2 bytes), padded by 16 (16-aligned, conflict-free reads)
+  static constexpr int kWRowBytes = kKS / 2 + 16;
+  static constexpr int kABytes = kMaxN * 128 * kSub;
+  static constexpr int kWBytes = kWgRows * kWRowBytes;
+  static constexpr int kRaw = kABytes + kWBytes + kWgRows * (kKS / 16);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + 2 * 1024 * 4;
 };
@@ -73,7 +77,10 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem) {
   return d;
 }
 
-inline bool wg_gemm_supported(const GroupedGemmArgs& a) { return a.K % kWgK == 0 && a.num_experts <= kWgMaxExperts; }
+template <int kMaxN>
+inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
+  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts;
+}
 
 // Epilogue of wg_tile(): acc is warp wq of
 // warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
@@ -160,30 +167,37 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     valid = n < Nw;
     return valid ? n : 0;
   };
-  const int w_lr = tid >> 1, w_half = tid & 1;  // 2 threads per weight row, 16 bytes each
+  constexpr int kKS = Cfg::kKS, kWRow = Cfg::kWRowBytes;
+  const int w_lr = tid >> 1, w_half = tid & 1;  // 2 threads per weight row, kKS / 4 bytes each
   bool w_valid;
-  const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * 16;
+  const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * (kKS / 4);
   bool s_valid = false;
   const uint8_t* s_src = ws;
   if (tid < kWgRows) s_src = ws + weight_row(tid, s_valid) * Kb;
 
-  const int num_k_tiles = int(K / kWgK);
+  const int num_k_tiles = int(K / kKS);
   auto load_stage = [&](int slot, int kt) {
     uint8_t* sa = stages + slot * Cfg::kStageBytes;
     uint8_t* sw = sa + Cfg::kABytes;
     uint8_t* ss = sw + Cfg::kWBytes;
+    constexpr int kChunks = N * 8 * Cfg::kSub;  // 16-byte activation chunks of the stage
 #pragma unroll
-    for (int i = 0; i < (N * 8 + kWgThreads - 1) / kWgThreads; ++i) {
+    for (int i = 0; i < (kChunks + kWgThreads - 1) / kWgThreads; ++i) {
       const int c = tid + i * kWgThreads;
-      if (N * 8 % kWgThreads == 0 || c < N * 8) {
-        const int r = c >> 3, ch = c & 7;
+      if (kChunks % kWgThreads == 0 || c < kChunks) {
+        constexpr int kRowShift = Cfg::kSub == 2 ? 4 : 3;  // 8 * kSub chunks per activation row
+        const int r = c >> kRowShift, cc = c & ((1 << kRowShift) - 1), sub = cc >> 3, ch = cc & 7;
         const bool valid = m0 + r < rows;
-        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kWgK + ch * 8;
-        cp_async(sa + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
+        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + cc * 8;
+        cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
       }
     }
-    cp_async(sw + w_lr * kWgWRowBytes + w_half * 16, w_src + int64_t(kt) * 32, w_valid ? 16 : 0, 16);
-    if (tid < kWgRows) cp_async(ss + tid * 4, s_src + int64_t(kt) * 4, s_valid ? 4 : 0, 4);
+#pragma unroll
+    for (int q = 0; q < kKS / 64; ++q)
+      cp_async(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
+               w_valid ? 16 : 0, 16);
+    if (tid < kWgRows)
+      cp_async(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0, kKS / 16);
   };
 
   float acc[N / 2];
@@ -202,7 +216,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     cp_async_commit();
   }
 
-  uint32_t af[4][4];
+  uint32_t af[4 * Cfg::kSub][4];
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
@@ -214,27 +228,45 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const uint8_t* sa = stages + (kt % S) * Cfg::kStageBytes;
     const uint8_t* sw = sa + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
-    const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes);
-    const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWgWRowBytes + 16);
-    const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes);
-    const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWgWRowBytes + 16);
-    const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
-    const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
-    const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
-    const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
+    if constexpr (kKS == 64) {
+      const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow);
+      const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16);
+      const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow);
+      const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16);
+      const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
+      const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
+      const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
+      const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
-      const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
-      af[ks][0] = bf16x2_mul(nibble_pair_bits((r0[2 * ks] >> pick_shift) & pick_mask, pick_mul), s0);
-      af[ks][1] = bf16x2_mul(nibble_pair_bits((r1[2 * ks] >> pick_shift) & pick_mask, pick_mul), s1);
-      af[ks][2] = bf16x2_mul(nibble_pair_bits((r0[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s0);
-      af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
+        const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
+        af[ks][0] = bf16x2_mul(nibble_pair_bits((r0[2 * ks] >> pick_shift) & pick_mask, pick_mul), s0);
+        af[ks][1] = bf16x2_mul(nibble_pair_bits((r1[2 * ks] >> pick_shift) & pick_mask, pick_mul), s1);
+        af[ks][2] = bf16x2_mul(nibble_pair_bits((r0[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s0);
+        af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
+      }
+    } else {
+      // K 128 per stage: 8 k16 steps; per step the two packed words of rows g and g + 8 (8-byte loads)
+      const uint2 sc0 = *reinterpret_cast<const uint2*>(ss + lr0 * 8);
+      const uint2 sc1 = *reinterpret_cast<const uint2*>(ss + (lr0 + 8) * 8);
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        const uint2 r0 = *reinterpret_cast<const uint2*>(sw + lr0 * kWRow + ks * 8);
+        const uint2 r1 = *reinterpret_cast<const uint2*>(sw + (lr0 + 8) * kWRow + ks * 8);
+        const uint32_t s0 = lut[((ks < 4 ? sc0.x : sc0.y) >> (8 * (ks & 3))) & 0xFFu];
+        const uint32_t s1 = lut[((ks < 4 ? sc1.x : sc1.y) >> (8 * (ks & 3))) & 0xFFu];
+        af[ks][0] = bf16x2_mul(nibble_pair_bits((r0.x >> pick_shift) & pick_mask, pick_mul), s0);
+        af[ks][1] = bf16x2_mul(nibble_pair_bits((r1.x >> pick_shift) & pick_mask, pick_mul), s1);
+        af[ks][2] = bf16x2_mul(nibble_pair_bits((r0.y >> pick_shift) & pick_mask, pick_mul), s0);
+        af[ks][3] = bf16x2_mul(nibble_pair_bits((r1.y >> pick_shift) & pick_mask, pick_mul), s1);
+      }
     }
     acc_fence(acc);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) Wgmma<N>::mma(acc, af[ks], sw128_desc(sa + ks * 32));
+    for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
+      Wgmma<N>::mma(acc, af[ks], sw128_desc(sa + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32));
     wgmma_commit();
     acc_fence(acc);
     // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
@@ -250,7 +282,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
 template <int kMaxN>
 __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
-  static_assert(kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 64 or 128");
+  static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
@@ -273,7 +305,11 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   __syncthreads();  // scale_lut visible
 
-  if constexpr (kMaxN == kWgSmall) {
+  if constexpr (kMaxN == kWgTiny) {
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  } else if constexpr (kMaxN == kWgSmall) {
     if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
     else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);

@@ -19,7 +19,7 @@ SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 2
 
 # Every kernel of the dispatch plan (megamoe._C.Sm90GemmKernel); a K the wgmma kernel does not take
 # (K % 64 != 0) runs the streaming kernel whatever is asked.
-@pytest.mark.parametrize("kernel", ["stream", "wgmma64", "wgmma128"])
+@pytest.mark.parametrize("kernel", ["stream", "wgmma32", "wgmma64", "wgmma128"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
 def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):

@@ -164,7 +164,7 @@ def forced_kernel(request):
         layer.backend.kernel = "auto"
 
 
-@pytest.mark.parametrize("kernel", ["stream", "wgmma64", "wgmma128"])
+@pytest.mark.parametrize("kernel", ["stream", "wgmma32", "wgmma64", "wgmma128"])
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forced_kernel):
@@ -182,11 +182,13 @@ def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forc
         assert c >= 0.9999, (t, c, r)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma64", "wgmma128"])
-def test_moe_wgmma_t_sweep_partial_tiles(kernel, gen, forced_kernel):
-    """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64
-    gate/up columns), T across the token-tile widths and boundaries; bit-identical reruns."""
-    gpu, ref = _layers("tiny", hidden_size=1088, intermediate_size=576, num_experts=16, top_k=3)
+@pytest.mark.parametrize("kernel", ["wgmma32", "wgmma64", "wgmma128"])
+@pytest.mark.parametrize("shape", [(1088, 576), (1152, 640)], ids=["K%128==64", "K%128==0"])
+def test_moe_wgmma_t_sweep_partial_tiles(kernel, shape, gen, forced_kernel):
+    """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64 gate/up
+    columns; tile 32 steps K by 128, so the plan runs tile 64 there) and multiples of 128 (every tile);
+    T across the token-tile widths and boundaries; bit-identical reruns."""
+    gpu, ref = _layers("tiny", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16, top_k=3)
     forced_kernel(gpu, kernel)
     for t in (1, 2, 3, 11, 21, 22, 43, 64, 85, 86, 171, 300, 700):
         x, ids, w = _route(gpu, t, gen)

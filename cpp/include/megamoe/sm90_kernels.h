@@ -42,8 +42,9 @@ enum class Epilogue : int {
 enum class GemmKernel : int {
   kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
   kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
-  kWgmma64 = 1,   // wgmma, swap-AB, token tiles of up to 64 tokens (grouped_gemm_wgmma.cuh)
-  kWgmma128 = 2,  // the same with token tiles of up to 128 tokens
+  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 128 per stage (grouped_gemm_wgmma.cuh)
+  kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 64 per stage
+  kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
 };
 
 // What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
@@ -60,7 +61,7 @@ struct GemmProblem {
 // The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
 struct GemmPlan {
   GemmKernel kernel = GemmKernel::kStream;  // never kAuto
-  int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 64 / 128 wgmma (largest N per block)
+  int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
   int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
   bool gather_x = false;    // W4A16 streaming: L1 reads the rows of x itself (no staging kernel before L1)
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
@@ -68,9 +69,11 @@ struct GemmPlan {
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
 // (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
-// expected tokens per expert, wgmma above (tile 64 up to kWgmma64UpTo, then 128); streaming whenever
-// a K is not a multiple of 64 or E > 1024 (the wgmma kernel's limits), with more tiles per pass then.
+// expected tokens per expert, wgmma above (tile 32 up to kWgmma32UpTo when both K are multiples of
+// 128, tile 64 up to kWgmma64UpTo, then 128); streaming whenever a K is not a multiple of 64 or
+// E > 1024 (the wgmma kernel's limits), with more tiles per pass then.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 10;
+constexpr int64_t kWgmma32UpTo = 32;
 constexpr int64_t kWgmma64UpTo = 32;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
