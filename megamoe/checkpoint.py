@@ -305,7 +305,7 @@ def _choose_layer(keys: list[str], layer, prefix) -> tuple[str, str, list[str]]:
 
 @dataclass
 class _Format:
-    name: str                 # "modelopt" | "compressed-tensors" | "megamoe" | "fused" | "hf-dense"
+    name: str                 # "modelopt" | "compressed-tensors" | "megamoe" | "unlabelled" | "hf-dense"
     producer: str = ""
     act_mode: str | None = None   # declared by the quantization config; None: not declared
     divisor: bool = False         # global scales stored as divisors (compressed-tensors)
@@ -348,7 +348,7 @@ def _detect_format(meta: dict, hf: dict | None, hq: dict | None, layout: str) ->
         return _ct_format(qc)
     if layout == "hf-fused":
         return _Format("hf-dense", "", None, False, "no quantization config; expert weights in a float dtype")
-    return _Format("fused", "", None, False, "no quantization config")
+    return _Format("unlabelled", "", None, False, "no quantization config; naming from the tensors")
 
 
 def _ct_format(qc: dict) -> _Format:
