@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from .server import serve
     from .settings import parse_settings
 
     try:
@@ -36,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         print(f"megamoe serve: invalid settings: {problems}", file=sys.stderr)
         return 2
+    from .server import serve  # torch and the app: after the settings are known to be good
+
     return serve(settings)
 
 

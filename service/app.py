@@ -60,7 +60,7 @@ _REASON_OF_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 
 #: lock for its whole decode: ~1 s per million values here, which would stall every connection)
 OFFLOAD_JSON_BYTES = 256 * 1024
 #: a JSON output with this many values or more is encoded there too
-OFFLOAD_JSON_VALUES = 32 * 1024
+OFFLOAD_JSON_VALUES = 16 * 1024
 #: values an infer request's JSON may hold beyond its tensors' (shapes, sizes, parameters)
 JSON_VALUES_SLACK = 1024
 #: a kernel-health run waits for queued inference before each device call, at most this long
@@ -92,8 +92,9 @@ class ServiceState:
         self.health_runs: dict[str, asyncio.Task] = {}
         self.decoder: ProcessPoolExecutor | None = None
         self._decoder_lock = threading.Lock()
-        #: set by SIGTERM (see begin_shutdown)
+        #: set by SIGTERM (see begin_shutdown); announce_close once the listening socket is closed
         self.draining = False
+        self.announce_close = False
         self.shutdown_deadline: float | None = None
         #: the process's exit status, and how to ask the server to stop (set by main())
         self.exit_code = 0
@@ -118,9 +119,9 @@ class ServiceState:
         self.metrics.ready.set(0.0 if self.not_ready_reason() else 1.0)
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: readiness turns 503, every response says ``Connection: close``, and a body
-        still arriving when the grace period ends is answered 503. (Called from the signal
-        handler: only plain assignments here.)"""
+        """SIGTERM: readiness turns 503, and a body still arriving when the grace period ends is
+        answered 503; once the server closed its listening socket, every response says
+        ``Connection: close``. (Called from the signal handler: only plain assignments here.)"""
         if not self.draining:
             self.draining = True
             self.shutdown_deadline = time.monotonic() + self.settings.graceful_shutdown_s
@@ -326,7 +327,7 @@ def _where(exc: BaseException) -> str:
 
 class ServiceMiddleware:
     """The outermost layer of every HTTP request: counts it by route and status, adds
-    ``Connection: close`` once shutdown began, and answers an exception that escaped a route
+    ``Connection: close`` during shutdown, and answers an exception that escaped a route
     with a JSON 500 and a single log line (the traceback only at debug level)."""
 
     def __init__(self, app, state: ServiceState):
@@ -343,7 +344,8 @@ class ServiceMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if state.draining:
+                self.count(scope, status)  # before the client can see the response
+                if state.announce_close:
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
@@ -356,13 +358,12 @@ class ServiceMiddleware:
             if status is None:
                 response = _error(500, f"internal error: {type(exc).__name__}")
                 await response(scope, receive, send_counted)
-        finally:
-            if status is not None:
-                route = scope.get("route")
-                path = getattr(route, "path", "unmatched")
-                state.metrics.requests.labels(path, str(status)).inc()
-                if status >= 400:
-                    state.metrics.failures.labels(path, _REASON_OF_STATUS.get(status, "internal")).inc()
+
+    def count(self, scope, status: int) -> None:
+        path = getattr(scope.get("route"), "path", "unmatched")
+        self.state.metrics.requests.labels(path, str(status)).inc()
+        if status >= 400:
+            self.state.metrics.failures.labels(path, _REASON_OF_STATUS.get(status, "internal")).inc()
 
 
 def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
@@ -386,11 +387,13 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
         else:
             model = state.model
             state.batcher = DynamicBatcher(
-                model.forward_batch,
+                model.launch_batch,
                 state.executor,
+                finish=model.finish_batch,  # the next batch is staged while the device runs this one
                 max_batch_tokens=settings.max_batch_tokens,
                 queue_delay_s=settings.queue_delay_ms / 1000.0,
                 on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
+                on_stages=lambda stages: metrics.record_stages(model.name, stages),
             )
             state.batcher.start()
             metrics.queued.set_function(lambda: state.batcher.queued_requests)
@@ -447,7 +450,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                 await asyncio.gather(task, return_exceptions=True)
             state.executor.shutdown(wait=True)
             if state.decoder is not None:
-                state.decoder.shutdown(wait=True, cancel_futures=True)
+                state.decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="megamoe", description="NVFP4 MoE layer over the Open Inference Protocol (KServe v2)",
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -616,12 +619,14 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             header_value = request.headers.get(HEADER_LENGTH)
             parse_header_length(header_value, settings.max_body_bytes)  # its syntax, before the body
             body = await read_body(request, count_values=header_value is None)
+            decode_started = time.perf_counter()
             parsed = await decode(body, parse_header_length(header_value, len(body)))
             del body
             unknown_outputs = sorted(set(parsed.outputs) - {OUTPUT_NAME})
             if unknown_outputs:
                 raise ProtocolError(f"unknown output(s) {unknown_outputs}; this model has {[OUTPUT_NAME]}")
             model_request = model.validate(parsed.inputs, parsed.datatypes)
+            metrics.record_stage(model.name, "decode", time.perf_counter() - decode_started)
         except ProtocolError as exc:
             return _error(exc.status, exc.message, close=exc.close)
         state.infer_active += 1
@@ -638,7 +643,9 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             state.infer_active -= 1
         as_binary = parsed.outputs.get(OUTPUT_NAME, parsed.binary_output_default)
         try:
+            encode_started = time.perf_counter()
             content, headers = await encode(model, parsed.request_id, result.output, as_binary)
+            metrics.record_stage(model.name, "encode", time.perf_counter() - encode_started)
         except ProtocolError as exc:
             return _error(exc.status, exc.message)
         metrics.queue_latency.labels(model.name).observe(result.queue_s)

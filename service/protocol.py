@@ -256,7 +256,7 @@ def decode_json_request(text, max_values: int | None = None, plain_body: bool = 
             raise ProtocolError(f"input {name!r} appears twice")
         names.add(name)
         datatype = spec.get("datatype")
-        if datatype not in DATATYPES:
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise ProtocolError(f"input {name!r}: datatype {_brief(datatype)} is not one of {sorted(DATATYPES)}")
         shape = _shape_of(spec, name)
         params = _object(spec["parameters"], f"input {name!r}: parameters") if "parameters" in spec else {}
@@ -340,8 +340,12 @@ def _tensor_from_bytes(raw: memoryview, datatype: str, shape: list[int], name: s
         return torch.empty(shape, dtype=dtype)
     if raw.readonly:
         owned = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    else:  # a copy that the tensor owns (torch copies without the interpreter lock), aligned for any dtype
-        owned = torch.frombuffer(raw, dtype=torch.uint8).clone()
+    else:
+        owned = torch.frombuffer(raw, dtype=torch.uint8)
+        if owned.data_ptr() % itemsize:
+            # misaligned for its dtype: a copy that the tensor owns (torch copies without the interpreter lock)
+            owned = owned.clone()
+        # else zero-copy: the tensor shares the (writable) request body, which it keeps alive
     return owned.view(dtype).reshape(shape)
 
 

@@ -14,9 +14,9 @@ protocol class here, and nowhere else:
   on the wire: closing would lose it); it lingers for :data:`SHUTDOWN_LINGER_S`, and a
   request that arrives meanwhile is served with ``Connection: close``.
 
-SIGTERM: readiness turns 503 and responses carry ``Connection: close`` (see
-``ServiceState.begin_shutdown``), the listening socket closes, requests in flight and
-those that arrive on open connections finish, a body still arriving when
+SIGTERM: readiness turns 503 (``ServiceState.begin_shutdown``), the listening socket
+closes, then responses carry ``Connection: close``; requests in flight and those that
+arrive on open connections finish, a body still arriving when
 ``graceful_shutdown_s`` ends is answered 503, then the batcher drains and the process
 exits 0. A model that cannot be loaded exits 1.
 """
@@ -110,11 +110,19 @@ class ServiceServer(uvicorn.Server):
         self.service_state.begin_shutdown()
         self.should_exit = True
 
+    async def shutdown(self, sockets=None) -> None:
+        # Close the listening sockets first, and only then tell clients to close their
+        # connections: a client told earlier would reconnect into the listen backlog, which
+        # closing the socket resets (the request is lost); told now, its reconnect is refused.
+        for server in self.servers:
+            server.close()
+        self.service_state.announce_close = True
+        await super().shutdown(sockets)
 
-def serve(settings: ServiceSettings) -> int:
-    """Serve until SIGTERM/SIGINT (0) or a failed model load (1)."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+
+def build_server(settings: ServiceSettings, *, layer=None) -> ServiceServer:
+    """The uvicorn server of the app (``layer``: a loaded MoELayer, as create_app takes)."""
+    app = create_app(settings, layer=layer)
     state = app.state.megamoe
     config = uvicorn.Config(
         app,
@@ -133,8 +141,15 @@ def serve(settings: ServiceSettings) -> int:
         server.should_exit = True
 
     state.request_exit = stop_for_failure
+    return server
+
+
+def serve(settings: ServiceSettings) -> int:
+    """Serve until SIGTERM/SIGINT (0) or a failed model load (1)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = build_server(settings)
     server.run()
-    return state.exit_code
+    return server.service_state.exit_code
 
 
-__all__ = ["serve", "protocol_class", "ServiceServer", "SHUTDOWN_LINGER_S"]
+__all__ = ["serve", "build_server", "protocol_class", "ServiceServer", "SHUTDOWN_LINGER_S"]

@@ -57,3 +57,18 @@ class StickyDeviceErrorBackend(TorchBackend):
     def synchronize(self) -> None:
         if self.dead:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
+
+
+class SlowDeviceCallsBackend(TorchBackend):
+    """The torch backend whose GEMM and SF round trip each take 0.3 s more: a kernel-health run
+    that holds the device for seconds, while the MoE forward (inference) stays as fast as ever."""
+
+    DELAY_S = 0.3
+
+    def gemm(self, a, b, alpha=None, out_dtype=None):
+        time.sleep(self.DELAY_S)
+        return super().gemm(a, b, alpha=alpha) if out_dtype is None else super().gemm(a, b, alpha=alpha, out_dtype=out_dtype)
+
+    def verify_sf_roundtrip(self, scale):
+        time.sleep(self.DELAY_S)
+        return super().verify_sf_roundtrip(scale)
