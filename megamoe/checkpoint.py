@@ -235,6 +235,16 @@ def write_synthetic(path, preset: str = "tiny", seed: int = 0, progress: bool = 
 
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():  # a sharded checkpoint: exactly the files its index names
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                raise CheckpointError(f"{index}: unreadable ({exc})") from None
+            missing = [n for n in names if not (path / n).exists()]
+            if missing:
+                raise CheckpointError(f"{path / missing[0]}: named by {index.name} but missing")
+            return [path / n for n in names]
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{path}: no .safetensors files in this directory")

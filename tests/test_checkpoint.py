@@ -575,3 +575,24 @@ def test_report_lists_every_choice(tmp_path):
                  "input scales per expert", "shared expert nvfp4", "layer config: config.json model_type 'deepseek_v3'",
                  "w13 layout: separate gate/up tensors"):
         assert word in text, word
+
+
+def test_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=23)
+    write_per_expert(tmp_path, w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    t = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    keys = sorted(t)
+    half = {k: "model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors"
+            for i, k in enumerate(keys)}
+    for f in set(half.values()):
+        save_file({k: t[k] for k in keys if half[k] == f}, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
+    # a stray file beside the shards (not in the index) is not read
+    save_file({"model.layers.0.mlp.experts.9.gate_proj.weight": torch.zeros(32, 32, dtype=torch.uint8)},
+              str(tmp_path / "stray.safetensors"))
+    loaded = C.load(tmp_path)
+    assert torch.equal(loaded.weights.w13.data, w.w13.data) and loaded.config.num_experts == 6
+    (tmp_path / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(C.CheckpointError, match="model-00001-of-00002.safetensors: named by"):
+        C.load(tmp_path)
