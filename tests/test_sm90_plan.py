@@ -26,7 +26,7 @@ def test_kernel_enum_is_exported_once_with_its_members():
     assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
 
 
-@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6, 7, 10])
+@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6, 7, 8])
 def test_decode_streams_one_tile_fused(tpe):
     p = plan(tpe)
     assert (p.kernel, p.token_tile, p.tokens_per_pass, p.gather_x, p.h_operand) == (kind("stream"), 8, 8, True, True), \
@@ -34,16 +34,17 @@ def test_decode_streams_one_tile_fused(tpe):
 
 
 def test_switch_to_wgmma_and_its_tiles():
-    # 10 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
-    assert plan(10).kernel == kind("stream") and plan(10).tokens_per_pass == 8
-    assert (plan(11).kernel, plan(11).token_tile) == (kind("wgmma32"), 32)
-    assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma32"), 32)
+    # 8 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
+    assert plan(8).kernel == kind("stream") and plan(8).tokens_per_pass == 8
+    assert (plan(9).kernel, plan(9).token_tile) == (kind("wgmma32"), 32)
+    assert (plan(24).kernel, plan(24).token_tile) == (kind("wgmma32"), 32)
+    assert (plan(25).kernel, plan(25).token_tile) == (kind("wgmma64"), 64)
     # tile 32 steps K by 128: a K that is a multiple of 64 only runs tile 64 in that range
-    assert (plan(11, k_l2=2112).kernel, plan(32, k_l1=1088).token_tile) == (kind("wgmma64"), 64)
-    assert plan(11, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma64")
+    assert (plan(9, k_l2=2112).kernel, plan(24, k_l1=1088).token_tile) == (kind("wgmma64"), 64)
+    assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma64")
     assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (11, 32, 33, 5000):
+    for tpe in (9, 24, 32, 33, 5000):
         p = plan(tpe)
         assert not p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
         assert not plan(tpe, w4a16=False).h_operand
@@ -51,7 +52,7 @@ def test_switch_to_wgmma_and_its_tiles():
 
 @pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])
 def test_k_not_multiple_of_64_streams_with_more_tiles_per_pass(k_l1, k_l2):
-    for tpe, tpp in ((1, 8), (6, 8), (10, 8), (11, 32), (21, 32), (22, 64), (5000, 64)):
+    for tpe, tpp in ((1, 8), (6, 8), (8, 8), (9, 32), (21, 32), (22, 64), (5000, 64)):
         p = plan(tpe, k_l1=k_l1, k_l2=k_l2)
         assert (p.kernel, p.tokens_per_pass, p.gather_x) == (kind("stream"), tpp, True), (tpe, p)
     # an explicit wgmma request cannot run such a K either
