@@ -6,6 +6,12 @@ arrive in it and can share one forward call (same dtype and routing mode, see
 are stacked, run once, and split back in the same order, so each caller gets
 exactly its own rows. Forward calls run one at a time on a single device
 thread; while one runs, the next batch gathers.
+
+With ``finish`` given, ``run_batch`` only launches a batch (stages its rows and enqueues the
+device work, without waiting for the device) and ``finish`` waits for that batch and returns
+``(outputs, stage_seconds)`` in a completion thread. Then up to ``max_in_flight`` batches are
+under way at once: the next batch is gathered and staged on the host while the device runs
+this one.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,9 +60,18 @@ class DynamicBatcher:
         max_batch_tokens: int,
         queue_delay_s: float,
         on_batch: Callable[[int, int, float], None] | None = None,
+        finish: Callable | None = None,
+        on_stages: Callable[[dict], None] | None = None,
+        max_in_flight: int = 2,
     ):
         self._run_batch = run_batch
         self._executor = executor
+        self._finish = finish
+        self._on_stages = on_stages
+        self._max_in_flight = max_in_flight
+        self._slots: asyncio.Semaphore | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megamoe-complete") if finish else None
         self.max_batch_tokens = max_batch_tokens
         self.queue_delay_s = queue_delay_s
         self._on_batch = on_batch
@@ -74,6 +89,10 @@ class DynamicBatcher:
         self._arrived.set()
         if self._task is not None:
             await self._task
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        if self._completer is not None:
+            self._completer.shutdown(wait=True)
 
     @property
     def queued_requests(self) -> int:
@@ -112,6 +131,11 @@ class DynamicBatcher:
                     return
                 self._arrived.clear()
                 await self._arrived.wait()
+            if self._finish is not None:
+                # a free launch slot first: while the device is busy, the batch keeps growing
+                if self._slots is None:
+                    self._slots = asyncio.Semaphore(self._max_in_flight)
+                await self._slots.acquire()
             head = self._waiting[0]
             deadline = head.enqueued_s + self.queue_delay_s
             while not self._stopping and self._ready_tokens(head.request.batch_key) < self.max_batch_tokens:
@@ -125,27 +149,61 @@ class DynamicBatcher:
                     break
             batch = [w for w in self._take_batch() if not w.future.done()]
             if not batch:
+                if self._finish is not None:
+                    self._slots.release()
                 continue
             started = time.perf_counter()
             requests = [w.request for w in batch]
+            if self._finish is not None:
+                try:
+                    launched = await loop.run_in_executor(self._executor, self._run_batch, requests)
+                except Exception as exc:  # the device failed: every caller in the batch hears why
+                    self._slots.release()
+                    self._fail(batch, exc)
+                    continue
+                task = loop.create_task(self._complete(batch, requests, launched, started))
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+                continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self._run_batch, requests)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"batch of {len(batch)} requests produced {len(outputs)} outputs")
             except Exception as exc:  # the device failed: every caller in the batch hears why
-                for waiting in batch:
-                    if not waiting.future.done():
-                        waiting.future.set_exception(exc)
+                self._fail(batch, exc)
                 continue
-            compute_s = time.perf_counter() - started
-            tokens = sum(r.tokens for r in requests)
-            for waiting, output in zip(batch, outputs):
-                if not waiting.future.done():
-                    waiting.future.set_result(
-                        BatchResult(output, started - waiting.enqueued_s, compute_s, len(batch), tokens)
-                    )
+            self._deliver(batch, requests, outputs, started, time.perf_counter() - started, None)
+
+    @staticmethod
+    def _fail(batch: list[_Waiting], exc: BaseException) -> None:
+        for waiting in batch:
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)
+
+    async def _complete(self, batch: list[_Waiting], requests: list[ModelRequest], launched, started: float) -> None:
+        try:
+            outputs, stages = await asyncio.get_running_loop().run_in_executor(self._completer, self._finish, launched)
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} requests produced {len(outputs)} outputs")
+        except Exception as exc:  # the device failed: every caller in the batch hears why
+            self._fail(batch, exc)
+            return
+        finally:
+            self._slots.release()
+        compute_s = stages.get("compute", time.perf_counter() - started)
+        self._deliver(batch, requests, outputs, started, compute_s, stages)
+
+    def _deliver(self, batch, requests, outputs, started: float, compute_s: float, stages: dict | None) -> None:
+        tokens = sum(r.tokens for r in requests)
+        for waiting, output in zip(batch, outputs):
+            if not waiting.future.done():
+                waiting.future.set_result(
+                    BatchResult(output, started - waiting.enqueued_s, compute_s, len(batch), tokens)
+                )
+        try:  # metrics must never stop the loop that every caller waits on
             if self._on_batch is not None:
-                try:  # metrics must never stop the loop that every caller waits on
-                    self._on_batch(len(batch), tokens, compute_s)
-                except Exception:
-                    log.exception("batch metrics callback failed")
+                self._on_batch(len(batch), tokens, compute_s)
+            if stages and self._on_stages is not None:
+                self._on_stages(stages)
+        except Exception:
+            log.exception("batch metrics callback failed")

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_STAGE_BUCKETS_S = (0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0)
 _BATCH_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -33,6 +34,12 @@ class ServiceMetrics:
         self.compute_latency = Histogram(
             "megamoe_compute_latency_seconds", "time of one batched forward on the device",
             ["model"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.stage_latency = Histogram(
+            "megamoe_stage_seconds",
+            "where an infer's time goes, by stage: per request decode (body to tensors, validation included) "
+            "and encode (output to body); per batch stage (rows stacked into pinned host buffers), "
+            "h2d, compute and d2h (CUDA event times on a GPU; on the CPU compute is the whole forward)",
+            ["model", "stage"], buckets=_STAGE_BUCKETS_S, registry=r)
         self.batch_requests = Histogram(
             "megamoe_batch_size_requests", "requests per batched forward",
             ["model"], buckets=_BATCH_REQUEST_BUCKETS, registry=r)
@@ -63,6 +70,13 @@ class ServiceMetrics:
         self.batch_tokens.labels(model).observe(tokens)
         self.compute_latency.labels(model).observe(compute_s)
         self.tokens.labels(model).inc(tokens)
+
+    def record_stage(self, model: str, stage: str, seconds: float) -> None:
+        self.stage_latency.labels(model, stage).observe(seconds)
+
+    def record_stages(self, model: str, stages: dict[str, float]) -> None:
+        for stage, seconds in stages.items():
+            self.stage_latency.labels(model, stage).observe(seconds)
 
     def record_selftest(self, level: str, report: dict, when_s: float) -> None:
         self.selftest_runs.labels(level, report.get("status", "fail")).inc()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import torch
 
 from .protocol import ProtocolError
 from .settings import ServiceSettings
+
+log = logging.getLogger("megamoe.service.model")
 
 FLOAT_TYPES = ("BF16", "FP16", "FP32")
 INT_TYPES = ("INT32", "INT64")
@@ -104,6 +108,7 @@ class ServedModel:
         # would cost a device sync per batch, so it is skipped where the layer allows it
         params = inspect.signature(layer.forward).parameters
         self._forward_kwargs = {"validate": False} if "validate" in params else {}
+        self._graphs: dict[tuple, _Graph | None] = {}
 
     @property
     def has_router(self) -> bool:
@@ -251,25 +256,189 @@ class ServedModel:
             raise ProtocolError("this model has no router: send topk_ids and topk_weights, or router_logits")
         return ModelRequest(hidden, "router")
 
+    # --- the batched forward -------------------------------------------------------
+    #
+    # launch_batch (device thread): stack the requests' rows, copy them to the device, enqueue
+    # the forward and the copy back; on a CUDA device nothing waits for the device, so the
+    # next batch is gathered and staged while this one runs. finish_batch (any thread): wait
+    # for the copy back, split the rows per request. Stage times (stage, h2d, compute, d2h) are
+    # device-event times on CUDA, host times on the CPU.
+
     def forward_batch(self, requests: list[ModelRequest]) -> list[torch.Tensor]:
         """One forward over the requests' rows stacked; each caller gets back exactly its own rows (CPU)."""
+        return self.finish_batch(self.launch_batch(requests))[0]
+
+    def launch_batch(self, requests: list[ModelRequest]) -> "_Launched":
+        started = time.perf_counter()
+        sizes = [r.tokens for r in requests]
+        if self.device.type != "cuda":
+            with torch.inference_mode():
+                out = self.layer.forward(*self._stacked(requests), **self._forward_kwargs)
+            done = time.perf_counter()
+            return _Launched(out, sizes, None, {"compute": done - started})
+        return self._launch_cuda(requests, sizes, started)
+
+    def finish_batch(self, launched: "_Launched") -> tuple[list[torch.Tensor], dict[str, float]]:
+        stages = dict(launched.stages)
+        if launched.events is not None:
+            start, h2d, compute, d2h = launched.events
+            d2h.synchronize()
+            stages.update(h2d=start.elapsed_time(h2d) / 1e3, compute=h2d.elapsed_time(compute) / 1e3,
+                          d2h=compute.elapsed_time(d2h) / 1e3)
+        out = launched.output[: sum(launched.sizes)]
+        return list(out.split(launched.sizes)), stages
+
+    def _stacked(self, requests: list[ModelRequest]):
         def stacked(attr):
             parts = [getattr(r, attr) for r in requests]
             if parts[0] is None:
                 return None
-            joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return joined.to(self.device, non_blocking=True)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+        hidden = stacked("hidden_states")
+        return hidden, stacked("topk_ids"), stacked("topk_weights"), stacked("router_logits")
+
+    def _launch_cuda(self, requests: list[ModelRequest], sizes: list[int], started: float) -> "_Launched":
+        tokens = sum(sizes)
+        head = requests[0]
+        key = (head.mode, head.hidden_states.dtype)
+        graph = self._graph_for(key, tokens)
+        rows = graph.rows if graph is not None else tokens
+        # one pinned staging tensor per input (torch's caching host allocator recycles them once
+        # the copies that read them are done), filled row block by row block: no torch.cat copy
+        host = {}
+        for name in ROUTING_INPUTS.get(head.mode, ()) + ("hidden_states",):
+            first = getattr(head, name)
+            buf = torch.empty((rows, first.shape[1]), dtype=first.dtype, pin_memory=True)
+            row = 0
+            for request, n in zip(requests, sizes):
+                buf[row: row + n].copy_(getattr(request, name))
+                row += n
+            if rows > tokens:
+                _fill_padding(name, buf[tokens:], self.config)
+            host[name] = buf
+        staged = time.perf_counter()
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
+        events[0].record()
         with torch.inference_mode():
-            out = self.layer.forward(
-                stacked("hidden_states"),
-                topk_ids=stacked("topk_ids"),
-                topk_weights=stacked("topk_weights"),
-                router_logits=stacked("router_logits"),
-                **self._forward_kwargs,
-            )
-            out = out.cpu()
-        return list(out.split([r.tokens for r in requests]))
+            if graph is not None:
+                for name, buf in host.items():
+                    graph.inputs[name].copy_(buf, non_blocking=True)
+                events[1].record()
+                graph.graph.replay()
+                out_dev = graph.output
+            else:
+                dev = {name: buf.to(self.device, non_blocking=True) for name, buf in host.items()}
+                events[1].record()
+                out_dev = self.layer.forward(dev["hidden_states"], topk_ids=dev.get("topk_ids"),
+                                             topk_weights=dev.get("topk_weights"),
+                                             router_logits=dev.get("router_logits"), **self._forward_kwargs)
+            events[2].record()
+            out = torch.empty(out_dev.shape, dtype=out_dev.dtype, pin_memory=True)
+            out.copy_(out_dev, non_blocking=True)
+            events[3].record()
+        return _Launched(out, sizes, events, {"stage": staged - started})
+
+    # --- CUDA graphs for bucketed batch sizes ------------------------------------------
+    #
+    # A batch of T tokens runs in the graph captured for the smallest bucket >= T (powers of
+    # two up to GRAPH_MAX_TOKENS), the extra rows padded (zero hidden states, zero top-k weights,
+    # ids spread over the experts: rows are independent, the padding rows are dropped). A
+    # bucket is captured on first use, after a replay of random inputs matched the eager forward
+    # bit for bit; a capture that fails or does not match leaves that key eager for good.
+
+    GRAPH_MAX_TOKENS = 256
+
+    def _graphs_supported(self) -> bool:
+        return self.device.type == "cuda" and self.backend_name in GRAPH_BACKENDS
+
+    def _graph_for(self, key: tuple, tokens: int):
+        if tokens > self.GRAPH_MAX_TOKENS or key[0] not in GRAPH_MODES or not self._graphs_supported():
+            return None
+        rows = 1 << max(0, (tokens - 1).bit_length())
+        gkey = (*key, rows)
+        if gkey not in self._graphs:
+            self._graphs[gkey] = self._capture(key[0], key[1], rows)
+        return self._graphs[gkey]
+
+    def _capture(self, mode: str, dtype: torch.dtype, rows: int):
+        cfg = self.config
+        device = self.device
+        gen = torch.Generator(device="cpu").manual_seed(rows)
+        inputs = {"hidden_states": torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)}
+        if mode == "topk":
+            inputs["topk_ids"] = torch.zeros((rows, cfg.top_k), dtype=torch.int32, device=device)
+            inputs["topk_weights"] = torch.zeros((rows, cfg.top_k), dtype=torch.float32, device=device)
+
+        def forward():
+            return self.layer.forward(inputs["hidden_states"], topk_ids=inputs.get("topk_ids"),
+                                      topk_weights=inputs.get("topk_weights"), validate=False)
+
+        def fill_random():
+            inputs["hidden_states"].copy_(torch.randn((rows, cfg.hidden_size), generator=gen).to(dtype))
+            if mode == "topk":
+                ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(rows)])
+                inputs["topk_ids"].copy_(ids.int())
+                inputs["topk_weights"].copy_(torch.rand((rows, cfg.top_k), generator=gen))
+
+        try:
+            with torch.inference_mode():
+                fill_random()
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    forward()  # warm-up on the capture stream: workspaces, plans, lazy set-up
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    output = forward()
+                fill_random()
+                graph.replay()
+                eager = forward()
+                torch.cuda.synchronize(device)
+                if not torch.equal(output, eager):
+                    log.warning("CUDA graph of %s/%s T=%d differs from the eager forward: that batch size stays eager",
+                                mode, dtype, rows)
+                    return None
+        except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly
+            log.warning("CUDA graph capture of %s/%s T=%d failed (%s: %s): that batch size stays eager",
+                        mode, dtype, rows, type(exc).__name__, exc)
+            torch.cuda.synchronize(device)
+            return None
+        return _Graph(graph, inputs, output, rows)
+
+
+#: inputs staged per routing mode (besides hidden_states)
+ROUTING_INPUTS = {"topk": ("topk_ids", "topk_weights"), "logits": ("router_logits",), "router": ()}
+GRAPH_MODES = ("topk", "router")
+GRAPH_BACKENDS = ("cuda-sm90",)
+
+
+def _fill_padding(name: str, rows: torch.Tensor, cfg) -> None:
+    """Padding rows of a graph bucket: contribute nothing to real rows (rows are independent)."""
+    if name == "topk_ids":
+        # distinct valid experts per row, spread round-robin so no expert gets all the padding
+        n = rows.shape[0]
+        base = torch.arange(n * cfg.top_k, dtype=torch.int64).reshape(n, cfg.top_k)
+        rows.copy_((base % cfg.num_experts).to(rows.dtype))
+    else:
+        rows.zero_()
+
+
+@dataclass
+class _Launched:
+    output: torch.Tensor          # [rows, H] on the host (pinned on CUDA), rows >= sum(sizes)
+    sizes: list[int]
+    events: tuple | None          # CUDA: start, after h2d, after compute, after d2h
+    stages: dict[str, float]
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+    rows: int
 
 
 def _expect_dtype(name: str, datatype: str, allowed: tuple[str, ...]) -> None:
