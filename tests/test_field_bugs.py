@@ -7,6 +7,8 @@ never run here: there is no Blackwell GPU).
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -34,8 +36,19 @@ def backend(request):
     return make_backend(request.param)
 
 
+@functools.lru_cache(maxsize=None)
+def _weights(preset: str, seed: int, over: tuple):
+    """Synthetic weights of a shape, made once for every backend (making them is the slow part)."""
+    from megamoe.checkpoint import synthetic_weights
+    from megamoe.presets import get_preset
+
+    cfg = get_preset(preset).with_(**dict(over))
+    return cfg, synthetic_weights(cfg, seed=seed)
+
+
 def _layer(be, preset="tiny", seed=5, **over):
-    return MoELayer.from_preset(preset, seed=seed, backend=be, **over)
+    cfg, weights = _weights(preset, seed, tuple(sorted(over.items())))
+    return MoELayer(weights, cfg, backend=be)
 
 
 def _x(t, h, seed):
@@ -50,7 +63,7 @@ def _spread_ids(t, k, e, seed):
     return ids.to(torch.int32)
 
 
-def _weights(t, k, seed):
+def _route_weights(t, k, seed):
     w = torch.rand(t, k, generator=torch.Generator().manual_seed(seed)) + 0.1
     return (w / w.sum(1, keepdim=True)).float()
 
@@ -80,7 +93,7 @@ def _masked_case(layer, t, seed):
     cfg = layer.config
     e, k = cfg.num_experts, cfg.top_k
     ids = _spread_ids(t, k, e, seed)
-    w = _weights(t, k, seed)
+    w = _route_weights(t, k, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     mask = torch.rand(t, k, generator=gen) < 0.35
     mask[0] = True  # one token with every slot masked
@@ -112,7 +125,7 @@ def test_all_ids_masked_gives_zeros(backend):
     cfg = layer.config
     x = _x(9, cfg.hidden_size, 1)
     ids = torch.full((9, cfg.top_k), -1, dtype=torch.int64)
-    out = backend.moe_forward(layer._prepared, cfg, x, ids, _weights(9, cfg.top_k, 1))
+    out = backend.moe_forward(layer._prepared, cfg, x, ids, _route_weights(9, cfg.top_k, 1))
     assert out.shape == (9, cfg.hidden_size) and torch.equal(out, torch.zeros_like(out))
 
 
@@ -136,10 +149,10 @@ def test_odd_shapes_against_the_reference_every_column(backend, h, i, e, k):
     """rows 15 (H % 128 != 0, many experts), 20 (E % 4 != 0), 8 (I % 128 != 0), 29 (every column)."""
     layer = _layer(backend, hidden_size=h, intermediate_size=i, num_experts=e, top_k=k)
     cfg = layer.config
-    for t in (1, 5, 129):
+    for t in (1, 129):
         x = _x(t, h, t)
         ids = _spread_ids(t, k, e, t)
-        w = _weights(t, k, t)
+        w = _route_weights(t, k, t)
         out = backend.moe_forward(layer._prepared, cfg, x, ids, w)
         assert out.shape == (t, h) and torch.isfinite(out).all()
         if backend.name == "torch":
@@ -168,7 +181,7 @@ def test_many_small_experts_each_compared(backend):
     t = e  # slot 0 of token t is expert t: every expert has one or two tokens
     ids = torch.stack([torch.arange(t), (torch.arange(t) * 7 + 3) % e], dim=1).to(torch.int32)
     x = _x(t, cfg.hidden_size, 24)
-    w = _weights(t, k, 24)
+    w = _route_weights(t, k, 24)
     out = backend.moe_forward(layer._prepared, cfg, x, ids, w)
     for ex in range(e):  # each expert on its own: its token(s) through it alone
         tok = (ids == ex).any(1).nonzero().flatten()
@@ -190,7 +203,7 @@ def test_all_tokens_on_one_expert_then_real_routing(backend):
     cfg = layer.config
     t = 130
     x = _x(t, cfg.hidden_size, 25)
-    w = _weights(t, cfg.top_k, 25)
+    w = _route_weights(t, cfg.top_k, 25)
     zeros = torch.zeros(t, cfg.top_k, dtype=torch.int32)  # duplicates inside a token too
     real = _spread_ids(t, cfg.top_k, cfg.num_experts, 25)
     for ids in (zeros, real, zeros):
@@ -209,7 +222,7 @@ def test_same_input_same_bits_top_k_3_or_more(backend):
     cfg = layer.config
     x = _x(65, cfg.hidden_size, 28)
     ids = _spread_ids(65, 6, cfg.num_experts, 28)
-    w = _weights(65, 6, 28)
+    w = _route_weights(65, 6, 28)
     a = backend.moe_forward(layer._prepared, cfg, x, ids, w)
     b = backend.moe_forward(layer._prepared, cfg, x, ids, w)
     assert torch.equal(a, b)
@@ -226,7 +239,7 @@ def test_per_expert_and_shared_input_scales(backend):
     assert wts.w13_input_scale is not None and wts.w13_input_scale.unique().numel() > 1
     x = _x(40, cfg.hidden_size, 18)
     ids = _spread_ids(40, cfg.top_k, cfg.num_experts, 18)
-    w = _weights(40, cfg.top_k, 18)
+    w = _route_weights(40, cfg.top_k, 18)
     shared = type(wts)(**{**wts.__dict__, "w13_input_scale": wts.w13_input_scale.max().expand_as(
         wts.w13_input_scale).contiguous(), "w2_input_scale": wts.w2_input_scale.max().expand_as(
         wts.w2_input_scale).contiguous()})
