@@ -12,7 +12,12 @@
 # x86-64 Linux). The extension is built here (CMake, sm_90a) unless megamoe/_C has the sm90 kernels.
 # Server flags: --queue-delay-ms 0 (the batcher never waits while the device is idle; requests that
 # arrive while it is busy join the next batch), --selftest-level quick.
+# PYTHON (default python3) runs everything; PRESET / BACKEND (default v4-flash / cuda-sm90) change the layer, e.g. for a CPU smoke run of this
+# script: PYTHON=.venv/bin/python PRESET=small BACKEND=torch WINDOW_MS=500 bench/serve_gpu.sh /tmp/x
 set -uo pipefail
+PRESET=${PRESET:-v4-flash}
+BACKEND=${BACKEND:-cuda-sm90}
+PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 OUT=${1:-$PWD/serve_gpu_out}
 mkdir -p "$OUT"
@@ -25,27 +30,27 @@ cleanup() { [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; wait 2>/dev/
 trap cleanup EXIT
 
 # 1. Python packages: the service's, from wheels when the interpreter lacks them
-if ! python3 -c "import fastapi, uvicorn, pydantic_settings, prometheus_client" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "${WHEELS:-.whl}"/*.whl \
+if ! "$PY" -c "import fastapi, uvicorn, pydantic_settings, prometheus_client" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "${WHEELS:-.whl}"/*.whl \
     >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; echo "wheel install failed"; exit 1; }
   export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # 2. the extension with the sm90 kernels
-if ! python3 -c "from megamoe import _ext; assert _ext.has_part('sm90')" 2>/dev/null; then
+if [[ "$BACKEND" == cuda-sm90 ]] && ! "$PY" -c "from megamoe import _ext; assert _ext.has_part('sm90')" 2>/dev/null; then
   (cmake -S . -B build/serve_gpu -G Ninja -DMEGAMOE_CUDA_ARCHS=90a -DMEGAMOE_REQUIRE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-     -DPython_EXECUTABLE="$(command -v python3)" && cmake --build build/serve_gpu -j "$(nproc)" \
+     -DPython_EXECUTABLE="$(command -v "$PY")" && cmake --build build/serve_gpu -j "$(nproc)" \
      && cp build/serve_gpu/_C*.so megamoe/) >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   echo "extension built at $(el)"
 fi
 # 3. the installed layout (megamoe.service) when the package is not installed: megamoe/ with service/ inside
-# (python3 -m and -c put the working directory first on sys.path: the service runs from $work)
-if ! (cd "$work" && python3 -c "import megamoe.service") 2>/dev/null; then
+# ($PY -m and -c put the working directory first on sys.path: the service runs from $work)
+if ! (cd "$work" && "$PY" -c "import megamoe.service") 2>/dev/null; then
   mkdir -p "$work/pkg/megamoe"
   for f in "$PWD"/megamoe/*; do ln -s "$f" "$work/pkg/megamoe/"; done
   ln -s "$PWD/service" "$work/pkg/megamoe/service"
   export PYTHONPATH="$work/pkg${PYTHONPATH:+:$PYTHONPATH}"
 fi
-(cd "$work" && python3 -c "import megamoe.service") || { echo "megamoe.service does not import"; exit 1; }
+(cd "$work" && "$PY" -c "import megamoe.service") || { echo "megamoe.service does not import"; exit 1; }
 PA=${PERF_ANALYZER:-}
 for cand in .venv/bin/perf_analyzer perf_analyzer/perf_analyzer; do
   [ -z "$PA" ] && [ -x "$cand" ] && PA=$PWD/$cand
@@ -54,14 +59,14 @@ done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
 
 # 4. forward-only tokens/s and the perf_analyzer data files (random inputs, routing given)
-python3 bench/serve_gpu_forward.py --preset v4-flash --backend cuda-sm90 --tokens 512 1 --data-dir "$work" \
+"$PY" bench/serve_gpu_forward.py --preset "$PRESET" --backend "$BACKEND" --tokens 512 1 --data-dir "$work" \
   --out "$OUT/forward.json" >"$OUT/forward.log" 2>&1 || { tail -20 "$OUT/forward.log"; echo "forward timing failed"; exit 1; }
 echo "forward-only timed at $(el): $(tail -1 "$OUT/forward.log")"
 
 # 5. the server
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-(cd "$work" && exec python3 -m megamoe.cli serve --backend cuda-sm90 --preset v4-flash --host 127.0.0.1 --port "$port" \
-  --queue-delay-ms 0 --selftest-level quick --log-level warning) >"$OUT/server.log" 2>&1 &
+port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+(cd "$work" && exec "$PY" -m megamoe.cli serve --backend "$BACKEND" --preset "$PRESET" --host 127.0.0.1 --port "$port" \
+  --queue-delay-ms 0 --selftest-level quick --log-level info) >"$OUT/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 1 600); do
   curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null 2>&1 && break
@@ -75,9 +80,9 @@ echo "server ready at $(el)"
 pa_case() {
   local name=$1 tokens=$2 conc=$3
   curl -sf "http://127.0.0.1:$port/metrics" >"$OUT/metrics_${name}_before.txt"
-  "$PA" -m v4-flash -u "127.0.0.1:$port" -i http --input-data "$work/data_T$tokens.json" \
-    --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" --stability-percentage 25 \
-    --max-trials 6 -f "$OUT/pa_$name.csv" >"$OUT/pa_$name.log" 2>&1
+  "$PA" -m "$PRESET" -u "127.0.0.1:$port" -i http --input-data "$work/data_T$tokens.json" \
+    --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" --stability-percentage 40 \
+    --max-trials 8 -f "$OUT/pa_$name.csv" >"$OUT/pa_$name.log" 2>&1
   echo "perf_analyzer $name rc=$? at $(el)"
   curl -sf "http://127.0.0.1:$port/metrics" >"$OUT/metrics_${name}_after.txt"
 }
@@ -86,6 +91,6 @@ pa_case T1_c1 1 1
 pa_case T1_c16 1 16
 kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null; server_pid=
 
-python3 bench/serve_gpu_forward.py --report "$OUT" --command "bench/serve_gpu.sh" --perf-analyzer "$PA" \
+"$PY" bench/serve_gpu_forward.py --report "$OUT" --command "PRESET=$PRESET BACKEND=$BACKEND bench/serve_gpu.sh" --perf-analyzer "$PA" \
   --out "$OUT/serve_h200.json" || exit 1
 echo "done at $(el)"

@@ -27,7 +27,10 @@ def time_forward(args) -> None:
 
     from megamoe.moe import MoELayer
 
-    layer = MoELayer.from_preset(args.preset, seed=0, backend=args.backend, device="cuda")
+    import time
+
+    cuda = torch.cuda.is_available()
+    layer = MoELayer.from_preset(args.preset, seed=0, backend=args.backend, device="cuda" if cuda else "cpu")
     cfg = layer.config
     out_dir = Path(args.data_dir)
     record = {"preset": args.preset, "backend": args.backend, "forward": []}
@@ -48,19 +51,22 @@ def time_forward(args) -> None:
                         for h, i, w in streams]}
         (out_dir / f"data_T{tokens}.json").write_text(json.dumps(doc))
 
-        hidden, ids, weights = (t.cuda() for t in streams[0])
+        hidden, ids, weights = (t.to(layer.device) for t in streams[0])
+        iters = (50 if tokens > 64 else 200) if cuda else 5
         with torch.inference_mode():
-            for _ in range(5):
+            for _ in range(5 if cuda else 1):
                 layer.forward(hidden, topk_ids=ids, topk_weights=weights, validate=False)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            iters = 50 if tokens > 64 else 200
-            start.record()
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            began = time.perf_counter()
             for _ in range(iters):
                 layer.forward(hidden, topk_ids=ids, topk_weights=weights, validate=False)
-            end.record()
-            torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / iters
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / iters if cuda else (time.perf_counter() - began) * 1e3 / iters
         row = {"tokens": tokens, "input_dtype": "float32", "ms_per_forward": round(ms, 4),
                "tokens_per_s": round(tokens / ms * 1e3, 1), "iterations": iters}
         record["forward"].append(row)
@@ -139,8 +145,9 @@ def report(args) -> None:
         "command": args.command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "what": "perf_analyzer (binary tensors, FP32 hidden states as advertised, INT32 ids, FP32 weights, "
-                "random inputs from a data file) against megamoe serve --backend cuda-sm90 --preset v4-flash "
-                "--queue-delay-ms 0 on 127.0.0.1; forward-only: the same layer's forward, CUDA events, no HTTP",
+                f"random inputs from a data file) against megamoe serve --backend {forward['backend']} --preset "
+                f"{forward['preset']} --queue-delay-ms 0 on 127.0.0.1; forward-only: the same layer's forward "
+                "(CUDA events on a GPU), no HTTP",
         "device": {"gpu_csv": gpu, "torch_cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                    "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "git_commit": git,
