@@ -200,10 +200,10 @@ def test_moe_wgmma_t_sweep_partial_tiles(kernel, shape, gen, forced_kernel):
         assert torch.equal(gpu.forward(x, ids, w, validate=False), out), t
 
 
-@pytest.mark.parametrize("t", [256, 341, 384, 1024, 1100])
+@pytest.mark.parametrize("t", [256, 341, 384, 1100, 1160])
 def test_moe_v4_flash_switch_pocket(t, gen):
-    """v4-flash shapes with E cut to 64 and T to t/4 (the same T*k/E as v4-flash at T = t: 6, 8, 9, 24 and
-    26 expected tokens per expert, around the plan's switch points): the plan's kernel against the torch
+    """v4-flash shapes with E cut to 64 and T to t/4 (the same T*k/E as v4-flash at T = t: 6, 8, 9, 26 and
+    28 expected tokens per expert, around the plan's switch points): the plan's kernel against the torch
     backend."""
     gpu, ref = _layers("v4-flash", num_experts=64)
     x, ids, w = _route(gpu, t // 4, gen)

@@ -73,7 +73,7 @@ struct GemmPlan {
 // 128, tile 64 up to kWgmma64UpTo, then 128); streaming whenever a K is not a multiple of 64 or
 // E > 1024 (the wgmma kernel's limits), with more tiles per pass then.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 8;
-constexpr int64_t kWgmma32UpTo = 24;
+constexpr int64_t kWgmma32UpTo = 26;
 constexpr int64_t kWgmma64UpTo = 32;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
