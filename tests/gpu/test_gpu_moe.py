@@ -7,7 +7,7 @@ import torch
 
 from megamoe.moe import MoELayer
 
-from _gpu_util import cosine, rel_err, sm90_backend
+from _gpu_util import capture_graph, cosine, rel_err, sm90_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -106,14 +106,7 @@ def test_cuda_graph_replay_equals_eager(t, mode, gen):
     x, ids, w = _route(gpu, t, gen)
     eager = gpu.forward(x, ids, w).clone()
     xs, ids_s, ws_ = x.clone(), ids.clone(), w.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        gpu.forward(xs, ids_s, ws_, validate=False)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = gpu.forward(xs, ids_s, ws_, validate=False)
+    g, out = capture_graph(gpu.forward, xs, ids_s, ws_, validate=False)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
