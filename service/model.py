@@ -75,7 +75,8 @@ def load_layer(settings: ServiceSettings):
 
     backend = resolve_backend(settings.backend)
     if settings.checkpoint:
-        return MoELayer.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device)
+        return MoELayer.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device,
+                                        layer=settings.layer)
     return MoELayer.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device)
 
 

@@ -27,8 +27,12 @@ class ServiceSettings(BaseSettings):
     )
 
     checkpoint: str | None = Field(
-        None, description="ModelOpt NVFP4 MoE checkpoint to serve (a directory or one .safetensors file); unset: "
-        "the synthetic preset. One that cannot be loaded stops the server with exit status 1"
+        None, description="NVFP4 MoE checkpoint to serve (ModelOpt or compressed-tensors; a directory or one "
+        ".safetensors file); unset: the synthetic preset. One that cannot be loaded stops the server with exit status 1"
+    )
+    layer: str | None = Field(
+        None, description="with a checkpoint: the MoE layer to serve, the model's layer number (model.layers.N) or a "
+        "tensor-name prefix; unset: the first MoE layer (`megamoe info --checkpoint DIR` lists them)"
     )
     preset: str = Field("small", description="synthetic preset served when no checkpoint is given (tiny, small, v4-flash, v3)")
     seed: int = Field(0, description="seed of the synthetic preset's weights")
@@ -88,7 +92,7 @@ class ServiceSettings(BaseSettings):
     )
     log_level: str = Field("info", description="uvicorn log level")
 
-    @field_validator("checkpoint", "model_name", "device", mode="before")
+    @field_validator("checkpoint", "layer", "model_name", "device", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         # compose passes ``${VAR:-}`` as an empty string: treat it as not given

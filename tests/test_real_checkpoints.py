@@ -270,3 +270,22 @@ def test_info_prints_what_the_loader_decided(capsys):
         assert word in out, word
     assert main(["info", "--checkpoint", str(d), "--layer", "7"]) == 1
     assert "layer 7: not a MoE layer" in capsys.readouterr().err
+
+
+def test_serve_settings_choose_the_layer():
+    """``megamoe serve --checkpoint DIR --layer N``: the service loads that MoE layer (default:
+    the first), from the folder alone."""
+    pytest.importorskip("pydantic_settings")
+    from megamoe.service.model import load_layer
+    from megamoe.service.settings import parse_settings
+
+    d = FIXTURES / "modelopt_nvfp4"
+    ref = _ref(d, 1)
+    s = parse_settings(["--checkpoint", str(d), "--layer", "1", "--backend", "torch", "--device", "cpu"])
+    layer = load_layer(s)
+    assert layer.load_report.prefix == "model.layers.1.mlp."
+    assert cosine(layer(ref["x"]), ref["y_fp32"]) >= 0.99999
+    first = load_layer(parse_settings(["--checkpoint", str(d), "--backend", "torch", "--device", "cpu"]))
+    assert first.load_report.prefix == "model.layers.0.mlp."
+    with pytest.raises(C.CheckpointError, match="layer 4: not a MoE layer"):
+        load_layer(parse_settings(["--checkpoint", str(d), "--layer", "4", "--backend", "torch"]))
