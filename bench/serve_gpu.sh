@@ -12,6 +12,7 @@
 # x86-64 Linux). The extension is built here (CMake, sm_90a) unless megamoe/_C has the sm90 kernels.
 # Server flags: --queue-delay-ms 0 (the batcher never waits while the device is idle; requests that
 # arrive while it is busy join the next batch), --selftest-level quick.
+# GIT_COMMIT names the commit that runs (default: git rev-parse HEAD; a copied tree may have none).
 # PYTHON (default python3) runs everything; PRESET / BACKEND (default v4-flash / cuda-sm90) change the layer, e.g. for a CPU smoke run of this
 # script: PYTHON=.venv/bin/python PRESET=small BACKEND=torch WINDOW_MS=500 bench/serve_gpu.sh /tmp/x
 set -uo pipefail
@@ -92,5 +93,6 @@ pa_case T1_c16 1 16
 kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null; server_pid=
 
 "$PY" bench/serve_gpu_forward.py --report "$OUT" --command "PRESET=$PRESET BACKEND=$BACKEND bench/serve_gpu.sh" --perf-analyzer "$PA" \
+  ${GIT_COMMIT:+--commit "$GIT_COMMIT"} \
   --out "$OUT/serve_h200.json" || exit 1
 echo "done at $(el)"

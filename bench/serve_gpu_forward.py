@@ -140,7 +140,7 @@ def report(args) -> None:
     import torch
 
     gpu = (d / "gpu.txt").read_text().strip().splitlines()[-1] if (d / "gpu.txt").exists() else None
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    git = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     record = {
         "command": args.command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -151,7 +151,7 @@ def report(args) -> None:
         "device": {"gpu_csv": gpu, "torch_cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                    "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "git_commit": git,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "megamoe": version("megamoe"),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "megamoe": version("megamoe") or __import__("megamoe").__version__ + " (source tree)",
                      "fastapi": version("fastapi"), "uvicorn": version("uvicorn"), "starlette": version("starlette"),
                      "uvloop": version("uvloop"), "httptools": version("httptools"),
                      "perf_analyzer": "2.48.0 (tritonclient 2.48.0 wheel)"},
@@ -175,6 +175,7 @@ def main() -> int:
     p.add_argument("--report")
     p.add_argument("--command", default="bench/serve_gpu.sh")
     p.add_argument("--perf-analyzer")
+    p.add_argument("--commit", help="the commit that ran (default: git rev-parse HEAD)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.report:
