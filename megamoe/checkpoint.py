@@ -823,7 +823,7 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
         report.tensors[full] = str(t.dtype).replace("torch.", "")
         return t
 
-    if fmt.name in ("modelopt", "compressed-tensors") and layout != "per-expert":
+    if (fmt.name == "compressed-tensors" and layout != "per-expert") or (fmt.name == "modelopt" and layout == "hf-fused"):
         raise CheckpointError(f"{prefix}: a {fmt.name} checkpoint with {layout} expert tensors "
                               f"({'w13_weight' if layout == 'fused' else 'experts.gate_up_proj'}): megamoe reads "
                               f"this format's per-expert layout (experts.{{e}}.gate_proj...)")

@@ -596,3 +596,24 @@ def test_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
     (tmp_path / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(C.CheckpointError, match="model-00001-of-00002.safetensors: named by"):
         C.load(tmp_path)
+
+
+def test_modelopt_fused_layout_needs_its_gate_up_order(tmp_path, gen):
+    """A ModelOpt-labelled checkpoint in the fused layout (w13_weight ...): read, but the
+    gate/up order of w13 must be declared (TensorRT-LLM fuses [up; gate], megamoe [gate; up])."""
+    t = load_file(str(C.write_synthetic(tmp_path / "src.safetensors", "tiny", seed=5)))
+    cfg = C.get_preset("tiny")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file({"model.layers.2.mlp." + k: v for k, v in t.items()}, str(d / "model.safetensors"))
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    (d / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8,
+                                               "num_experts_per_tok": 2, "intermediate_size": 128}))
+    with pytest.raises(C.CheckpointError, match="w13_layout"):
+        C.load(d)
+    got = C.load(d, w13_layout="gate-up")
+    assert got.report.format == "modelopt" and got.report.layout == "fused" and got.config.act_mode == "w4a4"
+    ref = C.load(tmp_path / "src.safetensors")
+    x = torch.randn(8, 256, generator=gen)
+    assert torch.equal(MoELayer(got.weights, got.config, backend="torch")(x),
+                       MoELayer(ref.weights, cfg, backend="torch")(x))
