@@ -7,6 +7,7 @@ and reports requests/s, tokens/s, latency percentiles and the batch sizes the se
 
     python bench/load_test.py                        # CPU torch backend, preset small
     python bench/load_test.py --tokens 1 32 --out /tmp/x.json
+    python bench/load_test.py --client perf_analyzer   # NVIDIA's perf_analyzer as the client
 """
 
 from __future__ import annotations
@@ -151,6 +152,57 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, tokens: int
     }
 
 
+def perf_analyzer_level(args, url: str, model: str, tokens: int, clients: int, workdir: Path) -> dict:
+    """One level measured by NVIDIA's perf_analyzer (binary tensors, the advertised datatypes: FP32 hidden
+    states), from a data file of random inputs with their routing; server batch counters around it."""
+    import base64
+    import csv
+
+    meta = httpx.get(f"{url}/v2/models/{model}", timeout=10).json()
+    p = meta["parameters"]
+    gen = torch.Generator().manual_seed(tokens)
+
+    def entry(t):
+        return {"b64": base64.b64encode(t.contiguous().numpy().tobytes()).decode(), "shape": list(t.shape)}
+
+    data = []
+    for _ in range(4):
+        hidden = torch.randn(tokens, p["hidden_size"], generator=gen)
+        ids = torch.stack([torch.randperm(p["num_experts"], generator=gen)[: p["top_k"]] for _ in range(tokens)]).int()
+        weights = torch.rand(tokens, p["top_k"], generator=gen)
+        data.append({"hidden_states": entry(hidden), "topk_ids": entry(ids),
+                     "topk_weights": entry(weights / weights.sum(-1, keepdim=True))})
+    data_file = workdir / f"data_T{tokens}.json"
+    data_file.write_text(json.dumps({"data": data}))
+    report = workdir / f"pa_T{tokens}.csv"
+    cmd = [args.perf_analyzer, "-m", model, "-u", url.removeprefix("http://"), "-i", "http",
+           "--input-data", str(data_file), "--concurrency-range", f"{clients}:{clients}",
+           "--measurement-interval", str(args.pa_window_ms), "--stability-percentage", "50", "--max-trials", "8",
+           "-f", str(report)]
+    if args.token:
+        cmd += ["-H", f"Authorization: Bearer {args.token}"]
+    before = batch_stats(httpx.get(f"{url}/metrics", timeout=10).text, model)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    after = batch_stats(httpx.get(f"{url}/metrics", timeout=10).text, model)
+    batches, batched_requests, batched_tokens, compute_s, queue_s, queued = (a - b for a, b in zip(after, before))
+    result = {"tokens_per_request": tokens, "concurrency": clients, "perf_analyzer_rc": out.returncode}
+    if out.returncode != 0 or not report.exists():
+        result["error"] = (out.stdout + out.stderr)[-1500:]
+        return result
+    row = next(csv.DictReader(report.open()))
+    rps = float(row["Inferences/Second"])
+    result.update({
+        "requests_per_s": rps, "tokens_per_s": round(rps * tokens, 1),
+        "latency_ms": {k: round(int(row[f"{k} latency"]) / 1e3, 2) for k in ("p50", "p90", "p95", "p99")},
+        "server_batches": int(batches),
+        "mean_requests_per_batch": round(batched_requests / batches, 2) if batches else None,
+        "mean_tokens_per_batch": round(batched_tokens / batches, 1) if batches else None,
+        "mean_compute_ms_per_batch": round(1e3 * compute_s / batches, 2) if batches else None,
+        "mean_queue_ms_per_request": round(1e3 * queue_s / queued, 2) if queued else None,
+    })
+    return result
+
+
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "gpu": None,
@@ -234,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every level's request count")
     ap.add_argument("--time-cap-s", type=float, default=60.0, help="stop a level after this long")
     ap.add_argument("--start-timeout-s", type=float, default=180.0)
+    ap.add_argument("--client", choices=["httpx", "perf_analyzer"], default="httpx",
+                    help="httpx: this script's own asyncio client (BF16 hidden states); perf_analyzer: NVIDIA's "
+                         "load generator (scripts/install_perf_analyzer.sh), FP32 hidden states as advertised")
+    ap.add_argument("--perf-analyzer", default=str(Path(sys.prefix) / "bin" / "perf_analyzer"))
+    ap.add_argument("--pa-window-ms", type=int, default=3000, help="perf_analyzer's measurement window")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_cpu.json"))
     args = ap.parse_args(argv)
 
@@ -247,7 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server_meta = httpx.get(f"{url}/v2/models/{model}", timeout=10).json()
         server_version = httpx.get(f"{url}/v2", timeout=10).json().get("version")
-        results = asyncio.run(run_all(args, url, model))
+        if args.client == "perf_analyzer":
+            import tempfile
+
+            results = []
+            with tempfile.TemporaryDirectory() as tmp:
+                for tokens in args.tokens:
+                    clients = DEFAULT_PLAN.get(tokens, (100, 8))[1]
+                    results.append(perf_analyzer_level(args, url, model, tokens, clients, Path(tmp)))
+                    print(json.dumps(results[-1]), flush=True)
+        else:
+            results = asyncio.run(run_all(args, url, model))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -256,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "what": "loopback HTTP load: binary v2 infer (BF16 hidden, INT32 ids, FP32 weights), one server process",
+        "what": "loopback HTTP load: binary v2 infer (" + ("FP32" if args.client == "perf_analyzer" else "BF16")
+                + " hidden, INT32 ids, FP32 weights), one server process",
         "server": {"url": url if args.url else "started by this script", "model": model, "preset": args.preset,
                    "backend": server_meta.get("parameters", {}).get("backend"),
                    "device": server_meta.get("parameters", {}).get("device"),
@@ -264,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                    "torch_threads": server_meta.get("parameters", {}).get("torch_threads"),
                    "shape": {k: server_meta.get("parameters", {}).get(k)
                              for k in ("hidden_size", "intermediate_size", "num_experts", "top_k")}},
-        "client": "httpx.AsyncClient in the same machine (shares its CPU with the server)",
+        "client": ("perf_analyzer 2.48.0 (tritonclient 2.48.0 wheel)" if args.client == "perf_analyzer"
+                   else "httpx.AsyncClient") + " in the same machine (shares its CPU with the server)",
         "versions": {**versions(), "megamoe": server_version},
         "machine": machine(),
         "results": results,
