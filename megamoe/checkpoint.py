@@ -532,9 +532,15 @@ _NAMES = {
 }
 
 
+def _has(get, name: str) -> bool:
+    """Whether tensor ``name`` exists, without reading it where ``get`` can tell (``get.has``)."""
+    has = getattr(get, "has", None)
+    return has(name) if has is not None else get(name, required=False) is not None
+
+
 def _proj_names(get, base: str) -> tuple[str, tuple]:
     """The naming of projection ``base`` (ModelOpt or compressed-tensors), from its tensors."""
-    if get(base + "weight_packed", required=False) is not None:
+    if _has(get, base + "weight_packed"):
         return "compressed-tensors", _NAMES["compressed-tensors"]
     return "modelopt", _NAMES["modelopt"]
 
@@ -552,8 +558,7 @@ def _read_proj(get, report, prefix: str, base: str, fmt_name: str | None = None)
     """One projection ``base`` (e.g. ``experts.3.gate_proj.``) -> (NVFP4Tensor [N, K],
     input decode scale or None, naming used, shapes {suffix: shape})."""
     naming, (dn, sn, gn, inn) = _proj_names(get, base)
-    if fmt_name is not None and fmt_name in _NAMES and naming != fmt_name and \
-            get(base + "weight", required=False) is None:
+    if fmt_name is not None and fmt_name in _NAMES and naming != fmt_name and not _has(get, base + "weight"):
         raise CheckpointError(f"{prefix}{base}: {naming} tensor names in a {fmt_name} checkpoint")
     divisor = naming == "compressed-tensors"
     full = prefix + base
@@ -615,7 +620,7 @@ def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None):
     def base_of(ex, proj):
         for name in projs[proj]:
             b = f"experts.{ex}.{name}."
-            if any(get(b + s, required=False) is not None for s in ("weight", "weight_packed")):
+            if any(_has(get, b + s) for s in ("weight", "weight_packed")):
                 return b
         return f"experts.{ex}.{projs[proj][0]}."
 
@@ -688,6 +693,8 @@ def _shared_nvfp4(get_optional, prefix: str):
             raise CheckpointError(f"{prefix}{name}: missing")
         return t
 
+    get.has = getattr(get_optional, "has", None)
+
     g, ig, _, _ = _read_proj(get, report, prefix, "shared_experts.gate_proj.")
     u, iu, _, _ = _read_proj(get, report, prefix, "shared_experts.up_proj.")
     d, idn, _, _ = _read_proj(get, report, prefix, "shared_experts.down_proj.")
@@ -710,9 +717,11 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     out = {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
            "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
            "shared_kind": "none", "shared_report": None}
-    packed = get_optional("shared_experts.gate_proj.weight_packed")
-    plain = get_optional("shared_experts.gate_proj.weight")
-    if packed is not None or (plain is not None and plain.dtype == torch.uint8):
+    has = getattr(get_optional, "has", None)
+    name = "shared_experts.gate_proj.weight_packed"
+    packed = has(name) if has is not None else get_optional(name) is not None
+    plain = None if packed else get_optional("shared_experts.gate_proj.weight")
+    if packed or (plain is not None and plain.dtype == torch.uint8):
         gu, d, in1, in2, rep = _shared_nvfp4(get_optional, prefix)
         out.update(shared_gate_up=gu, shared_down=d, shared_in1=in1, shared_in2=in2, shared_kind="nvfp4",
                    shared_report=rep)
@@ -823,6 +832,8 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
         report.tensors[full] = str(t.dtype).replace("torch.", "")
         return t
 
+    get.has = lambda name: prefix + name in where
+
     if (fmt.name == "compressed-tensors" and layout != "per-expert") or (fmt.name == "modelopt" and layout == "hf-fused"):
         raise CheckpointError(f"{prefix}: a {fmt.name} checkpoint with {layout} expert tensors "
                               f"({'w13_weight' if layout == 'fused' else 'experts.gate_up_proj'}): megamoe reads "
@@ -869,6 +880,8 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
 
     def get_opt(name):
         return get(name, required=False)
+
+    get_opt.has = get.has
 
     dense = read_dense_tensors(get_opt, prefix)
     if dense["shared_report"] is not None:
