@@ -248,8 +248,9 @@ def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
     export_hf_checkpoint(model, export_dir=str(ckpt))
     meta = {"producer": "nvidia-modelopt", "producer_version": modelopt.__version__,
             "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-            "forward": "ModelOpt fake-quant forward of the calibrated model (bf16); dynamic NVFP4 block "
-                       "quantizer evaluated with ModelOpt's NVFP4QTensor.quantize/dequantize on CPU",
+            "forward": "ModelOpt fake-quant forward of the calibrated model (bf16; y_fp32: a float32 copy) after "
+                       "the exporter's requantize_resmooth_fused_llm_layers; dynamic NVFP4 block quantizer "
+                       "evaluated with ModelOpt's NVFP4QTensor.quantize/dequantize on CPU",
             "act_quantize": "modelopt NVFP4QTensor.quantize(x, 16, None, input_scale)"}
     return write_fixture(name, spec, ckpt, ref, meta, out_root)
 
@@ -313,7 +314,8 @@ def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path
     meta = {"producer": "llmcompressor", "producer_version": llmcompressor.__version__,
             "compressed_tensors_version": compressed_tensors.__version__,
             "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-            "forward": "compressed-tensors fake-quant forward of the calibrated model (bf16, CPU)",
+            "forward": "compressed-tensors fake-quant forward of the calibrated model (bf16, CPU; y_fp32: a "
+                       "float32 copy)",
             "act_quantize": "compressed-tensors quantize() + pack_fp4_to_uint8 with the stored global scale"}
     return write_fixture(name, spec, ckpt, ref, meta, out_root)
 
