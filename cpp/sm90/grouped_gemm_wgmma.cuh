@@ -16,6 +16,10 @@
 // Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
 // (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
 // so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
+// K 128 per stage (token tile 32) permutes K within the stage instead: lane tig owns K
+// [32 tig, 32 tig + 32) of its two rows (one 16-byte shared load per row, every nibble of it
+// used, whole words dequantized), and the activation tile is stored in the matching order by
+// 4-byte copies (load_stage).
 //
 // Pipeline per k-tile kt (prefetch distance kStages-1):
 //   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
@@ -45,8 +49,10 @@ struct WgCfg {
   static constexpr int kSub = kKS / kWgK;                  // SW128 activation sub-tiles per stage
   static constexpr int kStages = kMaxN == kWgTiny ? 5 : kMaxN == kWgSmall ? 6 : 4;
   static constexpr int kMinBlocks = 2;
-  // packed weights per row and stage (kKS / 2 bytes), padded by 16 (16-aligned, conflict-free reads)
-  static constexpr int kWRowBytes = kKS / 2 + 16;
+  // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
+  // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
+  // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
+  static constexpr int kWRowBytes = kKS == 128 ? kKS / 2 : kKS / 2 + 16;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kWgRows * kWRowBytes;
   static constexpr int kRaw = kABytes + kWBytes + kWgRows * (kKS / 16);
@@ -180,16 +186,32 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     uint8_t* sa = stages + slot * Cfg::kStageBytes;
     uint8_t* sw = sa + Cfg::kABytes;
     uint8_t* ss = sw + Cfg::kWBytes;
-    constexpr int kChunks = N * 8 * Cfg::kSub;  // 16-byte activation chunks of the stage
+    if constexpr (kKS == 128) {
+      // K 128: lane-owned K ranges (see the main loop). Stored column c = 8u + 2t + e (u = 16-byte
+      // chunk of the stage row, t = slot in it, e = 0, 1) holds operand position 32t + 2u + e of the
+      // stage's 128: 4-byte copies; one warp instruction = one token row's 128-byte sub-tile
+      // (lane: slot t = lane >> 3, chunk ch = lane & 7; global: 4 runs of 32 bytes).
+      const int ct = lane >> 3, ch = lane & 7;
 #pragma unroll
-    for (int i = 0; i < (kChunks + kWgThreads - 1) / kWgThreads; ++i) {
-      const int c = tid + i * kWgThreads;
-      if (kChunks % kWgThreads == 0 || c < kChunks) {
-        constexpr int kRowShift = Cfg::kSub == 2 ? 4 : 3;  // 8 * kSub chunks per activation row
-        const int r = c >> kRowShift, cc = c & ((1 << kRowShift) - 1), sub = cc >> 3, ch = cc & 7;
+      for (int i = 0; i < N * Cfg::kSub / 8; ++i) {
+        const int sub = (8 * i) / N, r = (8 * i) % N + warp;  // N is a multiple of 8: r & 7 == warp
         const bool valid = m0 + r < rows;
-        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + cc * 8;
-        cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
+        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + 32 * ct +
+                              16 * sub + 2 * ch;
+        cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ warp) * 16) + ct * 4, src, valid ? 4 : 0, 4);
+      }
+    } else {
+      constexpr int kChunks = N * 8 * Cfg::kSub;  // 16-byte activation chunks of the stage
+#pragma unroll
+      for (int i = 0; i < (kChunks + kWgThreads - 1) / kWgThreads; ++i) {
+        const int c = tid + i * kWgThreads;
+        if (kChunks % kWgThreads == 0 || c < kChunks) {
+          constexpr int kRowShift = Cfg::kSub == 2 ? 4 : 3;  // 8 * kSub chunks per activation row
+          const int r = c >> kRowShift, cc = c & ((1 << kRowShift) - 1), sub = cc >> 3, ch = cc & 7;
+          const bool valid = m0 + r < rows;
+          const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + cc * 8;
+          cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
+        }
       }
     }
 #pragma unroll
@@ -247,19 +269,31 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
       }
     } else {
-      // K 128 per stage: 8 k16 steps; per step the two packed words of rows g and g + 8 (8-byte loads)
-      const uint2 sc0 = *reinterpret_cast<const uint2*>(ss + lr0 * 8);
-      const uint2 sc1 = *reinterpret_cast<const uint2*>(ss + (lr0 + 8) * 8);
+      // K 128 per stage, lane-owned K: lane tig takes K [32 tig, 32 tig + 32) of the stage for its rows
+      // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
+      // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
+      // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
+      const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16 * tig);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16 * tig);
+      const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * 8 + 2 * tig);
+      const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * 8 + 2 * tig);
+      const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
+      const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
+      const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
+      const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        const uint2 r0 = *reinterpret_cast<const uint2*>(sw + lr0 * kWRow + ks * 8);
-        const uint2 r1 = *reinterpret_cast<const uint2*>(sw + (lr0 + 8) * kWRow + ks * 8);
-        const uint32_t s0 = lut[((ks < 4 ? sc0.x : sc0.y) >> (8 * (ks & 3))) & 0xFFu];
-        const uint32_t s1 = lut[((ks < 4 ? sc1.x : sc1.y) >> (8 * (ks & 3))) & 0xFFu];
-        af[ks][0] = bf16x2_mul(nibble_pair_bits((r0.x >> pick_shift) & pick_mask, pick_mul), s0);
-        af[ks][1] = bf16x2_mul(nibble_pair_bits((r1.x >> pick_shift) & pick_mask, pick_mul), s1);
-        af[ks][2] = bf16x2_mul(nibble_pair_bits((r0.y >> pick_shift) & pick_mask, pick_mul), s0);
-        af[ks][3] = bf16x2_mul(nibble_pair_bits((r1.y >> pick_shift) & pick_mask, pick_mul), s1);
+      for (int q = 0; q < 4; ++q) {
+        uint32_t p[4];
+        dequant_word(r0[q], s0[q >> 1], p);
+        af[2 * q][0] = p[0];
+        af[2 * q][2] = p[1];
+        af[2 * q + 1][0] = p[2];
+        af[2 * q + 1][2] = p[3];
+        dequant_word(r1[q], s1[q >> 1], p);
+        af[2 * q][1] = p[0];
+        af[2 * q][3] = p[1];
+        af[2 * q + 1][1] = p[2];
+        af[2 * q + 1][3] = p[3];
       }
     }
     acc_fence(acc);
