@@ -50,7 +50,8 @@ from megamoe.weights import MoEWeights
 log = logging.getLogger("megamoe.checkpoint")
 
 __all__ = ["CheckpointError", "LoadReport", "Loaded", "load", "moe_layers", "save", "write_synthetic",
-           "synthetic_weights", "W13_LAYOUTS", "INPUT_SCALE_MODES"]
+           "synthetic_weights", "W13_LAYOUTS", "INPUT_SCALE_MODES", "OpenCheckpoint", "open_checkpoint",
+           "layer_experts", "load_open"]
 
 #: fused gate/up row orders (docs/SPEC.md §3.3): ``gate-up`` = rows ``[gate; up]`` (megamoe's),
 #: ``up-gate`` = ``[up; gate]``, ``interleaved`` = ``[g0, u0, g1, u1, ...]``.
@@ -254,6 +255,91 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
+# ---------------------------------------------------------------- open checkpoint (public)
+
+_DTYPE_BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "BF16": 2, "F16": 2, "I16": 2,
+                "F32": 4, "I32": 4, "U32": 4, "F64": 8, "I64": 8, "U64": 8}
+
+
+class OpenCheckpoint:
+    """The ``.safetensors`` files of one checkpoint, each opened once (its header parsed
+    once), from :func:`open_checkpoint`. Tensors are read whole (:meth:`get`) or by a range
+    of their first dimension (:meth:`get_rows`, an expert range); ``bytes_read`` counts
+    what was read, per tensor name."""
+
+    def __init__(self, path: Path, handles: dict) -> None:
+        self.path = path
+        self.meta: dict[str, str] = {}
+        self.where: dict[str, Path] = {}  # tensor name -> file
+        self._handles = handles
+        for f, fh in handles.items():
+            self.meta.update(fh.metadata() or {})
+            for k in fh.keys():
+                self.where[k] = f
+        self.bytes_read: dict[str, int] = {}
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def _file(self, name: str):
+        if name not in self.where:
+            raise CheckpointError(f"{name}: missing from {self.path}")
+        return self._handles[self.where[name]]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """From the header; reads no data."""
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor takes in the file (from the header)."""
+        return math.prod(self.shape(name)) * _DTYPE_BYTES.get(self._file(name).get_slice(name).get_dtype(), 4)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
+        t = self._file(name).get_tensor(name)
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
+        return t
+
+    def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of the first dimension. safetensors returns a view into a
+        memory map of the file, so only those rows' pages are read; the copy owns exactly
+        its bytes."""
+        t = self._file(name).get_slice(name)[start:end].clone()
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
+        return t
+
+
+@contextlib.contextmanager
+def open_checkpoint(path):
+    """``with open_checkpoint(path) as ck:`` an :class:`OpenCheckpoint` of a checkpoint folder
+    (every ``*.safetensors`` in it) or one file; closed on leaving the block."""
+    from safetensors import safe_open  # looked up at call time
+
+    path = Path(path)
+    files = _files(path)
+    # Each file is opened once: re-opening re-parses the header, which for a sharded model
+    # file of ~15k tensors costs ~20 ms a tensor (minutes for a per-expert layout).
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
+        yield OpenCheckpoint(path, handles)
+
+
+def layer_experts(ck: OpenCheckpoint, layer: int | str | None = None, prefix: str | None = None
+                  ) -> tuple[str, str, int]:
+    """``(prefix, layout, number of routed experts)`` of the MoE layer :func:`load` would read
+    (``layer`` / ``prefix`` as for :func:`load`), from the tensor names and headers only."""
+    prefix, layout, _ = _choose_layer(ck.names(), layer, prefix)
+    if layout == "fused":
+        return prefix, layout, ck.shape(prefix + "w13_weight")[0]
+    if layout == "hf-fused":
+        return prefix, layout, ck.shape(prefix + "experts.gate_up_proj")[0]
+    ids = _expert_ids(prefix, ck.where)
+    return prefix, layout, (ids[-1] + 1) if ids else 0
+
+
 _PROJ_ALIASES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*?)experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.")
 _FUSED = re.compile(r"^(?P<prefix>.*?)w13_weight$")
@@ -366,12 +452,16 @@ def _ct_format(qc: dict) -> _Format:
     if not groups:
         raise CheckpointError("config.json quantization_config.config_groups: missing (compressed-tensors)")
     found = None
+    others = []
     for gname, g in groups.items():
         fmt = g.get("format") or qc.get("format")
         w = g.get("weights") or {}
         key = f"config.json quantization_config.config_groups.{gname}"
         if fmt != "nvfp4-pack-quantized":
-            raise CheckpointError(f"{key}.format={fmt!r}: megamoe reads compressed-tensors 'nvfp4-pack-quantized' only")
+            # another scheme for other layers (e.g. FP8 attention); the expert tensors' names and
+            # dtypes show whether the experts are NVFP4 (anything else is refused at the tensor)
+            others.append(f"{gname} ({fmt})")
+            continue
         if (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy", "tensor_group")) != \
                 (4, "float", 16, "tensor_group"):
             raise CheckpointError(f"{key}.weights={w!r}: not NVFP4 (4-bit float, group 16, tensor_group)")
@@ -389,10 +479,14 @@ def _ct_format(qc: dict) -> _Format:
         if found is not None and found[0] != mode:
             raise CheckpointError(f"{key}: activation mode {mode} differs from group {found[1]}'s {found[0]}")
         found = (mode, gname)
+    if found is None:
+        raise CheckpointError(f"config.json quantization_config.config_groups: no 'nvfp4-pack-quantized' group "
+                              f"({', '.join(others)}): megamoe reads NVFP4 experts only")
     ver = qc.get("version", "")
     return _Format("compressed-tensors", f"compressed-tensors {ver}".strip(), found[0], True,
                    f"config.json quantization_config (nvfp4-pack-quantized, "
-                   f"input_activations {'present' if found[0] == 'w4a4' else 'null'})")
+                   f"input_activations {'present' if found[0] == 'w4a4' else 'null'}"
+                   + (f"; other groups not NVFP4: {', '.join(others)}" if others else "") + ")")
 
 
 # ---------------------------------------------------------------- scale checks
@@ -423,6 +517,17 @@ def _expert_scale_check(name: str, t: torch.Tensor, what: str) -> None:
 
 # ---------------------------------------------------------------- fused layout
 
+_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None)} - {None}
+
+
+def _not_fp8(name: str, data: torch.Tensor) -> None:
+    """An FP8 weight needs its own scales: never 'quantized at load' as if it were plain floats."""
+    if data.dtype in _FP8:
+        raise CheckpointError(f"{name}: dtype {data.dtype}: FP8 expert weights are not read (NVFP4 or "
+                              f"bf16/fp16/fp32 only)")
+
+
 def _check_k(name: str, data: torch.Tensor, scale: torch.Tensor | None) -> int:
     k = data.shape[-1] * 2 if data.dtype == torch.uint8 else data.shape[-1]
     if k % 16:
@@ -439,6 +544,7 @@ def _as_nvfp4(get, report, name: str, gs_name: str, gs_rows: int, prefix: str) -
     data = get(name)
     if data.dim() != 3:
         raise CheckpointError(f"{prefix}{name}: expected 3 dims [E, N, K/2], got shape {tuple(data.shape)}")
+    _not_fp8(prefix + name, data)
     if torch.is_floating_point(data):
         _check_k(prefix + name, data, None)
         e, n, k = data.shape
@@ -571,6 +677,7 @@ def _read_proj(get, report, prefix: str, base: str, fmt_name: str | None = None)
     shapes[dn] = tuple(data.shape)
     if data.dim() != 2:
         raise CheckpointError(f"{full}{dn}: expected 2 dims [N, K/2], got shape {tuple(data.shape)}")
+    _not_fp8(full + dn, data)
     if torch.is_floating_point(data):
         _check_k(full + dn, data, None)
         q = nvfp4.quantize(data.float(), nvfp4.default_global_scale(data))
@@ -606,7 +713,8 @@ def _expert_ids(prefix: str, where) -> list[int]:
     return sorted(ids)
 
 
-def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None):
+def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None, experts=None):
+    """Experts ``experts = (start, end)`` (default all) of the per-expert layout, stacked."""
     ids = _expert_ids(prefix, where)
     if not ids:
         raise CheckpointError(f"{prefix}experts.0.*: no expert tensors")
@@ -627,7 +735,7 @@ def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None):
     parts: dict[str, list] = {"gate": [], "up": [], "down": []}
     inputs: dict[str, list] = {"gate": [], "up": [], "down": []}
     first_shapes: dict[str, dict] = {}
-    for ex in range(e):
+    for ex in range(*(experts or (0, e))):
         for proj in ("gate", "up", "down"):
             base = base_of(ex, proj)
             try:
@@ -670,7 +778,7 @@ def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None):
     if inputs["gate"][0] is not None or inputs["up"][0] is not None:
         g = torch.stack(inputs["gate"])
         u = torch.stack(inputs["up"])
-        differ = (g != u).nonzero().flatten().tolist()
+        differ = [(experts or (0,))[0] + j for j in (g != u).nonzero().flatten().tolist()]
         if differ:
             report.warnings.append(f"experts {differ[:8]}{'...' if len(differ) > 8 else ''}: gate and up input "
                                    f"scales differ; using the larger (docs/SPEC.md §3.2)")
@@ -785,32 +893,33 @@ def load(path, *, layer: int | str | None = None, config: MoEConfig | None = Non
         unknown quantization method or architecture, an undeclared fused gate/up layout,
         an activation mode the quantization config contradicts.
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = _files(path)
-    where: dict[str, Path] = {}
-    meta: dict[str, str] = {}
-    # Each file is opened once: re-opening re-parses the header, which for a sharded model
-    # file of ~15k tensors costs ~20 ms a tensor (minutes for a per-expert layout).
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for f in files:
-            fh = handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            meta.update(fh.metadata() or {})
-            for k in fh.keys():
-                where[k] = f
-        return _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides,
-                            layer=layer, w13_layout=w13_layout, input_scales=input_scales)
+    with open_checkpoint(path) as ck:
+        return load_open(ck, layer=layer, config=config, top_k=top_k, prefix=prefix, w13_layout=w13_layout,
+                         input_scales=input_scales, device=device, **config_overrides)
 
 
-def _load_opened(path, where, meta, handles, config, top_k, prefix, device, config_overrides, *,
-                 layer=None, w13_layout=None, input_scales="per-expert") -> Loaded:
+def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, layer: int | str | None = None,
+              config: MoEConfig | None = None, top_k: int | None = None, prefix: str | None = None,
+              w13_layout: str | None = None, input_scales: str = "per-expert", device="cpu",
+              **config_overrides) -> Loaded:
+    """:func:`load` on an open checkpoint (:func:`open_checkpoint`); same arguments, plus:
+
+    Args:
+        experts: ``(start, end)``: only routed experts ``start..end-1`` (a rank's shard under
+            expert parallelism, :func:`megamoe.distributed.load_shard`). Every per-expert
+            tensor (weights, block scales, global scales, input scales) is read as those rows
+            only; the router and the shared expert whole; the config stays the layer's (all
+            experts); the report names tensors by their names in the file.
+    """
+    path, where, meta = ck.path, ck.where, ck.meta
     if input_scales not in INPUT_SCALE_MODES:
         raise CheckpointError(f"input_scales={input_scales!r}: expected one of {INPUT_SCALE_MODES}")
     if w13_layout is not None and w13_layout not in W13_LAYOUTS:
         raise CheckpointError(f"w13_layout={w13_layout!r}: expected one of {W13_LAYOUTS}")
     prefix, layout, names = _choose_layer(list(where), layer, prefix)
+    e_file = layer_experts(ck, prefix=prefix)[2]
+    if experts is not None and not 0 <= experts[0] < experts[1] <= e_file:
+        raise CheckpointError(f"{prefix}: experts [{experts[0]}, {experts[1]}) asked, the layer has {e_file}")
     folder = path if path.is_dir() else path.parent
     report = LoadReport(path=str(path), layout=layout, prefix=prefix, moe_layers=names)
     hf = _read_json(folder / "config.json", report)
@@ -828,9 +937,21 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
             if required:
                 raise CheckpointError(f"{full}: missing from {path}")
             return None
-        t = handles[where[full]].get_tensor(full)
+        t = ck.get(full)
         report.tensors[full] = str(t.dtype).replace("torch.", "")
         return t
+
+    def get_experts(name: str, required: bool = True):
+        """A stacked per-expert tensor ``[E, ...]``: rows ``experts`` only (a tensor without
+        a leading expert dimension, e.g. one scale for every expert, whole)."""
+        full = prefix + name
+        if experts is None or full not in where or ck.shape(full)[:1] != (e_file,):
+            return get(name, required)
+        t = ck.get_rows(full, *experts)
+        report.tensors[full] = str(t.dtype).replace("torch.", "")
+        return t
+
+    get_experts.has = lambda name: prefix + name in where
 
     get.has = lambda name: prefix + name in where
 
@@ -846,11 +967,11 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
             raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
 
     if layout == "fused":
-        w13, w2, in1, in2 = _load_fused(get, report, prefix)
+        w13, w2, in1, in2 = _load_fused(get_experts, report, prefix)
     elif layout == "hf-fused":
-        w13, w2, in1, in2 = _load_hf_fused(get, report, prefix)
+        w13, w2, in1, in2 = _load_hf_fused(get_experts, report, prefix)
     else:
-        w13, w2, in1, in2 = _load_per_expert(get, report, prefix, where, fmt.name)
+        w13, w2, in1, in2 = _load_per_expert(get, report, prefix, where, fmt.name, experts)
 
     # ---- w13 layout (docs/SPEC.md §3.3)
     if layout == "per-expert":
@@ -874,7 +995,7 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
         report.choices.append(f"w13 layout {chosen} ({'as asked' if w13_layout else why})")
         w13 = _apply_w13_layout(w13, chosen)
 
-    e = w13.data.shape[0]
+    e = e_file  # the layer's; the tensors hold w13.data.shape[0] (all, or the expert range)
     h = w13.data.shape[2] * 2
     i = w2.data.shape[2] * 2
 
@@ -941,8 +1062,15 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
     if has_inputs:
         shared_all = bool(torch.all(in1 == in1[0])) and bool(torch.all(in2 == in2[0]))
         if input_scales == "max":
-            in1 = in1.amax().expand(e).contiguous()
-            in2 = in2.amax().expand(e).contiguous()
+            if experts is not None:  # the max over ALL experts, not over the range
+                if layout == "per-expert":
+                    raise CheckpointError(f"{prefix}: input_scales='max' with an expert range needs every expert's "
+                                          f"input scales; load the per-expert layout whole, or use 'per-expert'")
+                in1 = _fused_input_scale(get, "w13_input_scale", e, prefix)
+                in2 = _fused_input_scale(get, "w2_input_scale", e, prefix)
+            n_local = w13.data.shape[0]
+            in1 = in1.amax().expand(n_local).contiguous()
+            in2 = in2.amax().expand(n_local).contiguous()
             report.input_scales = "max over all experts (as asked)"
         else:
             report.input_scales = "per expert, as stored" + (" (one value shared by all experts)" if shared_all else "")
@@ -965,7 +1093,7 @@ def _load_opened(path, where, meta, handles, config, top_k, prefix, device, conf
 
     weights = assemble_weights(w13, w2, in1, in2, dense)
     try:
-        weights.validate(config)
+        weights.validate(config, num_local_experts=None if experts is None else experts[1] - experts[0])
     except ValueError as exc:
         raise CheckpointError(f"{path}: {prefix}{exc}") from None
     if report.quantized_at_load:

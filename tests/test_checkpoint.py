@@ -617,3 +617,31 @@ def test_modelopt_fused_layout_needs_its_gate_up_order(tmp_path, gen):
     x = torch.randn(8, 256, generator=gen)
     assert torch.equal(MoELayer(got.weights, got.config, backend="torch")(x),
                        MoELayer(ref.weights, cfg, backend="torch")(x))
+
+
+def test_other_quantization_groups_and_fp8_weights(tmp_path):
+    """A compressed-tensors config with a non-NVFP4 group for other layers still reads the NVFP4
+    experts (the other group is reported); FP8 expert weights are refused, never 'quantized at
+    load' without their scales."""
+    w = C.synthetic_weights(V3_TINY, seed=24)
+    write_per_expert(tmp_path, w, V3_TINY, naming="compressed-tensors", hf=deepseek_v3_config(V3_TINY))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"]["config_groups"]["group_1"] = {"format": "float-quantized", "targets": ["re:.*self_attn.*"],
+                                                             "weights": {"num_bits": 8, "type": "float"}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = C.load(tmp_path)
+    assert any("other groups not NVFP4: group_1 (float-quantized)" in c for c in loaded.report.choices)
+    del hf["quantization_config"]["config_groups"]["group_0"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(C.CheckpointError, match="no 'nvfp4-pack-quantized' group"):
+        C.load(tmp_path)
+    t = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    for k in [k for k in t if ".experts.1.up_proj." in k]:
+        del t[k]
+    t[name] = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    t[name + "_scale"] = torch.ones(32, 1)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(deepseek_v3_config(V3_TINY)))
+    with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}: dtype torch.float8_e4m3fn: FP8"):
+        C.load(tmp_path)
