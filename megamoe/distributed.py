@@ -31,10 +31,11 @@ real dispatch or combine error (a row in the wrong place, a weight lost or appli
 moves outputs by 1e-1 of max|ref| or more. With ``combine_dtype=bfloat16`` each partial
 is rounded once more, to 2^-8 relative.
 
-Checkpoint sharding (:func:`load_shard`): each rank reads only its experts' slices of the
-expert tensors (``safe_open(...).get_slice(name)[start:end]``, copied out of the file's
-memory map so only those pages are read and the shard owns exactly its bytes); the router
-and the shared expert are read whole (replicated).
+Checkpoint sharding (:func:`load_shard`): each rank runs the checkpoint loader
+(:func:`megamoe.checkpoint.load_open`, every file opened once) with its expert range, so
+it reads only its experts' rows of every per-expert tensor (a slice of the file's memory
+map, copied so the shard owns exactly its bytes); the router and the shared expert are
+read whole (replicated).
 
 Launch (one process per GPU, or per CPU "rank" with gloo)::
 
@@ -47,11 +48,9 @@ import argparse
 import datetime
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,7 +127,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
 
 @dataclass
 class ShardLoadReport:
-    """What :func:`load_shard` read: the expert block and the bytes of expert tensors."""
+    """What :func:`load_shard` read: the expert block and the bytes of expert tensors;
+    ``load`` is the loader's own report (format, choices, warnings; tensors by their names
+    in the file)."""
 
     path: str
     rank: int
@@ -144,6 +145,7 @@ class ShardLoadReport:
     tensors: dict[str, str] = field(default_factory=dict)
     quantized_at_load: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    load: checkpoint.LoadReport | None = None
 
     def summary(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: experts [{self.expert_start}, {self.expert_end}) of "
@@ -159,149 +161,47 @@ class ShardLoaded:
     report: ShardLoadReport
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+_FUSED_EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
+                         "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 
 
-def load_shard(path, rank: int, world_size: int, *, config: MoEConfig | None = None, top_k: int | None = None,
-               prefix: str | None = None, device="cpu", **config_overrides) -> ShardLoaded:
+def _is_expert_tensor(name: str, prefix: str) -> bool:
+    """A routed experts' tensor of the layer at ``prefix`` (fused, per expert or HF fused)."""
+    if not name.startswith(prefix):
+        return False
+    rest = name[len(prefix):]
+    return rest.startswith("experts.") or rest in _FUSED_EXPERT_TENSORS
+
+
+def load_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) -> ShardLoaded:
     """Load rank ``rank``'s experts (of ``world_size``) of one NVFP4 MoE layer.
 
-    Reads the same files and layouts as :func:`megamoe.checkpoint.load` (fused or per
-    expert, metadata or config.json, float-stored experts quantized and reported), but
-    expert tensors only as this rank's slice: ``get_slice(name)[start:end]`` for the fused
-    layout, only experts ``start..end-1``'s tensors for the per-expert layout.
+    The checkpoint loader itself (:func:`megamoe.checkpoint.load_open` with an expert range,
+    on files opened once): the same formats, layouts, checks and report as
+    :func:`megamoe.checkpoint.load` (``load_kw``: its keyword arguments), but every
+    per-expert tensor is read as this rank's rows only (``get_slice(name)[start:end]``;
+    in the per-expert layout only experts ``start..end-1``'s tensors); the router and the
+    shared expert whole.
 
     Raises:
         ValueError: ``num_experts`` not divisible by ``world_size``.
         CheckpointError: as :func:`megamoe.checkpoint.load`.
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = checkpoint._files(path)
-    where: dict[str, Path] = {}
-    meta: dict[str, str] = {}
-    shapes: dict[str, list[int]] = {}
-    dtypes: dict[str, str] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            meta.update(fh.metadata() or {})
-            for k in fh.keys():
-                where[k] = f
-                sl = fh.get_slice(k)  # header only: shape and dtype, no data
-                shapes[k] = list(sl.get_shape())
-                dtypes[k] = sl.get_dtype()
-    if prefix is None:
-        prefix, layout = checkpoint._find_prefix(list(where))
-    else:
-        layout = "fused" if prefix + "w13_weight" in where else "per-expert"
-
-    if layout == "fused":
-        num_experts = shapes[prefix + "w13_weight"][0]
-        expert_names = [k for k in where if k.startswith(prefix) and k[len(prefix):].split(".")[0] in (
-            "w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
-            "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")]
-    else:
-        num_experts = 0
-        while f"{prefix}experts.{num_experts}.gate_proj.weight" in where:
-            num_experts += 1
-        expert_names = [k for k in where if k.startswith(prefix + "experts.")]
-    start, end = expert_range(num_experts, world_size, rank)
-    report = ShardLoadReport(path=str(path), rank=rank, world_size=world_size, expert_start=start,
-                             expert_end=end, num_experts=num_experts, layout=layout, prefix=prefix)
-    _BYTES = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "I16": 2, "F32": 4,
-              "I32": 4, "F64": 8, "I64": 8, "BOOL": 1}
-    for k in expert_names:
-        n = 1
-        for d in shapes[k]:
-            n *= d
-        report.expert_bytes_in_file += n * _BYTES.get(dtypes[k], 4)
-
-    def read_whole(full: str) -> torch.Tensor:
-        with safe_open(str(where[full]), framework="pt", device="cpu") as fh:
-            t = fh.get_tensor(full)
-        return t
-
-    def read_experts(full: str) -> torch.Tensor:
-        # a 0-d tensor (one scale for all experts) has no expert dimension: read it whole
-        if not shapes[full]:
-            return read_whole(full)
-        if shapes[full][0] != num_experts:
-            raise checkpoint.CheckpointError(f"{full}: leading dimension {shapes[full][0]}, expected "
-                                     f"{num_experts} experts")
-        with safe_open(str(where[full]), framework="pt", device="cpu") as fh:
-            # safetensors returns a view into a memory map of the whole tensor; only the slice's
-            # pages are touched. The copy makes the shard own exactly its bytes and drops the map.
-            t = fh.get_slice(full)[start:end].clone()
-        return t
-
-    if layout == "fused":
-        def get(name: str, required: bool = True):
-            full = prefix + name
-            if full not in where:
-                if required:
-                    raise checkpoint.CheckpointError(f"{full}: missing from {path}")
-                return None
-            t = read_experts(full)
-            report.expert_bytes_read += _nbytes(t)
-            report.tensors[full] = str(t.dtype).replace("torch.", "")
-            return t
-
-        w13, w2, in1, in2 = checkpoint._load_fused(get, report, prefix)
-    else:
-        # the per-expert reader walks experts 0..n-1: show it experts start..end-1 under local numbers
-        def local_to_global(name: str) -> str:
-            head, _, rest = name.partition(".")
-            if head == "experts":
-                ex, _, tail = rest.partition(".")
-                return f"experts.{int(ex) + start}.{tail}"
-            return name
-
-        def get(name: str, required: bool = True):
-            full = prefix + local_to_global(name)
-            if full not in where:
-                if required:
-                    raise checkpoint.CheckpointError(f"{full}: missing from {path}")
-                return None
-            t = read_whole(full)  # one expert's own tensor
-            report.expert_bytes_read += _nbytes(t)
-            report.tensors[full] = str(t.dtype).replace("torch.", "")
-            return t
-
-        local_where = {f"{prefix}experts.{j}.gate_proj.weight": None for j in range(end - start)}
-        # the per-expert reader records names under local numbers: collect them apart, renumber
-        seen = ShardLoadReport(path=str(path), rank=rank, world_size=world_size, expert_start=start,
-                               expert_end=end, num_experts=num_experts)
-        w13, w2, in1, in2 = checkpoint._load_per_expert(get, seen, prefix, local_where)
-        for name, what in seen.tensors.items():
-            report.tensors[prefix + local_to_global(name[len(prefix):])] = what
-        report.quantized_at_load += [prefix + local_to_global(n[len(prefix):]) for n in seen.quantized_at_load]
-        report.warnings += [re.sub(r"^expert (\d+)", lambda m: f"expert {int(m.group(1)) + start}", w)
-                            for w in seen.warnings]
-
-    def get_replicated(name: str):
-        full = prefix + name
-        if full not in where:
-            return None
-        t = read_whole(full)
-        report.replicated_bytes_read += _nbytes(t)
-        report.tensors[full] = str(t.dtype).replace("torch.", "")
-        return t
-
-    dense = checkpoint.read_dense_tensors(get_replicated, prefix)
-    h = w13.data.shape[2] * 2
-    i = w2.data.shape[2] * 2
-    if config is None:
-        config = checkpoint._config_from(meta, path, num_experts, h, i, top_k, dense["shared_gate_up"], config_overrides)
-    elif config_overrides:
-        config = config.with_(**config_overrides)
-    weights = checkpoint.assemble_weights(w13, w2, in1, in2, dense)
-    try:
-        _validate_shard(weights, config, start, end)
-    except ValueError as exc:
-        raise checkpoint.CheckpointError(f"{path}: {prefix}{exc}") from None
-    return ShardLoaded(weights.to(device), config, start, report)
+    with checkpoint.open_checkpoint(path) as ck:
+        prefix, layout, num_experts = checkpoint.layer_experts(ck, load_kw.get("layer"), load_kw.pop("prefix", None))
+        start, end = expert_range(num_experts, world_size, rank)
+        loaded = checkpoint.load_open(ck, experts=(start, end), prefix=prefix, device=device, **load_kw)
+        experts = [n for n in ck.names() if _is_expert_tensor(n, prefix)]
+        rep = loaded.report
+        report = ShardLoadReport(
+            path=str(ck.path), rank=rank, world_size=world_size, expert_start=start, expert_end=end,
+            num_experts=num_experts, layout=layout, prefix=prefix,
+            expert_bytes_read=sum(ck.bytes_read.get(n, 0) for n in experts),
+            expert_bytes_in_file=sum(ck.nbytes(n) for n in experts),
+            replicated_bytes_read=sum(b for n, b in ck.bytes_read.items() if not _is_expert_tensor(n, prefix)),
+            tensors=dict(rep.tensors), quantized_at_load=list(rep.quantized_at_load), warnings=list(rep.warnings),
+            load=rep)
+    return ShardLoaded(loaded.weights, loaded.config, start, report)
 
 
 def _local_config(cfg: MoEConfig, experts_per_rank: int) -> MoEConfig:
@@ -312,11 +212,6 @@ def _local_config(cfg: MoEConfig, experts_per_rank: int) -> MoEConfig:
 
 def _expert_part(w: MoEWeights) -> MoEWeights:
     return MoEWeights(w13=w.w13, w2=w.w2, w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale)
-
-
-def _validate_shard(weights: MoEWeights, cfg: MoEConfig, start: int, end: int) -> None:
-    """Experts against the shard's size, router and shared expert against the global config."""
-    weights.validate(cfg, num_local_experts=end - start)
 
 
 def shard_weights(weights: MoEWeights, rank: int, world_size: int) -> tuple[MoEWeights, int]:
@@ -361,19 +256,21 @@ class ExpertParallelMoE(MoELayer):
         if expert_start != start or weights.num_experts != end - start:
             raise ValueError(f"rank {self.rank} of {self.world_size} owns experts [{start}, {end}), but the weights "
                              f"hold {weights.num_experts} experts from {expert_start}")
-        _validate_shard(weights, config, start, end)
-        self.config = config
         self.expert_start, self.expert_end = start, end
         self.experts_per_rank = end - start
         self.combine_dtype = combine_dtype
-        self.backend = get_backend(backend, device=device)
-        self.device = self.backend.device
-        self.weights = weights.to(self.device)
-        self._prepared = self.backend.prepare_weights(_expert_part(self.weights))
+        super().__init__(weights, config, backend=backend, device=device)
         self.last_stats: dict = {}
         #: set to a list to record ``(phase, CUDA event or perf_counter time)`` at each phase
         #: boundary of ``forward`` (start, routed, dispatched, experts, combined, done); see bench/ep_bench.py
         self.phase_marks: list | None = None
+
+    def _check_weights(self, weights: MoEWeights, config: MoEConfig) -> None:
+        """Experts against the shard's size, router and shared expert against the global config."""
+        weights.validate(config, num_local_experts=self.experts_per_rank)
+
+    def _routed_weights(self) -> MoEWeights:
+        return _expert_part(self.weights)
 
     @property
     def local_config(self) -> MoEConfig:

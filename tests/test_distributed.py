@@ -523,3 +523,40 @@ def test_shard_weights_slices_every_per_expert_tensor():
             assert_is_expert_slice(parts, flat, start, start + per, f"rank {rank} of {world}")
             # copies that own their bytes, so the full set can be freed
             assert parts["w13.data"].untyped_storage().nbytes() == parts["w13.data"].numel()
+
+
+def test_load_shard_input_scales_max_is_over_every_expert(tmp_path):
+    """input_scales='max' (one value per GEMM, docs/SPEC.md §3.2) is the max over ALL experts on
+    every rank, not over the rank's own; the per-expert layout, which would need every
+    expert's tensors for it, is refused with a clear error."""
+    from megamoe.checkpoint import CheckpointError, load, synthetic_weights, write_synthetic
+    from megamoe.distributed import load_shard
+    from megamoe.presets import get_preset
+
+    from dist_cases import _write_per_expert
+
+    path = write_synthetic(tmp_path / "t.safetensors", "tiny", seed=SEED % 1000)
+    full = load(path, input_scales="max").weights
+    per_expert = load(path).weights.w13_input_scale
+    assert per_expert.unique().numel() > 1  # the experts' own scales differ
+    for rank in range(4):
+        shard = load_shard(path, rank, 4, input_scales="max").weights
+        assert torch.equal(shard.w13_input_scale, full.w13_input_scale[rank * 2:rank * 2 + 2])
+        assert torch.equal(shard.w2_input_scale, full.w2_input_scale[rank * 2:rank * 2 + 2])
+    assert float(full.w13_input_scale[0]) == float(per_expert.max())
+    cfg = get_preset("tiny").with_(**PRESET_OVERRIDES)
+    _write_per_expert(tmp_path / "pe.safetensors", synthetic_weights(cfg, seed=1), cfg)
+    with pytest.raises(CheckpointError, match="input_scales='max' with an expert range"):
+        load_shard(tmp_path / "pe.safetensors", 0, 2, input_scales="max")
+
+
+def test_load_shard_report_is_the_loaders(tmp_path):
+    """The shard's report carries the loader's own (format, choices), tensors named as in the file."""
+    from megamoe.checkpoint import write_synthetic
+    from megamoe.distributed import load_shard
+
+    path = write_synthetic(tmp_path / "t.safetensors", "tiny", seed=SEED % 1000)
+    rep = load_shard(path, 1, 2).report
+    assert rep.load is not None and rep.load.layout == rep.layout == "fused"
+    assert rep.tensors["w13_weight"] == "nvfp4" and rep.replicated_bytes_read > 0
+    assert "experts [4, 8) of 8" in rep.summary()
