@@ -583,7 +583,8 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                                     f"{settings.max_json_body_bytes}", 413)
         plain = header_length is None
         if len(json_part) >= OFFLOAD_JSON_BYTES:
-            decoded = await state.in_decoder(decode_json_request, bytes(json_part), state.json_value_limit, plain)
+            payload = json_part if isinstance(json_part, bytearray) else bytes(json_part)  # no copy of a JSON body
+            decoded = await state.in_decoder(decode_json_request, payload, state.json_value_limit, plain)
         else:
             decoded = decode_json_request(json_part, state.json_value_limit, plain)
         if len(binary) >= OFFLOAD_JSON_BYTES:

@@ -14,7 +14,8 @@ array and checks the document's types strictly; the app runs it in a worker proc
 for large bodies, so a big JSON body never holds the server's interpreter lock.
 :func:`build_request` turns the result (plus the binary part) into tensors.
 
-Strictness (docs/SPEC.md §6): booleans must be JSON booleans, objects must be objects
+Strictness (service/README.md, "Strict JSON in"; the contract is docs/SPEC.md §6):
+booleans must be JSON booleans, objects must be objects
 (``null`` or ``0`` is not an empty one), a key may appear once per object, integers
 (INT32/INT64 data, shapes, sizes) must be JSON integers and are never passed through
 float64, ``NaN``/``Infinity`` tokens are not JSON and are refused. Every refusal is a

@@ -149,6 +149,9 @@ def serve(settings: ServiceSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = build_server(settings)
     server.run()
+    # drained: uvicorn has put back the default handlers, and a second SIGTERM from an impatient
+    # supervisor would now end the exit with status 143; the drain is done, so let it go by
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return server.service_state.exit_code
 
 

@@ -604,7 +604,7 @@ def test_small_fuzz_never_answers_5xx(local):
             send("POST", INFER, content=body, headers={**AUTH, "Inference-Header-Content-Length": length})
         for path in (f"/v2/models/{PRESET}", f"/v2/models/{PRESET}/versions/1", f"/v2/models/{PRESET}/versions/%00",
                      f"/v2/models/{'x' * 3000}", "/v2/models/%ff/ready", f"/v2/models/{PRESET}/versions/2/ready",
-                     "/v1/health/kernels?level=%00", "/v1/health/kernels?level=quick&level=full",
+                     "/v1/health/kernels?level=%00", "/v1/health/kernels?level=bogus&level=%ff",
                      "/v1/health/kernels?level=" + "q" * 5000, "/v2/health/ready?x=" + "%" * 100):
-            send("GET", path, headers=AUTH)
+            send("GET", path, headers=AUTH)  # (no valid level: a real health run takes minutes here)
     assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if 400 <= k < 500) > 200, statuses
