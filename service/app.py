@@ -128,9 +128,10 @@ class ServiceState:
 
     @property
     def json_value_limit(self) -> int:
-        """The most values one request's JSON may hold: its largest tensors, plus slack."""
+        """The most values one request's JSON may hold: every input at the largest T, plus slack
+        (some clients, perf_analyzer among them, send all the optional inputs)."""
         cfg = self.model.config
-        per_row = cfg.hidden_size + max(2 * cfg.top_k, cfg.num_experts)
+        per_row = cfg.hidden_size + 2 * cfg.top_k + cfg.num_experts
         return self.settings.max_tokens_per_request * per_row + JSON_VALUES_SLACK
 
     # --- decoder process ----------------------------------------------------------------
