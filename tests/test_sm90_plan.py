@@ -26,7 +26,7 @@ def test_kernel_enum_is_exported_once_with_its_members():
     assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
 
 
-@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6, 7, 8])
+@pytest.mark.parametrize("tpe", [0, 1, 2, 5, 6])
 def test_decode_streams_one_tile_fused(tpe):
     p = plan(tpe)
     assert (p.kernel, p.token_tile, p.tokens_per_pass, p.gather_x, p.h_operand) == (kind("stream"), 8, 8, True, True), \
@@ -34,17 +34,19 @@ def test_decode_streams_one_tile_fused(tpe):
 
 
 def test_switch_to_wgmma_and_its_tiles():
-    # 8 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
-    assert plan(8).kernel == kind("stream") and plan(8).tokens_per_pass == 8
-    assert (plan(9).kernel, plan(9).token_tile) == (kind("wgmma32"), 32)
-    assert (plan(26).kernel, plan(26).token_tile) == (kind("wgmma32"), 32)
-    assert (plan(27).kernel, plan(27).token_tile) == (kind("wgmma64"), 64)
-    # tile 32 steps K by 128: a K that is a multiple of 64 only runs tile 64 in that range
-    assert (plan(9, k_l2=2112).kernel, plan(26, k_l1=1088).token_tile) == (kind("wgmma64"), 64)
-    assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma64")
-    assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
+    # 6 expected tokens per expert is the last streaming point (one token tile per pass, no multi-tile pocket)
+    assert plan(6).kernel == kind("stream") and plan(6).tokens_per_pass == 8
+    assert (plan(7).kernel, plan(7).token_tile) == (kind("wgmma32"), 32)
+    assert (plan(24).kernel, plan(24).token_tile) == (kind("wgmma32"), 32)
+    assert (plan(25).kernel, plan(25).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma64"), 64)
+    # tiles 32 and 64 step K by 128: a K that is a multiple of 64 only runs tile 128 in their range
+    assert (plan(7, k_l2=2112).kernel, plan(40, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
+    assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
+    assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
+    assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (9, 26, 27, 32, 33, 5000):
+    for tpe in (7, 24, 25, 64, 65, 5000):
         p = plan(tpe)
         assert not p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
         assert not plan(tpe, w4a16=False).h_operand

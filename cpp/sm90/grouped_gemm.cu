@@ -11,16 +11,16 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmPlan plan;
   const bool wgmma_shape = p.k_l1 % kWgK == 0 && p.k_l2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
   GemmKernel kernel = p.kernel;
+  const bool k128 = p.k_l1 % WgCfg<kWgTiny>::kKS == 0 && p.k_l2 % WgCfg<kWgTiny>::kKS == 0;
   if (kernel == GemmKernel::kAuto) {
-    const bool k128 = p.k_l1 % WgCfg<kWgTiny>::kKS == 0 && p.k_l2 % WgCfg<kWgTiny>::kKS == 0;
     kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
              : p.tokens_per_expert <= kWgmma32UpTo && k128        ? GemmKernel::kWgmma32
-             : p.tokens_per_expert <= kWgmma64UpTo                ? GemmKernel::kWgmma64
+             : p.tokens_per_expert <= kWgmma64UpTo && k128        ? GemmKernel::kWgmma64
                                                                   : GemmKernel::kWgmma128;
   }
   if (!wgmma_shape) kernel = GemmKernel::kStream;
-  if (kernel == GemmKernel::kWgmma32 && (p.k_l1 % WgCfg<kWgTiny>::kKS || p.k_l2 % WgCfg<kWgTiny>::kKS))
-    kernel = GemmKernel::kWgmma64;  // an explicit tile-32 request on a K it cannot step through
+  if ((kernel == GemmKernel::kWgmma32 || kernel == GemmKernel::kWgmma64) && !k128)
+    kernel = GemmKernel::kWgmma128;  // an explicit tile-32/64 request on a K they cannot step through
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
   if (kernel != GemmKernel::kStream) {
@@ -34,7 +34,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   if (tpp != 8 && tpp != 16 && tpp != 32 && tpp != 64) {
     // Enough 8-token tiles per pass for an expert somewhat above the expected count.
     const int64_t want = (p.tokens_per_expert * 3 + 1) / 2;
-    tpp = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? 8 : want <= 32 ? 32 : 64;
+    tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 32 ? 32 : 64;
   }
   plan.tokens_per_pass = tpp;
   plan.gather_x = p.w4a16 && p.gather_input;

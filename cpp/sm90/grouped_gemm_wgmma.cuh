@@ -16,7 +16,7 @@
 // Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
 // (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
 // so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
-// K 128 per stage (token tile 32) permutes K within the stage instead: lane tig owns K
+// K 128 per stage (token tiles 32 and 64) permutes K within the stage instead: lane tig owns K
 // [32 tig, 32 tig + 32) of its two rows (one 16-byte shared load per row, every nibble of it
 // used, whole words dequantized), and the activation tile is stored in the matching order by
 // 4-byte copies (load_stage).
@@ -42,12 +42,12 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 128 per stage, 5 stages (the memory-bound
-// middle: half the per-stage fixed cost per weight byte); 64: K 64, 6 stages; 128: K 64, 4 stages.
+// middle: half the per-stage fixed cost per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kKS = kMaxN == kWgTiny ? 128 : 64;  // K per stage
-  static constexpr int kSub = kKS / kWgK;                  // SW128 activation sub-tiles per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 5 : kMaxN == kWgSmall ? 6 : 4;
+  static constexpr int kKS = kMaxN <= kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kSub = kKS / kWgK;                   // SW128 activation sub-tiles per stage
+  static constexpr int kStages = kMaxN == kWgTiny ? 5 : 4;
   static constexpr int kMinBlocks = 2;
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
