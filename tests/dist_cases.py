@@ -25,7 +25,8 @@ VARIANTS = {
 
 
 #: MoEWeights fields that cover every expert or none: replicated on every rank, never sliced
-REPLICATED_FIELDS = ("router_weight", "router_bias", "shared_gate_up", "shared_down")
+REPLICATED_FIELDS = ("router_weight", "router_bias", "shared_gate_up", "shared_down", "shared_gate_up_input_scale",
+                     "shared_down_input_scale")
 
 
 def weight_tensors(weights) -> dict:
@@ -51,7 +52,7 @@ def assert_is_expert_slice(shard: dict, full: dict, start: int, end: int, what: 
     the replicated ones are whole, and nothing is missing or extra."""
     assert sorted(shard) == sorted(full), f"{what}: tensors {sorted(shard)} vs {sorted(full)}"
     for name, t in full.items():
-        replicated = name in REPLICATED_FIELDS or t.dim() == 0
+        replicated = name.split(".")[0] in REPLICATED_FIELDS or t.dim() == 0
         want = t if replicated else t[start:end]
         assert torch.equal(shard[name], want), f"{what}: {name} is not {'whole' if replicated else f'experts [{start}, {end})'}"
 

@@ -560,3 +560,58 @@ def test_load_shard_report_is_the_loaders(tmp_path):
     assert rep.load is not None and rep.load.layout == rep.layout == "fused"
     assert rep.tensors["w13_weight"] == "nvfp4" and rep.replicated_bytes_read > 0
     assert "experts [4, 8) of 8" in rep.summary()
+
+
+@pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "llmc_nvfp4", "modelopt_nvfp4_shared_bf16", "llmc_nvfp4a16"])
+def test_load_shard_of_real_checkpoints(fixture):
+    """Checkpoints written by ModelOpt and llmcompressor (tests/fixtures/real; an NVFP4 and a bf16
+    shared expert, W4A4 and W4A16): every rank's shard is its experts' slice of the full load,
+    every per-expert tensor included, with the same config."""
+    from pathlib import Path
+
+    from megamoe.checkpoint import load
+    from megamoe.distributed import load_shard
+
+    path = Path(__file__).parent / "fixtures" / "real" / fixture
+    full = load(path)
+    flat = weight_tensors(full.weights)
+    e = full.config.num_experts
+    for world in (2, e // 2 if e // 2 != 2 else e):
+        per = e // world
+        for rank in range(world):
+            shard = load_shard(path, rank, world)
+            assert shard.config == full.config
+            assert_is_expert_slice(weight_tensors(shard.weights), flat, rank * per, (rank + 1) * per,
+                                   f"{fixture} rank {rank} of {world}")
+            rep = shard.report
+            assert rep.expert_bytes_read * world == rep.expert_bytes_in_file, rep.summary()
+
+
+def test_load_shard_of_hf_dense_fused_experts(tmp_path):
+    """transformers' fused float experts (experts.gate_up_proj [E, 2I, H]), quantized at load:
+    each rank reads and quantizes its experts' rows only, equal to the full load's slice."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megamoe import nvfp4
+    from megamoe.checkpoint import load, synthetic_weights
+    from megamoe.distributed import load_shard
+    from megamoe.presets import MoEConfig
+
+    cfg = MoEConfig(64, 32, 4, 2)
+    w = synthetic_weights(cfg, seed=SEED % 1000)
+    p = "model.layers.0.mlp."
+    save_file({p + "experts.gate_up_proj": nvfp4.dequantize(w.w13).to(torch.bfloat16),
+               p + "experts.down_proj": nvfp4.dequantize(w.w2).to(torch.bfloat16),
+               p + "gate.weight": w.router_weight}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "norm_topk_prob": True}))
+    full = load(tmp_path)
+    for rank in range(2):
+        shard = load_shard(tmp_path, rank, 2)
+        assert_is_expert_slice(weight_tensors(shard.weights), weight_tensors(full.weights), 2 * rank, 2 * rank + 2,
+                               f"rank {rank}")
+        assert shard.report.expert_bytes_read * 2 == shard.report.expert_bytes_in_file
+        assert sorted(shard.report.quantized_at_load) == sorted(full.report.quantized_at_load)
