@@ -169,8 +169,15 @@ def test_bf16_expert_weights_are_quantized_and_reported(tmp_path, caplog):
     assert gs.shape == (2, 2) and not torch.equal(gs[:, 0], gs[:, 1])
 
 
-def _broken(tmp_path, mutate):
-    t = load_file(str(C.write_synthetic(tmp_path / "ok.safetensors", "tiny", seed=0)))
+@pytest.fixture(scope="module")
+def tiny_tensors(tmp_path_factory):
+    """The tensors of one synthetic tiny checkpoint (made once per module: it is the slow part)."""
+    return load_file(str(C.write_synthetic(tmp_path_factory.mktemp("tiny") / "ok.safetensors", "tiny", seed=0)))
+
+
+def _broken(tmp_path, mutate, tensors=None):
+    t = {k: v.clone() for k, v in tensors.items()} if tensors is not None else \
+        load_file(str(C.write_synthetic(tmp_path / "ok.safetensors", "tiny", seed=0)))
     mutate(t)
     p = tmp_path / "bad.safetensors"
     save_file(t, str(p), metadata={"megamoe.config": json.dumps(C.get_preset("tiny").to_dict())})
@@ -189,15 +196,15 @@ def _broken(tmp_path, mutate):
     (lambda t: t.update(w13_weight=t["w13_weight"].to(torch.int32)), "w13_weight: dtype"),
     (lambda t: t.update({"gate.weight": t["gate.weight"][:3].contiguous()}), "gate.weight: shape"),
 ])
-def test_bad_checkpoints_name_the_tensor(tmp_path, mutate, msg):
+def test_bad_checkpoints_name_the_tensor(tmp_path, mutate, msg, tiny_tensors):
     with pytest.raises(C.CheckpointError, match=msg):
-        C.load(_broken(tmp_path, mutate))
+        C.load(_broken(tmp_path, mutate, tiny_tensors))
 
 
-def test_missing_file_and_unknown_top_k(tmp_path):
+def test_missing_file_and_unknown_top_k(tmp_path, tiny_tensors):
     with pytest.raises(C.CheckpointError, match="no such checkpoint"):
         C.load(tmp_path / "nope.safetensors")
-    t = load_file(str(C.write_synthetic(tmp_path / "x.safetensors", "tiny")))
+    t = tiny_tensors
     save_file(t, str(tmp_path / "nometa.safetensors"))
     # without megamoe's metadata nothing declares the fused gate/up order (docs/SPEC.md §3.3)
     with pytest.raises(C.CheckpointError, match="w13_layout"):
@@ -435,9 +442,9 @@ def test_hf_dense_fused_experts_quantized_at_load(tmp_path, gen):
 # the fused gate/up order (docs/SPEC.md §3.3, docs/FIELD_BUGS.md row 27)
 # ------------------------------------------------------------------------------------------
 
-def _fused_without_metadata(tmp_path, order: str):
+def _fused_without_metadata(tmp_path, order: str, tensors):
     cfg = C.get_preset("tiny")
-    t = load_file(str(C.write_synthetic(tmp_path / "src.safetensors", "tiny", seed=3)))
+    t = {k: v.clone() for k, v in tensors.items()}
     gs = t["w13_weight_scale_2"]
     gs[:, 1] = gs[:, 0]  # one scale for both halves, so the interleaved order can hold it
     t["w13_weight_scale_2"] = gs[:, 0].contiguous()
@@ -457,8 +464,8 @@ def _fused_without_metadata(tmp_path, order: str):
 
 
 @pytest.mark.parametrize("order", ["gate-up", "up-gate", "interleaved"])
-def test_w13_layout_declared_and_wrong_layout_fails_numerically(tmp_path, gen, order):
-    path, ref = _fused_without_metadata(tmp_path, order)
+def test_w13_layout_declared_and_wrong_layout_fails_numerically(tmp_path, gen, order, tiny_tensors):
+    path, ref = _fused_without_metadata(tmp_path, order, tiny_tensors)
     with pytest.raises(C.CheckpointError, match="w13_layout"):
         C.load(path, top_k=2)  # never guessed
     got = C.load(path, top_k=2, w13_layout=order)
@@ -512,11 +519,11 @@ def test_bad_per_expert_scale_names_tensor_and_expert(tmp_path, value, naming, t
                                            ("w2_weight_scale_2", (5,), "expert 5"),
                                            ("w13_input_scale", (2,), "expert 2"),
                                            ("w2_input_scale", (7,), "expert 7")])
-def test_bad_fused_scale_names_tensor_and_expert(tmp_path, value, name, idx, part):
+def test_bad_fused_scale_names_tensor_and_expert(tmp_path, value, name, idx, part, tiny_tensors):
     def mutate(t):
         t[name][idx] = value
     with pytest.raises(C.CheckpointError, match=rf"{name}: {part}"):
-        C.load(_broken(tmp_path, mutate))
+        C.load(_broken(tmp_path, mutate, tiny_tensors))
 
 
 @pytest.mark.parametrize("naming", ["modelopt", "compressed-tensors"])
