@@ -9,7 +9,8 @@ protocol class here, and nowhere else:
   arms that timer only after a first response);
 - a request head (request line and headers) must be complete within
   ``timeout_request_head_s`` of its first byte (a client sending one header line every few
-  seconds is cut off), and so must the rest of a body that the app answered early;
+  seconds is cut off), and the rest of a body that the app answered early (a 413, say) within
+  ``timeout_body_s``;
 - at shutdown an idle keep-alive connection is not closed at once (a request may already be
   on the wire: closing would lose it); it lingers for :data:`SHUTDOWN_LINGER_S`, and a
   request that arrives meanwhile is served with ``Connection: close``.
@@ -41,6 +42,7 @@ _CANCEL_AFTER_GRACE_S = 2.0
 
 def protocol_class(settings: ServiceSettings) -> type[H11Protocol]:
     head_timeout_s = settings.timeout_request_head_s
+    body_timeout_s = settings.timeout_body_s
 
     class ServiceH11Protocol(H11Protocol):
         _head_timer = None
@@ -64,7 +66,8 @@ def protocol_class(settings: ServiceSettings) -> type[H11Protocol]:
                 return
             if self._reading_unanswered():
                 if self._head_timer is None:
-                    self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
+                    limit_s = head_timeout_s if self.conn.their_state is h11.IDLE else body_timeout_s
+                    self._head_timer = self.loop.call_later(limit_s, self._head_timed_out)
             elif self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None

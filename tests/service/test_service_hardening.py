@@ -125,6 +125,26 @@ def _read_until_closed(s: socket.socket, timeout_s: float) -> bytes:
         got += chunk
 
 
+def _read_response(s: socket.socket, timeout_s: float = 10.0) -> bytes:
+    """One HTTP response (head and Content-Length body) from ``s``, without waiting for a close."""
+    s.settimeout(timeout_s)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            return got
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def strict_loads(text):
     """A strict JSON parser: bare NaN / Infinity tokens are errors (as in JavaScript, Go, rapidjson)."""
     def refuse(token):
@@ -279,8 +299,7 @@ def test_too_many_json_values_are_refused_while_the_body_arrives(local):
     first = b'{"inputs":[{"name":"hidden_states","datatype":"FP32","shape":[9999,256],"data":[' + b"0," * (limit + 10)
     with socket.create_connection(("127.0.0.1", local.port), timeout=10) as s:
         s.sendall(head + first)  # the rest never comes
-        s.settimeout(10)
-        reply = s.recv(65536)
+        reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert f"more than {limit} values".encode() in reply
 
@@ -290,8 +309,7 @@ def test_json_body_over_its_limit_is_413_from_content_length(local):
             f"Content-Type: application/json\r\nContent-Length: {(2 << 20) + 1}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", local.port), timeout=10) as s:
         s.sendall(head)  # no body sent at all: the answer comes from the header
-        s.settimeout(10)
-        reply = s.recv(65536)
+        reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 413") and b"JSON body" in reply, reply[:200]
 
 
