@@ -11,8 +11,9 @@ import torch
 
 from megamoe import nvfp4, reference
 from megamoe.backends.base import Backend
-# The reference math lives in megamoe.reference; these names stay importable from here.
-from megamoe.reference import activation_to_gemm_input, row_global_scales, swiglu  # noqa: F401
+# The reference math lives in megamoe.reference; the two names other modules import from
+# here stay importable (import them from megamoe.reference).
+from megamoe.reference import row_global_scales, swiglu  # noqa: F401
 
 
 class _DequantizedExperts:
