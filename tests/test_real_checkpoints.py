@@ -289,3 +289,32 @@ def test_serve_settings_choose_the_layer():
     assert first.load_report.prefix == "model.layers.0.mlp."
     with pytest.raises(C.CheckpointError, match="layer 4: not a MoE layer"):
         load_layer(parse_settings(["--checkpoint", str(d), "--layer", "4", "--backend", "torch"]))
+
+
+@pytest.mark.parametrize("d", CKPTS, ids=[d.name for d in CKPTS])
+def test_expert_parallel_shards_of_real_checkpoints(d):
+    """Under expert parallelism each rank's shard of a real checkpoint (docs/FIELD_BUGS.md
+    row 19): every per-expert tensor, input scales included, is that rank's slice of the
+    whole load; the router and the shared expert whole."""
+    from megamoe.distributed import load_shard
+
+    full = C.load(d, layer=1)
+    e = full.config.num_experts
+    for world in (2, e // 2):
+        for rank in range(world):
+            s = load_shard(d, rank, world, layer=1)
+            a, b = s.expert_start, s.expert_start + e // world
+            w, fw = s.weights, full.weights
+            assert torch.equal(w.w13.data, fw.w13.data[a:b]) and torch.equal(w.w2.scale.view(torch.uint8),
+                                                                              fw.w2.scale[a:b].view(torch.uint8))
+            assert torch.equal(w.w13.global_scale, fw.w13.global_scale[a:b])
+            assert torch.equal(w.w2.global_scale, fw.w2.global_scale[a:b])
+            if fw.w13_input_scale is not None:
+                assert torch.equal(w.w13_input_scale, fw.w13_input_scale[a:b])
+                assert torch.equal(w.w2_input_scale, fw.w2_input_scale[a:b])
+            assert torch.equal(w.router_weight, fw.router_weight) and s.config == full.config
+            for name in ("shared_gate_up", "shared_down"):  # bf16 tensors or NVFP4Tensor: whole
+                mine, whole = getattr(w, name), getattr(fw, name)
+                if isinstance(whole, nvfp4.NVFP4Tensor):
+                    mine, whole = mine.data, whole.data
+                assert torch.equal(mine, whole), name
