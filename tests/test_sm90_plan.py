@@ -39,14 +39,14 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(7).kernel, plan(7).token_tile) == (kind("wgmma32"), 32)
     assert (plan(24).kernel, plan(24).token_tile) == (kind("wgmma32"), 32)
     assert (plan(25).kernel, plan(25).token_tile) == (kind("wgmma64"), 64)
-    assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
     # tiles 32 and 64 step K by 128: a K that is a multiple of 64 only runs tile 128 in their range
-    assert (plan(7, k_l2=2112).kernel, plan(40, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
+    assert (plan(7, k_l2=2112).kernel, plan(30, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
     assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
     assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
-    assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
+    assert (plan(33).kernel, plan(33).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (7, 24, 25, 64, 65, 5000):
+    for tpe in (7, 24, 25, 32, 33, 5000):
         p = plan(tpe)
         assert not p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
         assert not plan(tpe, w4a16=False).h_operand
