@@ -24,6 +24,7 @@ exits 0. A model that cannot be loaded exits 1.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 
@@ -40,7 +41,9 @@ SHUTDOWN_LINGER_S = 1.0
 _CANCEL_AFTER_GRACE_S = 2.0
 
 
-def protocol_class(settings: ServiceSettings) -> type[H11Protocol]:
+def protocol_class(settings: ServiceSettings, state=None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the service's timeouts; ``state`` (ServiceState) counts the
+    requests that are not even HTTP."""
     head_timeout_s = settings.timeout_request_head_s
     body_timeout_s = settings.timeout_body_s
 
@@ -84,6 +87,19 @@ def protocol_class(settings: ServiceSettings) -> type[H11Protocol]:
                 self._head_timer.cancel()
                 self._head_timer = None
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # a request h11 cannot parse: the error in JSON like every other, and counted
+            body = json.dumps({"error": f"malformed HTTP request: {msg}"}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+            if state is not None:
+                state.metrics.requests.labels("unparsed", "400").inc()
+                state.metrics.failures.labels("unparsed", "bad_request").inc()
 
         def shutdown(self) -> None:
             self._draining = True
@@ -133,7 +149,7 @@ def build_server(settings: ServiceSettings, *, layer=None) -> ServiceServer:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        http=protocol_class(settings),
+        http=protocol_class(settings, state),
         timeout_keep_alive=settings.timeout_keep_alive_s,
         timeout_graceful_shutdown=settings.graceful_shutdown_s + _CANCEL_AFTER_GRACE_S,
         lifespan="on",

@@ -373,6 +373,14 @@ def test_a_slow_body_gets_408_json_and_close(local):
     assert time.monotonic() - t0 < 5  # timeout_body_s 1.0
 
 
+def test_a_request_that_is_not_http_gets_json_400(local):
+    before = local.metric("megamoe_requests_total", route="unparsed", code="400")
+    reply = raw_http(local.port, b"POST /v2 HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc", timeout_s=5)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"application/json" in reply and b'{"error": "malformed HTTP request' in reply
+    assert local.metric("megamoe_requests_total", route="unparsed", code="400") - before == 1
+
+
 def test_a_non_ascii_authorization_header_is_401(local):
     head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n").encode() + \
         "Authorization: Bearer t\u00e4st\r\n\r\n".encode("utf-8")
