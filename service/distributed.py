@@ -225,7 +225,7 @@ def build_layer(settings, group=None) -> ExpertParallelMoE:
     backend = resolve_backend(settings.backend)
     if settings.checkpoint:
         return ExpertParallelMoE.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device,
-                                                 group=group)
+                                                 group=group, layer=settings.layer)
     return ExpertParallelMoE.from_preset(settings.preset, seed=settings.seed, backend=backend,
                                          device=settings.device, group=group)
 
