@@ -92,6 +92,7 @@ class ServiceState:
         self.health_runs: dict[str, asyncio.Task] = {}
         self.decoder: ProcessPoolExecutor | None = None
         self._decoder_lock = threading.Lock()
+        self._decoder_unavailable_logged = False
         #: set by SIGTERM (see begin_shutdown); announce_close once the listening socket is closed
         self.draining = False
         self.announce_close = False
@@ -145,9 +146,16 @@ class ServiceState:
 
     async def in_decoder(self, fn, *args):
         """``fn(*args)`` in the decoder process; a lost process is replaced and the call refused (503)."""
-        pool = self.decoder_pool()
         try:
-            return await asyncio.wrap_future(pool.submit(fn, *args))
+            pool = self.decoder_pool()
+            future = pool.submit(fn, *args)
+        except (OSError, RuntimeError) as exc:  # no processes here (a sandbox without semaphores, say)
+            if not self._decoder_unavailable_logged:
+                log.warning("no JSON decoder process (%s): large JSON bodies are decoded in a thread", exc)
+                self._decoder_unavailable_logged = True
+            return await asyncio.to_thread(fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
         except BrokenProcessPool:
             with self._decoder_lock:
                 if self.decoder is pool:
