@@ -1,8 +1,7 @@
 """Expert parallelism with NCCL: one process per GPU, real collectives (tests/dist_ep_worker.py).
 
-Skipped, with the reason, when fewer than 2 GPUs are visible. Never run yet: no machine
-with several GPUs was lent in the session that wrote it (the same cases pass with gloo on
-the CPU in tests/test_distributed.py).
+Skipped, with the reason, when fewer than 2 GPUs are visible. Not yet run on a multi-GPU
+machine (the same cases pass with gloo on the CPU in tests/test_distributed.py).
 
 Tolerance on GPUs: the EP path adds a token's expert contributions in the single-process
 order, but GPU kernels do not promise the same bits for an expert's rows when they arrive
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _helpers import SEED
+from _helpers import SEED, cosine
 from dist_cases import VARIANTS, launch, single_process_outputs, write_checkpoints
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +60,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str, max_rel: float = 1e-
         return
     assert torch.isfinite(out).all(), f"{what}: non-finite output"
     a, b = out.double().flatten(), ref.double().flatten()
-    cos = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
+    cos = cosine(out, ref)
     worst = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
     assert cos >= 0.99999 and worst <= max_rel, f"{what}: cosine {cos:.7f}, max |diff| / max |ref| {worst:.2e}"
 

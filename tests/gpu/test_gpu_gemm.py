@@ -8,7 +8,7 @@ import torch
 from megamoe import nvfp4
 from megamoe.backends.cuda_sm90 import CudaSm90Backend
 
-from _gpu_util import cosine, random_nvfp4, rel_err, sm90_backend
+from _helpers import backend_or_skip, cosine, random_nvfp4, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 2
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
 def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):
-    sm90_backend()
+    backend_or_skip("cuda-sm90")
     be = CudaSm90Backend(kernel=kernel)
     b = random_nvfp4(n, k, gen, global_scale=3.7e-3)
     if a_kind == "nvfp4":
@@ -46,7 +46,7 @@ def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):
 
 
 def test_gemm_uniform_and_gate_up_scales(gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     a = random_nvfp4(16, 512, gen, uniform=True)
     b = random_nvfp4(64, 512, gen, uniform=True)
     ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)

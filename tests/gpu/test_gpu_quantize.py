@@ -7,7 +7,7 @@ import torch
 from megamoe import nvfp4
 from megamoe.backends.torch_ref import row_global_scales
 
-from _gpu_util import sm90_backend
+from _helpers import backend_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def _nasty(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,k", [(1, 16), (7, 64), (33, 464), (129, 256), (300, 2048)])
 def test_quantize_bytes_identical(dtype, rows, k, gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     x = _nasty(rows, k, gen).to(dtype)
     for gs in (None, 1e-3, 1e3, "row"):
         g = row_global_scales(x.float()) if gs == "row" else gs
@@ -47,7 +47,7 @@ def test_quantize_bytes_identical(dtype, rows, k, gen):
 
 def test_quantize_inf_static_scale(gen):
     """Inf saturates to +-6 with the largest block scale; NaN encodes as 0 (static global scale)."""
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     x = torch.randn((9, 64), generator=gen)
     x[0, 3], x[4, 40], x[5, 7] = float("inf"), float("-inf"), float("nan")
     ref = nvfp4.quantize(x, 0.01)
@@ -58,7 +58,7 @@ def test_quantize_inf_static_scale(gen):
 
 def test_quantize_grouped_rowwise_dynamic_and_swizzled(gen):
     """Grouped rows at 128-aligned offsets, per-row dynamic scale, swizzled SF written directly."""
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     from megamoe import _ext
     from megamoe.backends.cuda_common import GS_PER_ROW_DYNAMIC, current_stream
 

@@ -7,7 +7,7 @@ import torch
 
 from megamoe import nvfp4
 
-from _gpu_util import sm90_backend
+from _helpers import backend_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def _scales(rows, cols, gen):
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_swizzle_matches_reference_and_closed_form(rows, cols, gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     s = _scales(rows, cols, gen)
     prow, pcol = nvfp4.sf_padded_shape(rows, cols)
     buf = torch.full((prow, pcol), 0x7F, dtype=torch.uint8, device="cuda")  # poisoned: padding must be rewritten
@@ -37,7 +37,7 @@ def test_swizzle_matches_reference_and_closed_form(rows, cols, gen):
 
 
 def test_swizzle_batched(gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     s = _scales(3 * 33, 5, gen).reshape(3, 33, 5)
     got = be.swizzle_scales(s.cuda()).cpu()
     assert torch.equal(got, nvfp4.swizzle_scales(s))
@@ -46,7 +46,7 @@ def test_swizzle_batched(gen):
 
 @pytest.mark.parametrize("sizes", [[5, 0, 130, 1, 33], [128, 128], [1], [0, 0, 7]])
 def test_grouped_swizzle(sizes, gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     cols = 29
     s = _scales(sum(sizes), cols, gen)
     ref = nvfp4.swizzle_scales_grouped(s, sizes)
@@ -59,7 +59,7 @@ def test_grouped_swizzle(sizes, gen):
 
 def test_verifier_catches_mk_swap(gen):
     """FIELD_BUGS 2: a remap with M and K swapped (square so the buffer size is the same)."""
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     s = _scales(128, 128, gen)
     bad = nvfp4.swizzle_scales(s.T.contiguous())
     rep = be.verify_swizzled(s, bad)
@@ -71,7 +71,7 @@ def test_verifier_catches_mk_swap(gen):
 @pytest.mark.parametrize("rows,cols", [(33, 5), (129, 29), (7, 3)])
 def test_verifier_catches_unwritten_padding(rows, cols, gen):
     """FIELD_BUGS 1/4/7: padding left as 0x7F (NaN in e4m3) is counted byte by byte and reported as padding."""
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     s = _scales(rows, cols, gen)
     buf = nvfp4.swizzle_scales(s).clone()
     logical = torch.zeros(buf.numel(), dtype=torch.bool)
@@ -93,7 +93,7 @@ def test_verifier_catches_unwritten_padding(rows, cols, gen):
 
 
 def test_grouped_verifier_catches_poisoned_padding(gen):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     sizes = [3, 0, 140]
     s = _scales(sum(sizes), 7, gen)
     buf = nvfp4.swizzle_scales_grouped(s, sizes).clone()
