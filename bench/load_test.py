@@ -177,7 +177,9 @@ def perf_analyzer_level(args, url: str, model: str, tokens: int, clients: int, w
     report = workdir / f"pa_T{tokens}.csv"
     cmd = [args.perf_analyzer, "-m", model, "-u", url.removeprefix("http://"), "-i", "http",
            "--input-data", str(data_file), "--concurrency-range", f"{clients}:{clients}",
-           "--measurement-interval", str(args.pa_window_ms), "--stability-percentage", "50", "--max-trials", "8",
+           # large T: few requests per window, so a longer one
+           "--measurement-interval", str(args.pa_window_ms * (4 if tokens >= 256 else 1)),
+           "--stability-percentage", "50", "--max-trials", "8",
            "-f", str(report)]
     if args.token:
         cmd += ["-H", f"Authorization: Bearer {args.token}"]
