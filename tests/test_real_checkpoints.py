@@ -105,10 +105,12 @@ def test_forward_matches_the_tool(d, layer):
     """megamoe's layer (torch backend, float32 math, docs/SPEC.md §3) against the tool's own
     forward of the same MoE block.
 
-    Against the tool's forward of the calibrated model in float32 the cosine is >= 0.99999:
-    the same quantized weights, bit-identical activation quantization (ModelOpt; see
-    test_activation_bytes_match_the_tool for compressed-tensors), the same routing; what is
-    left is float32 summation order.
+    Against the tool's forward of the calibrated model in float32 (float32 in, float32 out),
+    W4A4 agrees to float32 rounding (max error 1e-6 of the output's largest value): the same
+    quantized weights, the same activation bytes (in float32 compressed-tensors' block
+    scales agree with megamoe's too), the same routing; what is left is float32 summation
+    order. W4A16: cosine >= 0.999995, the rest being megamoe's W4A16 rounding activations to
+    bf16 (docs/SPEC.md §3, what a bf16 kernel consumes), which the tool's float32 copy does not.
 
     Against the tool as it runs (bf16 model) the cosine is what the tool's own bf16
     arithmetic costs it: the tool rounds every GEMM output, the SwiGLU product and each
@@ -123,8 +125,14 @@ def test_forward_matches_the_tool(d, layer):
     loaded = C.load(d, layer=layer)
     ref = _ref(d, layer)
     m = MoELayer(loaded.weights, loaded.config, backend="torch")
-    y = m(ref["x"]).float()
-    assert y.dtype == torch.float32 and torch.isfinite(y).all()
+    y32 = m(ref["x"].float())
+    assert y32.dtype == torch.float32 and torch.isfinite(y32).all()
+    if loaded.config.act_mode == "w4a4":
+        err = float((y32 - ref["y_fp32"]).abs().max() / ref["y_fp32"].abs().max())
+        assert err < 1e-6, err
+    else:
+        assert cosine(y32, ref["y_fp32"]) >= 0.999995
+    y = m(ref["x"]).float()  # bf16 in, bf16 out, as the tool runs
     c32 = cosine(y, ref["y_fp32"])
     c16 = cosine(y, ref["y"])
     tool_own = cosine(ref["y"], ref["y_fp32"])
