@@ -340,7 +340,6 @@ def layer_experts(ck: OpenCheckpoint, layer: int | str | None = None, prefix: st
     return prefix, layout, (ids[-1] + 1) if ids else 0
 
 
-_PROJ_ALIASES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*?)experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.")
 _FUSED = re.compile(r"^(?P<prefix>.*?)w13_weight$")
 _HF_FUSED = re.compile(r"^(?P<prefix>.*?)experts\.gate_up_proj$")
@@ -1133,24 +1132,3 @@ def _config_from_arch(arch, hf, path: Path, e, h, i, top_k, dense, report) -> tu
         d.setdefault("scoring", "softmax")
         report.choices.append("routing: softmax top-k (no architecture given; the caller declared top_k)")
     return MoEConfig.from_dict(d), src
-
-
-def _config_from(meta, path: Path, e, h, i, top_k, shared_gu, overrides) -> MoEConfig:
-    """The layer config as :func:`load` decides it (used by the sharded loader)."""
-    if "megamoe.config" in meta:
-        cfg = MoEConfig.from_dict(json.loads(meta["megamoe.config"]))
-    else:
-        folder = path if path.is_dir() else path.parent
-        hf = _read_json(folder / "config.json", None)
-        arch = None
-        if hf is not None:
-            try:
-                arch = architecture_routing(hf)
-            except UnknownArchitecture as exc:
-                raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
-        cfg, _ = _config_from_arch(arch, hf, path, e, h, i, top_k, {"shared_gate_up": shared_gu},
-                                   LoadReport(path=str(path)))
-    if (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts) != (h, i, e):
-        raise CheckpointError(f"{path}: config says H={cfg.hidden_size}, I={cfg.intermediate_size}, "
-                              f"E={cfg.num_experts} but the tensors have H={h}, I={i}, E={e}")
-    return cfg.with_(**overrides) if overrides else cfg
