@@ -85,6 +85,25 @@ __device__ __forceinline__ float swiglu(float gate, float up, bool clamp, float 
   return silu(gate) * up;
 }
 
+// Output scales of one expert: alpha0 for the only (or the gate) accumulator, alpha1 for the up
+// accumulator of kSiluMul: activation global scale times the weight global scale(s).
+__device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int expert, bool silu_mul, float& alpha0,
+                                                float& alpha1) {
+  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
+  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
+  alpha0 = a_gs * wgs[0];
+  alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
+}
+
+// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order),
+// rounded once, as staging would.
+__device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
+                                                   float hv) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(hv);
+  out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
+      *reinterpret_cast<const uint16_t*>(&b);
+}
+
 // Expert slot -> expert and its row range; false when the slot is unused.
 __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, const int32_t* num_active,
                                                const int32_t* expert_offsets, int slot, int& expert,

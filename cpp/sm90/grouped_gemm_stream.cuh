@@ -75,29 +75,22 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   griddep_sync_and_release();
 }
 
-// NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
-template <bool kVec, int NT>
-__global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
-  constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
-  __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][NT][4][32];
+// Block start of every streaming kernel: the e4m3 -> bf16x2 scale table in shared memory, then the
+// PDL prologue.
+__device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256]) {
   for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
   stream_pdl_prologue(a);
+}
 
-  int expert, row_begin, rows;
-  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
-  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  const bool natural = a.act_rows != nullptr;
+// The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
+// g + 8*hh of the tile (kSiluMul: tile 0 the gate column rb*16 + g + 8*hh, tile 1 its up column).
+// A row past the end is marked invalid and points at row 0.
+__device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int expert, unsigned rb, int g,
+                                                   bool silu_mul, int64_t N, int64_t Kb, int64_t row_bytes,
+                                                   const uint8_t* (&wrow)[2][2], const uint8_t* (&srow)[2][2],
+                                                   bool (&rvalid)[2][2]) {
   const int64_t I = N / 2;
-
-  // The 4 weight rows of this lane: (m-tile mt, half hh) -> row g + 8*hh of the tile.
-  const uint8_t* wrow[2][2];
-  const uint8_t* srow[2][2];
-  bool rvalid[2][2];
   const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
   const uint8_t* ws = a.w_scale + int64_t(expert) * N * Kb;
 #pragma unroll
@@ -107,11 +100,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       const int r = g + 8 * hh;
       int64_t n;
       if (silu_mul) {
-        const int64_t col = int64_t(blockIdx.x) * 16 + r;
+        const int64_t col = int64_t(rb) * 16 + r;
         rvalid[mt][hh] = col < I;
         n = mt * I + col;
       } else {
-        n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + r;
+        n = int64_t(rb) * kStreamRows + mt * 16 + r;
         rvalid[mt][hh] = n < N;
       }
       if (!rvalid[mt][hh]) n = 0;
@@ -119,47 +112,162 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       srow[mt][hh] = ws + n * Kb;
     }
   }
+}
 
-  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
-  const float* wg = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
-  const float alpha0 = a_gs * wg[0];
-  const float alpha1 = silu_mul ? a_gs * wg[1] : alpha0;
-
-  auto load_weights = [&](int64_t s, uint32_t (&wv)[2][2][8], uint32_t (&sc)[2][2]) {
-    const bool svalid = s < slices;
+// Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed e4m3 scales of K slice
+// s (64 elements) of the lane's 4 rows; zeros for invalid rows and past the end of K.
+// kVec: K % 64 == 0 (16-byte aligned rows, whole slices); else 8-byte loads, one scale block at a time.
+template <bool kVec>
+__device__ __forceinline__ void load_weight_slice(int64_t s, int64_t slices, int64_t Kb,
+                                                  const uint8_t* const (&wrow)[2][2],
+                                                  const uint8_t* const (&srow)[2][2], const bool (&rvalid)[2][2],
+                                                  uint32_t (&wv)[2][2][8], uint32_t (&sc)[2][2]) {
+  const bool svalid = s < slices;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        if (kVec) {
-          uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
-          uint32_t sv = 0;
-          if (rvalid[mt][hh] && svalid) {
-            x0 = ldg_stream(wrow[mt][hh] + s * 32);
-            x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
-            sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
+    for (int hh = 0; hh < 2; ++hh) {
+      if (kVec) {
+        uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
+        uint32_t sv = 0;
+        if (rvalid[mt][hh] && svalid) {
+          x0 = ldg_stream(wrow[mt][hh] + s * 32);
+          x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
+          sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
+        }
+        wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
+        wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
+        sc[mt][hh] = sv;
+      } else {
+        uint32_t sv = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t b = s * 4 + j;
+          uint2 x = make_uint2(0, 0);
+          if (rvalid[mt][hh] && b < Kb) {
+            x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
+            sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
           }
-          wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
-          wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
-          sc[mt][hh] = sv;
+          wv[mt][hh][2 * j] = x.x;
+          wv[mt][hh][2 * j + 1] = x.y;
+        }
+        sc[mt][hh] = sv;
+      }
+    }
+  }
+}
+
+// bf16x2 scales of scale block blk (0..3) of the slice, looked up at each block start (short live
+// range: fewer registers).
+__device__ __forceinline__ void slice_block_scales(const uint32_t (&scale_lut)[256], const uint32_t (&sc)[2][2], int blk,
+                                                   uint32_t (&s2)[2][2]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
+}
+
+// Weight word i (k16 of the slice) of both m-tiles, dequantized, times the activation words b[nt] of
+// NT token tiles: acc[mt][nt] += A(mt) * B(nt).
+template <int NT>
+__device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const uint32_t (&wv)[2][2][8],
+                                                const uint32_t (&s2)[2][2], int i, const uint4 (&b)[NT]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    uint32_t p0[4], p1[4];
+    dequant_word(wv[mt][0][i], s2[mt][0], p0);
+    dequant_word(wv[mt][1][i], s2[mt][1], p1);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mma_bf16_16816(acc[mt][nt], p0[0], p1[0], p0[1], p1[1], b[nt].x, b[nt].y);
+      mma_bf16_16816(acc[mt][nt], p0[2], p1[2], p0[3], p1[3], b[nt].z, b[nt].w);
+    }
+  }
+}
+
+// End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the 4 warps' partial sums are added in shared
+// memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
+// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
+template <int NT, bool kOperandOut>
+__device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
+                                                     float (&partial)[4][2][NT][4][32], int tok0, int rows,
+                                                     int row_begin, unsigned rb, int warp, int lane, int g, int tig,
+                                                     bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
+                                                     float alpha0, float alpha1) {
+  const int64_t I = N / 2;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][mt][nt][i][lane] = acc[mt][nt][i];
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if ((nt & 3) != warp) continue;
+    float sum[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
+                     partial[3][mt][nt][i][lane];
+    // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int tok = tok0 + nt * 8 + 2 * tig + t;
+        if (tok >= rows) continue;
+        const int64_t out_row = row_begin + tok;
+        const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+        if (silu_mul) {
+          if (!rvalid[0][hh]) continue;
+          const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
+          const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
+          const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
+          const int64_t col = int64_t(rb) * 16 + g + 8 * hh;
+          if (kOperandOut && a.out_operand) {
+            store_operand_bf16(a.out_operand, out_row, I, col, hv);
+          } else {
+            a.out[out_row * I + col] = hv;
+          }
         } else {
-          uint32_t sv = 0;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int64_t b = s * 4 + j;
-            uint2 x = make_uint2(0, 0);
-            if (rvalid[mt][hh] && b < Kb) {
-              x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
-              sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
-            }
-            wv[mt][hh][2 * j] = x.x;
-            wv[mt][hh][2 * j + 1] = x.y;
+          for (int mt = 0; mt < 2; ++mt) {
+            if (!rvalid[mt][hh]) continue;
+            const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
+            a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
           }
-          sc[mt][hh] = sv;
         }
       }
     }
-  };
+  }
+  __syncthreads();
+}
+
+// NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
+template <bool kVec, int NT>
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
+  constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
+  __shared__ uint32_t scale_lut[256];
+  __shared__ float partial[4][2][NT][4][32];
+  stream_block_start(a, scale_lut);
+
+  int expert, row_begin, rows;
+  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const bool natural = a.act_rows != nullptr;
+
+  const uint8_t* wrow[2][2];
+  const uint8_t* srow[2][2];
+  bool rvalid[2][2];
+  stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, Kb, row_bytes, wrow, srow, rvalid);
+  float alpha0, alpha1;
+  epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
   for (int tok0 = 0; tok0 < rows; tok0 += 8 * NT) {
     float acc[2][NT][4];
@@ -182,7 +290,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
     // lanes past the last slice load zeros.
     for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
       const int64_t s = s0 + tig;
-      load_weights(s, wv, sc);
+      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wv, sc);
 #pragma unroll
       for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
         uint4 av[NT][kChunkWords];
@@ -196,80 +304,18 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
           }
 #pragma unroll
         for (int w = 0; w < kChunkWords; ++w) {
-          const int i = c0 + w, blk = i / 2;
-          // Scales looked up at each block start (short live range: fewer registers).
+          const int i = c0 + w;
           uint32_t s2[2][2];
+          slice_block_scales(scale_lut, sc, i / 2, s2);
+          uint4 b[NT];
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            uint32_t p0[4], p1[4];
-            dequant_word(wv[mt][0][i], s2[mt][0], p0);
-            dequant_word(wv[mt][1][i], s2[mt][1], p1);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              mma_bf16_16816(acc[mt][nt], p0[0], p1[0], p0[1], p1[1], av[nt][w].x, av[nt][w].y);
-              mma_bf16_16816(acc[mt][nt], p0[2], p1[2], p0[3], p1[3], av[nt][w].z, av[nt][w].w);
-            }
-          }
+          for (int nt = 0; nt < NT; ++nt) b[nt] = av[nt][w];
+          mma_weight_word<NT>(acc, wv, s2, i, b);
         }
       }
     }
-
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) partial[warp][mt][nt][i][lane] = acc[mt][nt][i];
-    __syncthreads();
-    // Warps reduce in a fixed order; warp w finishes the token tiles nt % 4 == w.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if ((nt & 3) != warp) continue;
-      float sum[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
-                       partial[3][mt][nt][i][lane];
-      // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const int tok = tok0 + nt * 8 + 2 * tig + t;
-          if (tok >= rows) continue;
-          const int64_t out_row = row_begin + tok;
-          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-          if (silu_mul) {
-            if (!rvalid[0][hh]) continue;
-            const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
-            const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
-            const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
-            const int64_t col = int64_t(blockIdx.x) * 16 + g + 8 * hh;
-            if (a.out_operand) {
-              const __nv_bfloat16 b = __float2bfloat16_rn(hv);
-              a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
-                  *reinterpret_cast<const uint16_t*>(&b);
-            } else {
-              a.out[out_row * I + col] = hv;
-            }
-          } else {
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-              if (!rvalid[mt][hh]) continue;
-              const int64_t n = int64_t(blockIdx.x) * kStreamRows + mt * 16 + g + 8 * hh;
-              a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();
+    stream_pass_epilogue<NT, true>(a, acc, partial, tok0, rows, row_begin, blockIdx.x, warp, lane, g, tig, silu_mul,
+                                   rvalid, N, alpha0, alpha1);
   }
 }
 
@@ -283,52 +329,27 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
 template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
-                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][4][32]) {
+                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  const int64_t I = N / 2;
 
-  // The 4 weight rows of this lane: (m-tile mt, half hh) -> row g + 8*hh of the tile.
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
-  const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
-  const uint8_t* ws = a.w_scale + int64_t(expert) * N * Kb;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = g + 8 * hh;
-      int64_t n;
-      if (silu_mul) {
-        const int64_t col = int64_t(rb) * 16 + r;
-        rvalid[mt][hh] = col < I;
-        n = mt * I + col;
-      } else {
-        n = int64_t(rb) * kStreamRows + mt * 16 + r;
-        rvalid[mt][hh] = n < N;
-      }
-      if (!rvalid[mt][hh]) n = 0;
-      wrow[mt][hh] = wd + n * row_bytes;
-      srow[mt][hh] = ws + n * Kb;
-    }
-  }
-
-  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
-  const float* wg = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
-  const float alpha0 = a_gs * wg[0];
-  const float alpha1 = silu_mul ? a_gs * wg[1] : alpha0;
+  stream_weight_rows(a, expert, rb, g, silu_mul, N, Kb, row_bytes, wrow, srow, rvalid);
+  float alpha0, alpha1;
+  epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
   for (int tok0 = 0; tok0 < rows; tok0 += 8) {
-    float acc[2][4];
+    float acc[2][1][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+      for (int i = 0; i < 4; ++i) acc[mt][0][i] = 0.f;
     const bool tvalid = tok0 + g < rows;
     const int64_t grow = int64_t(row_begin + tok0 + (tvalid ? g : 0));
     const uint16_t* arow = a.act + (kFused && a.act_rows ? int64_t(a.act_rows[grow]) : grow) * K;
@@ -340,38 +361,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
       const bool svalid = s < slices;
       uint32_t wv[2][2][8];
       uint32_t sc[2][2];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          if (kVec) {
-            uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
-            uint32_t sv = 0;
-            if (rvalid[mt][hh] && svalid) {
-              x0 = ldg_stream(wrow[mt][hh] + s * 32);
-              x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
-              sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
-            }
-            wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
-            wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
-            sc[mt][hh] = sv;
-          } else {
-            uint32_t sv = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int64_t b = s * 4 + j;
-              uint2 x = make_uint2(0, 0);
-              if (rvalid[mt][hh] && b < Kb) {
-                x = __ldg(reinterpret_cast<const uint2*>(wrow[mt][hh] + b * 8));
-                sv |= uint32_t(__ldg(srow[mt][hh] + b)) << (8 * j);
-              }
-              wv[mt][hh][2 * j] = x.x;
-              wv[mt][hh][2 * j + 1] = x.y;
-            }
-            sc[mt][hh] = sv;
-          }
-        }
-      }
+      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wv, sc);
       uint4 av[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -382,83 +372,25 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int blk = 0; blk < 4; ++blk) {
         uint32_t s2[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
+        slice_block_scales(scale_lut, sc, blk, s2);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
           const int i = blk * 2 + wi;
-          const uint4 b = kFused && a.act_rows ? interleave_act(av[i]) : av[i];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            uint32_t p0[4], p1[4];
-            dequant_word(wv[mt][0][i], s2[mt][0], p0);
-            dequant_word(wv[mt][1][i], s2[mt][1], p1);
-            mma_bf16_16816(acc[mt], p0[0], p1[0], p0[1], p1[1], b.x, b.y);
-            mma_bf16_16816(acc[mt], p0[2], p1[2], p0[3], p1[3], b.z, b.w);
-          }
+          const uint4 b[1] = {kFused && a.act_rows ? interleave_act(av[i]) : av[i]};
+          mma_weight_word<1>(acc, wv, s2, i, b);
         }
       }
     }
-
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][mt][i][lane] = acc[mt][i];
-    __syncthreads();
-    if (warp == 0) {
-      float sum[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          sum[mt][i] = ((partial[0][mt][i][lane] + partial[1][mt][i][lane]) + partial[2][mt][i][lane]) +
-                       partial[3][mt][i][lane];
-      // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const int tok = tok0 + 2 * tig + t;
-          if (tok >= rows) continue;
-          const int64_t out_row = row_begin + tok;
-          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-          if (silu_mul) {
-            if (!rvalid[0][hh]) continue;
-            const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
-            const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
-            const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
-            const int64_t col = int64_t(rb) * 16 + g + 8 * hh;
-            if (kFused && a.out_operand) {
-              const __nv_bfloat16 b = __float2bfloat16_rn(hv);
-              a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
-                  *reinterpret_cast<const uint16_t*>(&b);
-            } else {
-              a.out[out_row * I + col] = hv;
-            }
-          } else {
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-              if (!rvalid[mt][hh]) continue;
-              const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
-              a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();
+    stream_pass_epilogue<1, kFused>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
+                                    N, alpha0, alpha1);
   }
 }
 
 template <bool kVec, bool kFused>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][4][32];
-  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  __syncthreads();
-  stream_pdl_prologue(a);
+  __shared__ float partial[4][2][1][4][32];
+  stream_block_start(a, scale_lut);
   stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
 }
 
