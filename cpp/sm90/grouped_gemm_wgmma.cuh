@@ -88,6 +88,26 @@ inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
   return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts;
 }
 
+// The tokens of an m64nN D fragment below `rows`: for token m0 + 8j + 2tig + t, calls
+// f(4j + t, out_row, rs) with its output row row_begin + token and its row scale; acc[4j + t] is its
+// value in row g, acc[4j + 2 + t] in row g + 8.
+template <int N, typename F>
+__device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int row_begin, int rows, int m0, int tig,
+                                                   F&& f) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int tok = m0 + 8 * j + 2 * tig + t;
+      if (tok < rows) {
+        const int64_t out_row = int64_t(row_begin) + tok;
+        const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
+        f(4 * j + t, out_row, rs);
+      }
+    }
+  }
+}
+
 // Epilogue of wg_tile(): acc is warp wq of
 // warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
 // 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
@@ -96,53 +116,31 @@ template <int N>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
                                             int wg, int wq, int g, int tig) {
-  const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
-  const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
-  const float alpha0 = a_gs * wgs[0];
-  const float alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
+  float alpha0, alpha1;
+  epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
   // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
   if (silu_mul) {
     const int64_t col = int64_t(blockIdx.x) * 64 + wg * 32 + wq * 8 + g;
     if (col < I) {
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          const int tok = m0 + 8 * j + 2 * tig + t;
-          if (tok < rows) {
-            const int64_t out_row = int64_t(row_begin) + tok;
-            const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-            const float hv = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + 2 + t], alpha1, rs),
-                                    a.swiglu_clamp, a.swiglu_limit);
-            if (a.out_operand) {  // h as the bf16 L2 operand (rounded once, as staging would)
-              const __nv_bfloat16 b = __float2bfloat16_rn(hv);
-              a.out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
-                  *reinterpret_cast<const uint16_t*>(&b);
-            } else {
-              a.out[out_row * I + col] = hv;
-            }
-          }
+      wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
+        const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
+                                a.swiglu_limit);
+        if (a.out_operand) {
+          store_operand_bf16(a.out_operand, out_row, I, col, hv);
+        } else {
+          a.out[out_row * I + col] = hv;
         }
-      }
+      });
     }
   } else {
     const int64_t n0 = int64_t(blockIdx.x) * kWgRows + wg * 64 + wq * 16 + g;
+    wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int tok = m0 + 8 * j + 2 * tig + t;
-        if (tok < rows) {
-          const int64_t out_row = int64_t(row_begin) + tok;
-          const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int64_t n = n0 + 8 * hh;
-            if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[4 * j + 2 * hh + t], alpha0, rs);
-          }
-        }
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t n = n0 + 8 * hh;
+        if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[c + 2 * hh], alpha0, rs);
       }
-    }
+    });
   }
 }
 
