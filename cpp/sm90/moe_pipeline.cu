@@ -80,15 +80,6 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids,
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
 // One thread per 8-element group: gather, convert, store in operand order.
 template <typename T>
 __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
@@ -103,7 +94,7 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
     const T* p = src + sr * stride + gi * 8;
     float x[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = to_float(p[i]);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(p[i]);  // exact for float, __half, bf16
     uint32_t w[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -113,15 +104,6 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
     *reinterpret_cast<uint4*>(dst + r * cols + gi * 8) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of y, the
 // bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
@@ -143,11 +125,11 @@ __global__ void combine_kernel(const float* y, const int32_t* entry_row, const f
       acc.z += wj * v.z;
       acc.w += wj * v.w;
     }
-    T* o = out + t * hidden + c;
-    o[0] = from_float<T>(acc.x);
-    o[1] = from_float<T>(acc.y);
-    o[2] = from_float<T>(acc.z);
-    o[3] = from_float<T>(acc.w);
+    T* o = out + t * hidden + c;  // T(float): round to nearest even for __half and bf16
+    o[0] = T(acc.x);
+    o[1] = T(acc.y);
+    o[2] = T(acc.z);
+    o[3] = T(acc.w);
   }
 }
 
