@@ -98,7 +98,7 @@ def _tensor_from_packed(entry: DecodedInput) -> torch.Tensor:
 
 def _tensor_from_bytes(raw: memoryview, datatype: str, shape: list[int], name: str) -> torch.Tensor:
     dtype = DATATYPES[datatype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # (no tensor made per input just to learn it)
     expected = math.prod(shape) * itemsize
     if len(raw) != expected:
         raise ProtocolError(
