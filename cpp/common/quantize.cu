@@ -6,6 +6,7 @@
 #include "megamoe/common_kernels.h"
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sf_layout.hpp"
+#include "offset_search.cuh"
 
 namespace megamoe {
 namespace {
@@ -47,17 +48,6 @@ __device__ __forceinline__ void load_block(const typename Elem<T>::type* p, bool
   }
 }
 
-// Expert owning input row r: the last e with expert_offsets[e] <= r.
-__device__ __forceinline__ int find_expert(const int32_t* offsets, int num_experts, int64_t r) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (offsets[mid] <= r) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 struct RowPlace {
   int64_t dst_row;
   int expert;
@@ -71,7 +61,7 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
       p.valid = false;
       return p;
     }
-    p.expert = find_expert(a.expert_offsets, a.num_experts, r);
+    p.expert = last_offset_at_or_below(a.expert_offsets, a.num_experts, r);  // the expert owning row r
     p.dst_row = int64_t(a.dst_offsets[p.expert]) + (r - a.expert_offsets[p.expert]);
   }
   return p;

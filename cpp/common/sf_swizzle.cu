@@ -8,6 +8,7 @@
 // independent directions, so a bug in one shows up against the other.
 #include "megamoe/common_kernels.h"
 #include "megamoe/sf_layout.hpp"
+#include "offset_search.cuh"
 
 namespace megamoe {
 namespace {
@@ -46,18 +47,6 @@ __global__ void unswizzle_kernel(const uint8_t* swz, int64_t batches, int64_t ro
   lin[idx] = swz[sf_offset(b, m, k, (rows + 127) / 128, (cols + 3) / 4)];
 }
 
-// Group owning a 128-row tile of the grouped buffer: the last g with
-// dst_row_offsets[g] <= row (groups are in increasing order).
-__device__ __forceinline__ int find_group(const int32_t* dst_row_offsets, int num_groups, int64_t row) {
-  int lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (dst_row_offsets[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 __global__ void swizzle_grouped_kernel(const uint8_t* lin, int num_groups, const int32_t* src_offsets,
                                        const int32_t* dst_row_offsets, int64_t total_rows, int64_t cols,
                                        uint8_t* swz) {
@@ -66,7 +55,7 @@ __global__ void swizzle_grouped_kernel(const uint8_t* lin, int num_groups, const
   const TileCoord c = decompose(idx, (cols + 3) / 4);
   uint8_t v = 0;
   if (c.k < cols && c.m >= dst_row_offsets[0]) {
-    const int g = find_group(dst_row_offsets, num_groups, c.m);
+    const int g = last_offset_at_or_below(dst_row_offsets, num_groups, c.m);  // the group owning row c.m
     const int64_t local = c.m - dst_row_offsets[g];
     if (local < int64_t(src_offsets[g + 1]) - src_offsets[g]) v = lin[(src_offsets[g] + local) * cols + c.k];
   }
@@ -149,7 +138,7 @@ __global__ void verify_grouped_kernel(const uint8_t* lin, const uint8_t* swz, in
       int g = 0;
       int64_t local = c.m;
       if (!padding) {
-        g = find_group(dst_row_offsets, num_groups, c.m);
+        g = last_offset_at_or_below(dst_row_offsets, num_groups, c.m);  // the group owning row c.m
         local = c.m - dst_row_offsets[g];
         padding = local >= int64_t(src_offsets[g + 1]) - src_offsets[g];
       }
