@@ -159,8 +159,8 @@ __device__ __forceinline__ void load_weight_slice(int64_t s, int64_t slices, int
 
 // bf16x2 scales of scale block blk (0..3) of the slice, looked up at each block start (short live
 // range: fewer registers).
-__device__ __forceinline__ void slice_block_scales(const uint32_t (&scale_lut)[256], const uint32_t (&sc)[2][2], int blk,
-                                                   uint32_t (&s2)[2][2]) {
+__device__ __forceinline__ void slice_block_scales(const uint32_t (&scale_lut)[256], const uint32_t (&sc)[2][2],
+                                                   int blk, uint32_t (&s2)[2][2]) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
