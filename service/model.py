@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,11 @@ class ServedModel:
         params = inspect.signature(layer.forward).parameters
         self._forward_kwargs = {"validate": False} if "validate" in params else {}
         self._graphs: dict[tuple, _Graph | None] = {}
+        if self.device.type == "cuda":
+            # The device thread's batch is ~25 short torch calls, each releasing the interpreter
+            # lock; with the event loop busy (many connections), taking it back waits up to the
+            # switch interval (default 5 ms) each time. A shorter interval keeps the device fed.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     @property
     def has_router(self) -> bool:
@@ -414,6 +420,8 @@ class ServedModel:
         return _Graph(graph, inputs, output, rows)
 
 
+#: interpreter switch interval while serving on a CUDA device (see ServedModel.__init__)
+SWITCH_INTERVAL_S = 0.0005
 #: inputs staged per routing mode (besides hidden_states)
 ROUTING_INPUTS = {"topk": ("topk_ids", "topk_weights"), "logits": ("router_logits",), "router": ()}
 GRAPH_MODES = ("topk", "router")
