@@ -7,6 +7,51 @@ namespace nb = nanobind;
 using namespace megamoe;
 using namespace megamoe::bind;
 
+namespace {
+
+// [batches,] rows, cols of a linear (unswizzled) scale array, [rows, cols] or [batches, rows, cols].
+struct LinearScaleDims {
+  int64_t batches, rows, cols;
+};
+LinearScaleDims linear_scale_dims(const Array& linear) {
+  return {linear.ndim() == 3 ? int64_t(linear.shape(0)) : 1, int64_t(linear.shape(linear.ndim() - 2)),
+          int64_t(linear.shape(linear.ndim() - 1))};
+}
+
+using ScaleLayoutLaunch = cudaError_t (*)(const uint8_t*, int64_t, int64_t, int64_t, uint8_t*, cudaStream_t);
+using ScaleLayoutGroupedLaunch = cudaError_t (*)(const uint8_t*, int, const int32_t*, const int32_t*, int64_t, int64_t,
+                                                 uint8_t*, cudaStream_t);
+
+// One direction of the SPEC §2 scale-factor layout, batched (`name`) and grouped (`grouped_name`):
+// src (named src_name) -> out; the shape is the linear side's (src when src_is_linear, else out).
+void def_scale_layout_pair(nb::module_& m, const char* name, ScaleLayoutLaunch launch, const char* src_name,
+                           bool src_is_linear, const char* grouped_name, ScaleLayoutGroupedLaunch launch_grouped) {
+  m.def(
+      name,
+      [=](const Array& src, const Array& out, uintptr_t stream) {
+        const LinearScaleDims d = linear_scale_dims(src_is_linear ? src : out);
+        check(launch(ptr<const uint8_t>(src, src_name, 1), d.batches, d.rows, d.cols, ptr<uint8_t>(out, "out", 1),
+                     stream_of(stream)),
+              name);
+      },
+      nb::arg(src_name), nb::arg("out"), nb::arg("stream"));
+  m.def(
+      grouped_name,
+      [=](const Array& src, const Array& src_offsets, const Array& dst_row_offsets, int64_t total_rows,
+          const Array& out, uintptr_t stream) {
+        const Array& linear = src_is_linear ? src : out;
+        check(launch_grouped(ptr<const uint8_t>(src, src_name, 1), int(numel(dst_row_offsets)),
+                             ptr<const int32_t>(src_offsets, "src_offsets", 4),
+                             ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows,
+                             int64_t(linear.shape(1)), ptr<uint8_t>(out, "out", 1), stream_of(stream)),
+              grouped_name);
+      },
+      nb::arg(src_name), nb::arg("src_offsets"), nb::arg("dst_row_offsets"), nb::arg("total_rows"), nb::arg("out"),
+      nb::arg("stream"));
+}
+
+}  // namespace
+
 void register_common(nb::module_& m) {
   m.def(
       "quantize_nvfp4",
@@ -74,58 +119,17 @@ void register_common(nb::module_& m) {
       },
       nb::arg("src"), nb::arg("scratch"), nb::arg("out"), nb::arg("stream"));
 
-  m.def(
-      "swizzle_scales",
-      [](const Array& linear, const Array& out, uintptr_t stream) {
-        const int64_t batches = linear.ndim() == 3 ? int64_t(linear.shape(0)) : 1;
-        const int64_t rows = int64_t(linear.shape(linear.ndim() - 2)), cols = int64_t(linear.shape(linear.ndim() - 1));
-        check(launch_swizzle_scales(ptr<const uint8_t>(linear, "linear", 1), batches, rows, cols,
-                                    ptr<uint8_t>(out, "out", 1), stream_of(stream)),
-              "swizzle_scales");
-      },
-      nb::arg("linear"), nb::arg("out"), nb::arg("stream"));
-  m.def(
-      "unswizzle_scales",
-      [](const Array& swizzled, const Array& out, uintptr_t stream) {
-        const int64_t batches = out.ndim() == 3 ? int64_t(out.shape(0)) : 1;
-        const int64_t rows = int64_t(out.shape(out.ndim() - 2)), cols = int64_t(out.shape(out.ndim() - 1));
-        check(launch_unswizzle_scales(ptr<const uint8_t>(swizzled, "swizzled", 1), batches, rows, cols,
-                                      ptr<uint8_t>(out, "out", 1), stream_of(stream)),
-              "unswizzle_scales");
-      },
-      nb::arg("swizzled"), nb::arg("out"), nb::arg("stream"));
-  m.def(
-      "swizzle_scales_grouped",
-      [](const Array& linear, const Array& src_offsets, const Array& dst_row_offsets, int64_t total_rows,
-         const Array& out, uintptr_t stream) {
-        check(launch_swizzle_scales_grouped(ptr<const uint8_t>(linear, "linear", 1), int(numel(dst_row_offsets)),
-                                            ptr<const int32_t>(src_offsets, "src_offsets", 4),
-                                            ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows,
-                                            int64_t(linear.shape(1)), ptr<uint8_t>(out, "out", 1), stream_of(stream)),
-              "swizzle_scales_grouped");
-      },
-      nb::arg("linear"), nb::arg("src_offsets"), nb::arg("dst_row_offsets"), nb::arg("total_rows"), nb::arg("out"),
-      nb::arg("stream"));
-  m.def(
-      "unswizzle_scales_grouped",
-      [](const Array& swizzled, const Array& src_offsets, const Array& dst_row_offsets, int64_t total_rows,
-         const Array& out, uintptr_t stream) {
-        check(launch_unswizzle_scales_grouped(ptr<const uint8_t>(swizzled, "swizzled", 1), int(numel(dst_row_offsets)),
-                                              ptr<const int32_t>(src_offsets, "src_offsets", 4),
-                                              ptr<const int32_t>(dst_row_offsets, "dst_row_offsets", 4), total_rows,
-                                              int64_t(out.shape(1)), ptr<uint8_t>(out, "out", 1), stream_of(stream)),
-              "unswizzle_scales_grouped");
-      },
-      nb::arg("swizzled"), nb::arg("src_offsets"), nb::arg("dst_row_offsets"), nb::arg("total_rows"), nb::arg("out"),
-      nb::arg("stream"));
+  def_scale_layout_pair(m, "swizzle_scales", launch_swizzle_scales, "linear", true, "swizzle_scales_grouped",
+                        launch_swizzle_scales_grouped);
+  def_scale_layout_pair(m, "unswizzle_scales", launch_unswizzle_scales, "swizzled", false, "unswizzle_scales_grouped",
+                        launch_unswizzle_scales_grouped);
   m.def(
       "verify_swizzled",
       [](const Array& linear, const Array& swizzled, const Array& result, uintptr_t stream) {
-        const int64_t batches = linear.ndim() == 3 ? int64_t(linear.shape(0)) : 1;
-        const int64_t rows = int64_t(linear.shape(linear.ndim() - 2)), cols = int64_t(linear.shape(linear.ndim() - 1));
+        const LinearScaleDims d = linear_scale_dims(linear);
         const int max_records = int((numel(result) - 1) / 3);
         check(launch_verify_swizzled(ptr<const uint8_t>(linear, "linear", 1), ptr<const uint8_t>(swizzled, "swizzled", 1),
-                                     batches, rows, cols, ptr<int64_t>(result, "result", 8), max_records,
+                                     d.batches, d.rows, d.cols, ptr<int64_t>(result, "result", 8), max_records,
                                      stream_of(stream)),
               "verify_swizzled");
       },
