@@ -26,18 +26,25 @@ def _route(layer, t, gen):
     return x, ids, w
 
 
+def _forward_vs_torch(gpu, ref, t, gen, label):
+    """t routed random tokens through both layers: the output must be finite and within cosine 0.9999
+    of the torch backend's. Returns x, ids, w and both outputs (float32)."""
+    x, ids, w = _route(gpu, t, gen)
+    out = gpu.forward(x, ids, w).float()
+    exp = ref.forward(x, ids, w).float()
+    c, r = cosine(out, exp), rel_err(out, exp)
+    print(f"{label} T={t}: cosine vs torch backend {c:.7f}, rel_err {r:.2e}")
+    assert torch.isfinite(out).all()
+    assert c >= 0.9999, (t, c, r)
+    return x, ids, w, out, exp
+
+
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_moe_matches_torch_backend(mode, dynamic, gen):
     gpu, ref = _layers(act_mode=mode, dynamic_act_scale=dynamic)
     for t in (1, 5, 64, 300):
-        x, ids, w = _route(gpu, t, gen)
-        out = gpu.forward(x, ids, w).float()
-        exp = ref.forward(x, ids, w).float()
-        c, r = cosine(out, exp), rel_err(out, exp)
-        print(f"moe {mode} dynamic={dynamic} T={t}: cosine vs torch backend {c:.7f}, rel_err {r:.2e}")
-        assert torch.isfinite(out).all()
-        assert c >= 0.9999, (t, c, r)
+        x, ids, w, out, exp = _forward_vs_torch(gpu, ref, t, gen, f"moe {mode} dynamic={dynamic}")
         if mode == "w4a4" and t >= 64:  # a handful of tokens is too noisy a sample
             b = gpu.reference_bf16(x, ids, w)
             cb, cref = cosine(out, b), cosine(exp, b)
@@ -166,13 +173,7 @@ def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forc
     gpu, ref = _layers(act_mode=mode, dynamic_act_scale=dynamic)
     forced_kernel(gpu, kernel)
     for t in (1, 6, 37, 300, 2100):
-        x, ids, w = _route(gpu, t, gen)
-        out = gpu.forward(x, ids, w).float()
-        exp = ref.forward(x, ids, w).float()
-        c, r = cosine(out, exp), rel_err(out, exp)
-        print(f"moe kernel={kernel} {mode} dynamic={dynamic} T={t}: cosine {c:.7f}, rel_err {r:.2e}")
-        assert torch.isfinite(out).all()
-        assert c >= 0.9999, (t, c, r)
+        _forward_vs_torch(gpu, ref, t, gen, f"moe kernel={kernel} {mode} dynamic={dynamic}")
 
 
 @pytest.mark.parametrize("kernel", ["wgmma32", "wgmma64", "wgmma128"])
