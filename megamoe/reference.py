@@ -109,7 +109,19 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         sel = order[start:start + n]
         start += n
         tok = token_of[sel]
-        out.index_add_(0, tok, expert(e, x[tok].float()) * flat_w[sel].unsqueeze(1))
+        contrib = expert(e, x[tok].float()) * flat_w[sel].unsqueeze(1)
+        if n > 1 and bool((tok[1:] == tok[:-1]).any()):
+            # A token that lists expert e in several slots: index_add_ with a repeated index is an
+            # atomic, unordered add on CUDA (docs/FIELD_BUGS.md row 28), so add the slots one
+            # occurrence at a time, in slot order; each pass has distinct tokens.
+            idx = torch.arange(n, device=x.device)
+            run_start = torch.where(torch.cat([tok.new_ones(1, dtype=torch.bool), tok[1:] != tok[:-1]]), idx, 0)
+            rank = idx - torch.cummax(run_start, 0).values
+            for r in range(int(rank.max()) + 1):
+                m = rank == r
+                out.index_add_(0, tok[m], contrib[m])
+        else:
+            out.index_add_(0, tok, contrib)
     return out
 
 

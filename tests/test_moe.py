@@ -278,3 +278,31 @@ def test_expert_weight_bytes_ignore_masked_ids():
     per = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) // SMALL.num_experts
     ids = torch.tensor([[0, -1], [3, 6], [3, -1]])
     assert layer.expert_weight_bytes(ids) == 2 * per
+
+
+def test_repeated_expert_in_one_token_adds_in_a_fixed_order():
+    """docs/FIELD_BUGS.md row 28 on the reference: a token that lists one expert in several
+    slots gets each slot's contribution added in expert order, then slot order (never through
+    one index_add_ with a repeated index, which is an unordered atomic add on CUDA)."""
+    from megamoe import reference
+
+    g = torch.Generator().manual_seed(28)
+    t, h, e, k = 9, 16, 4, 4
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[0] = 2  # every slot on one expert
+    ids[1, :3] = 1
+    ids[2, 1] = -1  # masked
+    w = torch.rand(t, k, generator=g)
+
+    def expert(i, rows):
+        return rows * (i + 1.5) + 0.25
+
+    out = reference.routed_experts(x, ids, w, e, expert)
+    want = torch.zeros(t, h)
+    for i in range(e):
+        for tok in range(t):
+            for j in range(k):
+                if int(ids[tok, j]) == i:
+                    want[tok] += expert(i, x[tok:tok + 1])[0] * w[tok, j]
+    assert torch.equal(out, want)
