@@ -117,8 +117,9 @@ __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int
 // Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed e4m3 scales of K slice
 // s (64 elements) of the lane's 4 rows; zeros for invalid rows and past the end of K.
 // kVec: K % 64 == 0 (16-byte aligned rows, whole slices); else 8-byte loads, one scale block at a time.
+// (slices and Kb by reference: that keeps the multi-tile kernels' code as it was when this was a lambda.)
 template <bool kVec>
-__device__ __forceinline__ void load_weight_slice(int64_t s, int64_t slices, int64_t Kb,
+__device__ __forceinline__ void load_weight_slice(int64_t s, const int64_t& slices, const int64_t& Kb,
                                                   const uint8_t* const (&wrow)[2][2],
                                                   const uint8_t* const (&srow)[2][2], const bool (&rvalid)[2][2],
                                                   uint32_t (&wv)[2][2][8], uint32_t (&sc)[2][2]) {
