@@ -4,7 +4,7 @@
     python bench/moe_bench.py                      # full run (see bench/README.md)
     python bench/moe_bench.py --quick --tokens 1 32 # smoke run
 
-For each preset (SPEC §3) and T: routed experts only (the shared expert and the router
+For each preset (docs/SPEC.md §3) and T: routed experts only (the shared expert and the router
 are identical for every path and left out), uniform random top-k routing, CUDA-graph
 replays timed one by one with CUDA events after warm-up; the median is reported. Between
 replays the routing/activations are rotated over several pre-drawn sets so that small-T

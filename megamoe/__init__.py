@@ -6,7 +6,7 @@ Public API:
     megamoe.routing     route
     megamoe.checkpoint  load, write_synthetic, synthetic_weights
     megamoe.backends    get_backend, available_backends
-    megamoe.health      run_checks (SPEC §5)
+    megamoe.health      run_checks (docs/SPEC.md §5)
 """
 __version__ = "0.1.0"
 

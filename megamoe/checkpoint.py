@@ -224,7 +224,7 @@ def save(path, weights: MoEWeights, cfg: MoEConfig) -> Path:
 
 def write_synthetic(path, preset: str = "tiny", seed: int = 0, progress: bool = False, device=None,
                     **config_overrides) -> Path:
-    """Write a synthetic checkpoint of ``preset`` (SPEC §3) to ``path`` (.safetensors)."""
+    """Write a synthetic checkpoint of ``preset`` (docs/SPEC.md §3) to ``path`` (.safetensors)."""
     cfg = get_preset(preset).with_(**config_overrides) if config_overrides else get_preset(preset)
     w = synthetic_weights(cfg, seed=seed, device=device, progress=progress)
     return save(path, w, cfg)

@@ -437,7 +437,7 @@ class ExpertParallelMoE(MoELayer):
 
 
 # ------------------------------------------------------------------------------------------
-# health: every rank runs SPEC §5, plus one collective check of dispatch/combine
+# health: every rank runs docs/SPEC.md §5, plus one collective check of dispatch/combine
 # ------------------------------------------------------------------------------------------
 
 def check_ep_dispatch_combine(layer: ExpertParallelMoE, seed: int) -> dict:
@@ -506,7 +506,7 @@ def _all_gather_padded(v: torch.Tensor, tmax: int, layer: ExpertParallelMoE) -> 
 
 
 def merge_rank_reports(reports: list[dict]) -> dict:
-    """One report of every rank's SPEC §5 reports.
+    """One report of every rank's docs/SPEC.md §5 reports.
 
     ``checks`` has one entry per check name (as a single-process report does, so
     dashboards keyed by check name keep working): ``fail`` if any rank failed,
@@ -550,7 +550,7 @@ def merge_rank_reports(reports: list[dict]) -> dict:
 
 def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: int | None = None,
                          dst: int = 0) -> dict | None:
-    """SPEC §5 on every rank (:func:`megamoe.health.run_checks` with the rank's backend) plus
+    """docs/SPEC.md §5 on every rank (:func:`megamoe.health.run_checks` with the rank's backend) plus
     ``ep_dispatch_combine``; gathered on rank ``dst``. Collective: every rank calls it.
 
     Returns the merged report (:func:`merge_rank_reports`) on ``dst``, None elsewhere.
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megamoe.distributed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="SPEC §5 checks on every rank + EP dispatch/combine (run under torchrun)")
+    c = sub.add_parser("check", help="docs/SPEC.md §5 checks on every rank + EP dispatch/combine (run under torchrun)")
     c.add_argument("--checkpoint", default=None, help="ModelOpt NVFP4 checkpoint (default: synthetic --preset)")
     c.add_argument("--preset", default="tiny")
     c.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""The reference MoE shapes of SPEC §3."""
+"""The reference MoE shapes of docs/SPEC.md §3."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Shape and semantics of one MoE layer (SPEC §3).
+    """Shape and semantics of one MoE layer (docs/SPEC.md §3).
 
     Attributes:
         hidden_size: H.  intermediate_size: I (per expert).  num_experts: E.  top_k: k.

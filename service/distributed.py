@@ -24,7 +24,7 @@ Design:
   rank runs the collective EP forward on its chunk (dispatch/combine by all-to-all), and
   the outputs are gathered back to rank 0 in order;
 * ranks 1.. run :func:`serve_worker`: wait for a header, do what it says, repeat;
-* ``run_checks(level)`` makes every rank run the SPEC §5 checks on its own backend plus
+* ``run_checks(level)`` makes every rank run the docs/SPEC.md §5 checks on its own backend plus
   the EP dispatch/combine check, and returns rank 0's merged report (one entry per check
   name, ``failed on ranks [...]``, every rank's full report under ``ranks``);
 * shutdown: when uvicorn returns (SIGTERM/SIGINT), rank 0 sends STOP and all ranks leave.
@@ -181,7 +181,7 @@ class DistributedFront:
     __call__ = forward
 
     def run_checks(self, level: str = "quick", seed: int | None = None) -> dict:
-        """SPEC §5 on every rank (+ ep_dispatch_combine), merged on rank 0."""
+        """docs/SPEC.md §5 on every rank (+ ep_dispatch_combine), merged on rank 0."""
         if level not in LEVELS:
             raise ValueError(f"level must be 'quick' or 'full', got {level!r}")
         header = _header(OP_HEALTH, level=LEVELS.index(level), seed=-1 if seed is None else seed)

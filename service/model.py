@@ -5,7 +5,7 @@ answered 400 and never reaches the device or anyone else's batch.
 
 NaN/Inf policy: rejected with 400. Callers share a batch, and so the kernels'
 buffers: a NaN that reaches a shared scale or padding row corrupts other callers'
-rows (FIELD_BUGS #6). Even where the math is row-local today, a batching server must
+rows (docs/FIELD_BUGS.md row 6). Even where the math is row-local today, a batching server must
 not let one caller's bad value near another's result; the 400 names where it is.
 """
 

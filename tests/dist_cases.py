@@ -124,7 +124,7 @@ def _cases(world: int, cfg, gen: torch.Generator) -> dict:
         ids[: t // 2, 1] = e - 1
         ids[t // 2:, 1] = torch.randint(0, e - 1, (t - t // 2,), generator=gen).to(torch.int32)
         cases["one_expert"].append({"x": x(t, torch.float32), "topk_ids": ids, "topk_weights": w})
-        # masked slots (id -1 or another id outside [0, E), SPEC §3.1): skipped; one token with
+        # masked slots (id -1 or another id outside [0, E), docs/SPEC.md §3.1): skipped; one token with
         # every slot masked; unvalidated (validate=True rejects them from a caller)
         ids, w = topk(t)
         masked = torch.rand((t, k), generator=gen) < 0.4

@@ -164,7 +164,7 @@ def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device
         finally:
             layer.config, layer.combine_dtype = base_config, torch.float32
         stats[name] = dict(layer.last_stats)
-    # the same input again: bit-identical (FIELD_BUGS 14: a race shows as run-to-run differences)
+    # the same input again: bit-identical (docs/FIELD_BUGS.md row 14: a race shows as run-to-run differences)
     again = layer(cases["router_bf16"][rank]["x"])
     result["rerun_identical"] = bool(torch.equal(again, outs["router_bf16"]))
     result["outputs"], result["stats"] = outs, stats

@@ -119,7 +119,7 @@ def test_synthetic_is_realistic(tiny_ckpt):
     w = C.load(tiny_ckpt).weights
     gs = w.w13.global_scale
     assert gs.shape == (8, 2)
-    assert not torch.equal(gs[:, 0], gs[:, 1])  # gate/up differ (FIELD_BUGS 10)
+    assert not torch.equal(gs[:, 0], gs[:, 1])  # gate/up differ (docs/FIELD_BUGS.md row 10)
     assert float((gs[:, 1] / gs[:, 0]).max() / (gs[:, 1] / gs[:, 0]).min()) > 2
     assert len(torch.unique(w.w2.global_scale)) == 8  # per-expert
     assert len(torch.unique(w.w13.scale.view(torch.uint8))) > 20  # scales vary (not uniform)

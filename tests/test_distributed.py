@@ -128,7 +128,7 @@ def test_one_expert_gets_every_token(single, ep):
 
 
 def test_masked_slots_are_not_dispatched(single, ep):
-    """Top-k ids outside [0, E) (SPEC §3.1) are skipped: the same outputs as the single-process
+    """Top-k ids outside [0, E) (docs/SPEC.md §3.1) are skipped: the same outputs as the single-process
     layer, and a masked slot sends no row (a token whose slots are all masked goes nowhere)."""
     world, cases, results = ep
     _assert_matches(single, ep, "masked")
@@ -432,7 +432,7 @@ def test_ep_bench_smoke_run(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 def test_load_shard_quantizes_float_experts_like_the_full_loader(tmp_path):
-    """Experts stored in bf16 are quantized at load per expert (and reported, FIELD_BUGS 13):
+    """Experts stored in bf16 are quantized at load per expert (and reported, docs/FIELD_BUGS.md row 13):
     a rank's shard equals the same experts of the full load, byte for byte."""
     import json
 

@@ -1,4 +1,4 @@
-"""SPEC §3: the MoE layer against the reference math run token by token in float64."""
+"""docs/SPEC.md §3: the MoE layer against the reference math run token by token in float64."""
 import pytest
 import torch
 
@@ -13,7 +13,7 @@ from _helpers import cosine, rel_err
 
 def loop_reference(layer, x, ids, w):
     """Token by token, slot by slot, the reference expert (megamoe.reference.expert_mlp, with
-    activation quantization as SPEC §3) on float64-decoded weights: no grouping by expert,
+    activation quantization as docs/SPEC.md §3) on float64-decoded weights: no grouping by expert,
     no float32 GEMMs, so the layer's loop and its float32 arithmetic are what is tested."""
     cfg, W = layer.config, layer.weights
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -21,7 +21,7 @@ def loop_reference(layer, x, ids, w):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             if not 0 <= e < cfg.num_experts:
-                continue  # a masked slot (SPEC §3.1)
+                continue  # a masked slot (docs/SPEC.md §3.1)
             in1 = None if W.w13_input_scale is None else W.w13_input_scale[e]
             in2 = None if W.w2_input_scale is None else W.w2_input_scale[e]
             y = reference.expert_mlp(x[t:t + 1].float(), F.dequantize(W.w13[e], torch.float64),
@@ -53,7 +53,7 @@ def test_forward_matches_float64_loop(gen, mode, dynamic):
 
 
 def test_intermediate_464_shared_expert_grouped_routing(gen):
-    # FIELD_BUGS 8 (I = 464, K/16 = 29 not a multiple of 4), 10 (gate/up scales differ)
+    # docs/FIELD_BUGS.md rows 8 (I = 464, K/16 = 29 not a multiple of 4) and 10 (gate/up scales differ)
     cfg = MoEConfig(128, 464, 8, 3, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                     n_shared_experts=1, shared_intermediate_size=64)
     layer = make_layer(cfg, seed=3)
@@ -78,7 +78,7 @@ def test_gate_and_up_global_scales_are_both_used(gen):
 
 
 def test_global_scales_far_from_one(gen):
-    # FIELD_BUGS 11: weights' global scales of 1e-3 and 1e3 are honoured, not replaced by 1.0
+    # docs/FIELD_BUGS.md row 11: weights' global scales of 1e-3 and 1e3 are honoured, not replaced by 1.0
     cfg = SMALL.with_(act_mode="w4a16")
     wts = synthetic_weights(cfg, seed=1)
     x = torch.randn(6, 64, generator=gen)
@@ -199,7 +199,7 @@ def test_dequantized_cache_gives_identical_results(gen):
 
 
 # ------------------------------------------------------------------------------------------
-# masked expert ids (SPEC §3.1): a top-k id outside [0, E) contributes nothing
+# masked expert ids (docs/SPEC.md §3.1): a top-k id outside [0, E) contributes nothing
 # ------------------------------------------------------------------------------------------
 
 def _one_valid_slot_per_token(gen, t, e, k):

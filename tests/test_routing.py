@@ -1,4 +1,4 @@
-"""SPEC §3 routing against hand-checked examples."""
+"""docs/SPEC.md §3 routing against hand-checked examples."""
 import math
 
 import pytest

@@ -42,11 +42,11 @@ NB_MODULE(_C, m) {
 #else
   m.attr("cuda_archs") = std::string("");
 #endif
-  // The closed form of SPEC §2 as compiled into the kernels, so Python tests can
+  // The closed form of docs/SPEC.md §2 as compiled into the kernels, so Python tests can
   // check that the C++ and Python copies of the layout agree.
   m.def("sf_offset", [](int64_t b, int64_t row, int64_t col, int64_t rows, int64_t cols) {
     return megamoe::sf_offset(b, row, col, (rows + 127) / 128, (cols + 3) / 4);
   }, nb::arg("batch"), nb::arg("row"), nb::arg("col"), nb::arg("rows"), nb::arg("cols"),
-     "Byte offset of scale (row, col) of `batch` in the swizzled SF buffer (SPEC §2).");
+     "Byte offset of scale (row, col) of `batch` in the swizzled SF buffer (docs/SPEC.md §2).");
   m.def("sf_padded_bytes", &megamoe::sf_padded_bytes, nb::arg("rows"), nb::arg("cols"));
 }

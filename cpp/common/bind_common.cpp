@@ -22,7 +22,7 @@ using ScaleLayoutLaunch = cudaError_t (*)(const uint8_t*, int64_t, int64_t, int6
 using ScaleLayoutGroupedLaunch = cudaError_t (*)(const uint8_t*, int, const int32_t*, const int32_t*, int64_t, int64_t,
                                                  uint8_t*, cudaStream_t);
 
-// One direction of the SPEC §2 scale-factor layout, batched (`name`) and grouped (`grouped_name`):
+// One direction of the docs/SPEC.md §2 scale-factor layout, batched (`name`) and grouped (`grouped_name`):
 // src (named src_name) -> out; the shape is the linear side's (src when src_is_linear, else out).
 void def_scale_layout_pair(nb::module_& m, const char* name, ScaleLayoutLaunch launch, const char* src_name,
                            bool src_is_linear, const char* grouped_name, ScaleLayoutGroupedLaunch launch_grouped) {
@@ -93,7 +93,7 @@ void register_common(nb::module_& m) {
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
       nb::arg("row_scale_out").none(), nb::arg("stream"),
-      "NVFP4-quantize rows of src [rows, cols] (SPEC §1) into the given outputs (see common_kernels.h).");
+      "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h).");
 
   m.def(
       "nvfp4_to_operand",

@@ -1,4 +1,4 @@
-// NVFP4 activation quantization (SPEC §1), plain and grouped per expert (SPEC §2 row
+// NVFP4 activation quantization (docs/SPEC.md §1), plain and grouped per expert (docs/SPEC.md §2 row
 // offsets), and the dynamic global scale. One thread quantizes one 16-element block.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -67,7 +67,7 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
-// Quantizes block kb of a row already placed; SPEC §1 in the reference's fp32 operation order.
+// Quantizes block kb of a row already placed; docs/SPEC.md §1 in the reference's fp32 operation order.
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
                                                int64_t kb) {
   const int64_t blocks_per_row = a.cols / 16;

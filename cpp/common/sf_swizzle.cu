@@ -1,4 +1,4 @@
-// SPEC §2 scale-factor layout: swizzle, unswizzle and the round-trip verifier, for
+// docs/SPEC.md §2 scale-factor layout: swizzle, unswizzle and the round-trip verifier, for
 // batched and grouped (per-expert, 128-row aligned) buffers.
 //
 // The swizzle kernels walk the *padded buffer* (one thread per byte, so padding is

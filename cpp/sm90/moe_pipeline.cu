@@ -1,4 +1,4 @@
-// The MoE pipeline around the grouped GEMMs (SPEC §3): routing results -> grouped
+// The MoE pipeline around the grouped GEMMs (docs/SPEC.md §3): routing results -> grouped
 // rows, activation staging, dynamic global scale over the valid rows, weighted combine.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,4 +1,4 @@
-// SPEC §2 checked against CuTe: the closed form in megamoe/sf_layout.hpp must equal
+// docs/SPEC.md §2 checked against CuTe: the closed form in megamoe/sf_layout.hpp must equal
 // Sm1xxBlockScaledConfig<16>::tile_atom_to_shape_SFA for every logical (m, k, b), and
 // size(filter_zeros(layout)) must equal the padded size. Also checks that the map is
 // injective over the logical coordinates (no two scales share a byte) and stays

@@ -258,7 +258,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     def moe_forward(self, prepared: PreparedSm90, cfg, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts of SPEC §3; returns ``[T, H]`` in x's dtype (fp32 sums, one rounding)."""
+        """Routed experts of docs/SPEC.md §3; returns ``[T, H]`` in x's dtype (fp32 sums, one rounding)."""
         ext = _ext.ext
         t, h = x.shape
         e, k = cfg.num_experts, cfg.top_k

@@ -1,5 +1,5 @@
 """cuda-sm90 NVFP4 GEMM against the dequantized reference of the same NVFP4 inputs
-(float64), random data and random per-block scales (FIELD_BUGS 2, 11, 12)."""
+(float64), random data and random per-block scales (docs/FIELD_BUGS.md rows 2, 11, 12)."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +39,7 @@ def test_gemm_random_scales(kernel, m, n, k, a_kind, gen):
     assert torch.isfinite(out).all()
     assert cos >= 0.9999, (cos, rel)
     assert rel < 1e-4, rel  # both operands exact in bf16: only fp32 accumulation rounds
-    # FIELD_BUGS 12: no structured error by column position
+    # docs/FIELD_BUGS.md row 12: no structured error by column position
     err = (out.double() - ref).abs().amax(dim=0) / ref.abs().amax().clamp_min(1e-30)
     per_pos = torch.stack([err[p::32].max() for p in range(min(32, n))])
     assert float(per_pos.max()) < 1e-4, per_pos

@@ -49,7 +49,7 @@ def test_moe_matches_torch_backend(mode, dynamic, gen):
             b = gpu.reference_bf16(x, ids, w)
             cb, cref = cosine(out, b), cosine(exp, b)
             print(f"   vs BF16 reference: cosine {cb:.5f} (torch backend's W4A4: {cref:.5f})")
-            # SPEC §3 asks >= 0.99; the reference W4A4 semantics itself reaches only what the torch
+            # docs/SPEC.md §3 asks >= 0.99; the reference W4A4 semantics itself reaches only what the torch
             # backend prints here on these synthetic weights (printed above), so the
             # kernel is held to that value, not to a number the reference does not reach.
             assert cb >= cref - 1e-3, (t, cb, cref)
@@ -57,7 +57,7 @@ def test_moe_matches_torch_backend(mode, dynamic, gen):
 
 
 def test_moe_t_sweep_odd_shapes(gen):
-    """FIELD_BUGS 5, 8, 9, 14: T = 1..300, I = 464, H % 128 != 0, many experts; both GEMM kernels."""
+    """docs/FIELD_BUGS.md rows 5, 8, 9, 14: T = 1..300, I = 464, H % 128 != 0, many experts; both GEMM kernels."""
     gpu, ref = _layers("tiny", hidden_size=1040, intermediate_size=464, num_experts=16, top_k=3)
     worst = (1.0, 0)
     for t in range(1, 301):
@@ -84,7 +84,7 @@ def test_moe_v4_flash_shape_decode_and_prefill(gen):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_nan_padding_rows_do_not_leak(dynamic, gen):
-    """FIELD_BUGS 6: padded (graph) rows full of NaN/Inf leave the real rows bit-identical."""
+    """docs/FIELD_BUGS.md row 6: padded (graph) rows full of NaN/Inf leave the real rows bit-identical."""
     gpu, _ = _layers(dynamic_act_scale=dynamic)
     # T stays below the streaming/wgmma switch for both forwards, so both use the same kernels
     t, pad = 21, 19

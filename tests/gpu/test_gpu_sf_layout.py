@@ -1,4 +1,4 @@
-"""SPEC §2 on the GPU: swizzle / unswizzle identical to the reference, and the device
+"""docs/SPEC.md §2 on the GPU: swizzle / unswizzle identical to the reference, and the device
 verifier catches the two historical bugs (M/K swap, unwritten padding)."""
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_grouped_swizzle(sizes, gen):
 
 
 def test_verifier_catches_mk_swap(gen):
-    """FIELD_BUGS 2: a remap with M and K swapped (square so the buffer size is the same)."""
+    """docs/FIELD_BUGS.md row 2: a remap with M and K swapped (square so the buffer size is the same)."""
     be = backend_or_skip("cuda-sm90")
     s = _scales(128, 128, gen)
     bad = nvfp4.swizzle_scales(s.T.contiguous())
@@ -70,7 +70,7 @@ def test_verifier_catches_mk_swap(gen):
 
 @pytest.mark.parametrize("rows,cols", [(33, 5), (129, 29), (7, 3)])
 def test_verifier_catches_unwritten_padding(rows, cols, gen):
-    """FIELD_BUGS 1/4/7: padding left as 0x7F (NaN in e4m3) is counted byte by byte and reported as padding."""
+    """docs/FIELD_BUGS.md rows 1/4/7: padding left as 0x7F (NaN in e4m3) is counted byte by byte and reported as padding."""
     be = backend_or_skip("cuda-sm90")
     s = _scales(rows, cols, gen)
     buf = nvfp4.swizzle_scales(s).clone()

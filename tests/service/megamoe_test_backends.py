@@ -14,7 +14,7 @@ from megamoe.backends.torch_ref import TorchBackend
 
 
 def swapped_swizzle_backend():
-    """The torch backend whose SF swizzle swaps M and K (FIELD_BUGS #2)."""
+    """The torch backend whose SF swizzle swaps M and K (docs/FIELD_BUGS.md row 2)."""
     return faults.inject(TorchBackend(), "swapped-sf")
 
 

@@ -1,4 +1,4 @@
-"""Bad requests get a clear 4xx ``{"error": ...}`` and change nothing (SPEC §6).
+"""Bad requests get a clear 4xx ``{"error": ...}`` and change nothing (docs/SPEC.md §6).
 
 The server (conftest ``server``): token required, at most 64 tokens per request, 1 MiB bodies.
 """

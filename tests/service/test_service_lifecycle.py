@@ -106,7 +106,7 @@ def test_readiness_follows_startup_and_checks_and_sigterm_drains(tmp_path, layer
 
 
 def test_broken_swizzle_fails_selftest_and_health_report(tmp_path, layer):
-    """FIELD_BUGS #2 (M and K swapped in the SF swizzle): never ready; the report shows which checks."""
+    """docs/FIELD_BUGS.md row 2 (M and K swapped in the SF swizzle): never ready; the report shows which checks."""
     srv = ServerProcess(tmp_path / "server.log", env={"MEGAMOE_TOKEN": TOKEN},
                         args=["--backend", "megamoe_test_backends:swapped_swizzle_backend",
                               "--selftest-interval-s", "2"])

@@ -12,7 +12,7 @@ namespace megamoe {
 
 enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// How the quantizer finds the decode global scale (SPEC §1) of a row.
+// How the quantizer finds the decode global scale (docs/SPEC.md §1) of a row.
 enum class GlobalScaleMode : int {
   kSingle = 0,     // global_scale[0] for every row
   kPerExpert = 1,  // global_scale[expert of the row] (static per-expert input_scale)
@@ -21,7 +21,7 @@ enum class GlobalScaleMode : int {
                        // (megamoe.backends.torch_ref.row_global_scales); written to row_scale_out[dst row]
 };
 
-// NVFP4 quantization of rows of a [*, cols] tensor (SPEC §1), bit-identical to
+// NVFP4 quantization of rows of a [*, cols] tensor (docs/SPEC.md §1), bit-identical to
 // megamoe.nvfp4.quantize.
 //
 // Row r (0 <= r < rows) reads source row src_rows[r] (or r when src_rows is null)
@@ -30,11 +30,11 @@ enum class GlobalScaleMode : int {
 //   - grouped: rows are taken expert by expert; expert e owns input rows
 //     [expert_offsets[e], expert_offsets[e+1]) and writes them to
 //     dst_row = dst_offsets[e] + (r - expert_offsets[e]).
-//     For the SPEC §2 grouped layout dst_offsets[e] = sum_{j<e} round_up(tokens_j, 128).
+//     For the docs/SPEC.md §2 grouped layout dst_offsets[e] = sum_{j<e} round_up(tokens_j, 128).
 // Outputs (each optional, null to skip):
 //   data        uint8 [*, cols/2], low nibble first
 //   scale       uint8 (e4m3) [*, cols/16], linear
-//   scale_swz   SPEC §2 buffer of a [sf_rows, cols/16] matrix; the caller zeroes it first
+//   scale_swz   docs/SPEC.md §2 buffer of a [sf_rows, cols/16] matrix; the caller zeroes it first
 //               (its padding must be zero) and sizes it with sf_padded_bytes(sf_rows, cols/16)
 //   dequant     bf16 [*, cols]: e2m1(code) * float(scale) (exact, global scale left out),
 //               stored with each 8-element group in the order 0,4,1,5,2,6,3,7 (the operand
@@ -66,12 +66,12 @@ cudaError_t launch_nvfp4_to_operand(const uint8_t* data, const uint8_t* scale, i
                                     uint16_t* dst, cudaStream_t stream);
 
 // amax(|x|) over a [rows, cols] tensor (NaN ignored) -> out[0] = amax / (6 * 448), or 1.0
-// when amax is 0 (SPEC §1 default global scale). `scratch` is one uint32 of device memory.
+// when amax is 0 (docs/SPEC.md §1 default global scale). `scratch` is one uint32 of device memory.
 cudaError_t launch_dynamic_global_scale(const void* src, ElemType src_type, int64_t rows, int64_t cols,
                                         int64_t row_stride, uint32_t* scratch, float* out,
                                         cudaStream_t stream);
 
-// SPEC §2 swizzle of `batches` linear [rows, cols] e4m3 matrices into a buffer of
+// docs/SPEC.md §2 swizzle of `batches` linear [rows, cols] e4m3 matrices into a buffer of
 // batches * sf_padded_bytes(rows, cols) bytes. Every byte of the buffer is written
 // (padding = 0).
 cudaError_t launch_swizzle_scales(const uint8_t* linear, int64_t batches, int64_t rows, int64_t cols,
@@ -81,7 +81,7 @@ cudaError_t launch_unswizzle_scales(const uint8_t* swizzled, int64_t batches, in
 
 // Grouped: group g owns linear rows [src_offsets[g], src_offsets[g+1]) of a [*, cols]
 // matrix; its swizzled block starts at row dst_row_offsets[g] (a multiple of 128) of one
-// [total_rows, cols] SPEC §2 buffer of sf_padded_bytes(total_rows, cols) bytes (every byte
+// [total_rows, cols] docs/SPEC.md §2 buffer of sf_padded_bytes(total_rows, cols) bytes (every byte
 // written; rows past a group's count are padding = 0). Offsets are device int32 arrays.
 cudaError_t launch_swizzle_scales_grouped(const uint8_t* linear, int num_groups, const int32_t* src_offsets,
                                           const int32_t* dst_row_offsets, int64_t total_rows, int64_t cols,
@@ -90,7 +90,7 @@ cudaError_t launch_unswizzle_scales_grouped(const uint8_t* swizzled, int num_gro
                                             const int32_t* dst_row_offsets, int64_t total_rows, int64_t cols,
                                             uint8_t* linear, cudaStream_t stream);
 
-// SF verifier (SPEC §2): compares a swizzled buffer with the linear scales through the
+// SF verifier (docs/SPEC.md §2): compares a swizzled buffer with the linear scales through the
 // closed form (every logical (b, m, k)) and checks that every padding byte is zero.
 // result: int64 [1 + 3 * max_records], zeroed by the launcher: result[0] = mismatching
 // bytes, then (b, m, k) triples of the first min(result[0], max_records) mismatches found

@@ -1,4 +1,4 @@
-// Device helpers for the NVFP4 number format (SPEC §1), shared by the quantizer and the
+// Device helpers for the NVFP4 number format (docs/SPEC.md §1), shared by the quantizer and the
 // GEMM epilogues. Every function here reproduces megamoe/nvfp4.py bit for bit: plain
 // IEEE fp32 operations in the reference's order, no fast-math.
 #pragma once

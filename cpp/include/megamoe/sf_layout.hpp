@@ -1,4 +1,4 @@
-// SPEC §2: where the block scale of (batch b, row m, scale column k) lives in the
+// docs/SPEC.md §2: where the block scale of (batch b, row m, scale column k) lives in the
 // tensor-core scale-factor layout of CUTLASS's Sm1xxBlockScaledConfig<16>
 // (SfKMajorAtom tiled over (M, K, L) with Step<_2,_1,_3>).
 //
