@@ -38,7 +38,9 @@ from .metrics import ServiceMetrics
 from .model import OUTPUT_NAME, ServedModel, load_layer
 from .protocol import (
     HEADER_LENGTH,
+    BodyBuffer,
     ProtocolError,
+    binary_aligned,
     build_request,
     count_json_values_bound,
     decode_json_request,
@@ -544,17 +546,20 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
 
     # --- inference --------------------------------------------------------------
 
-    async def read_body(request: Request, count_values: bool) -> bytearray:
+    async def read_body(request: Request, count_values: bool, header_length: int | None = None):
         """The body, refused as soon as it is too large (413), holds too many JSON values (400),
         is not complete within ``timeout_body_s`` (408), or is still arriving when the shutdown
-        grace period ends (503). ``count_values``: the body is all JSON."""
+        grace period ends (503). ``count_values``: the body is all JSON (a bytearray); otherwise, with
+        a Content-Length, a writable memoryview whose binary part after ``header_length`` bytes is
+        aligned (protocol.BodyBuffer)."""
         limit = min(settings.max_json_body_bytes, settings.max_body_bytes) if count_values else settings.max_body_bytes
         what = "JSON body" if count_values else "body"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ProtocolError(f"{what} of {declared} bytes exceeds the limit of {limit}", 413)
         max_values = state.json_value_limit
-        body, values = bytearray(), 0
+        known = declared is not None and declared.isascii() and declared.isdigit() and not count_values
+        body, values = BodyBuffer(int(declared) if known else None, header_length), 0
         deadline = time.monotonic() + settings.timeout_body_s
         while True:
             now = time.monotonic()
@@ -571,17 +576,17 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             if message["type"] == "http.disconnect":
                 raise ProtocolError("client disconnected before sending the whole body", 400, close=True)
             chunk = message.get("body", b"")
-            if len(body) + len(chunk) > limit:
+            if body.size + len(chunk) > limit:
                 raise ProtocolError(f"{what} exceeds the limit of {limit} bytes", 413)
             if count_values:
                 values += count_json_values_bound(chunk)
                 if values > max_values:
                     raise too_many_values(max_values)
-            body += chunk
+            body.append(chunk)
             if not message.get("more_body", False):
-                return body
+                return body.body()
 
-    async def decode(body: bytearray, header_length: int | None):
+    async def decode(body, header_length: int | None):
         if header_length is None:
             json_part, binary = body, b""
         else:
@@ -596,8 +601,9 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             decoded = await state.in_decoder(decode_json_request, payload, state.json_value_limit, plain)
         else:
             decoded = decode_json_request(json_part, state.json_value_limit, plain)
-        if len(binary) >= OFFLOAD_JSON_BYTES:
-            return await asyncio.to_thread(build_request, decoded, binary)  # torch copies without the lock
+        if len(binary) >= OFFLOAD_JSON_BYTES and not binary_aligned(binary):
+            # misaligned (a chunked body): the tensors are copies, made in a thread (torch copies without the lock)
+            return await asyncio.to_thread(build_request, decoded, binary)
         return build_request(decoded, binary)
 
     async def encode(model: ServedModel, request_id, output: torch.Tensor, as_binary: bool):
@@ -627,8 +633,8 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
         model = state.model
         try:
             header_value = request.headers.get(HEADER_LENGTH)
-            parse_header_length(header_value, settings.max_body_bytes)  # its syntax, before the body
-            body = await read_body(request, count_values=header_value is None)
+            body = await read_body(request, count_values=header_value is None,
+                                   header_length=parse_header_length(header_value, settings.max_body_bytes))
             decode_started = time.perf_counter()
             parsed = await decode(body, parse_header_length(header_value, len(body)))
             del body

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .jsoncodec import (  # noqa: F401 - re-exported: the codec's one public surface
@@ -62,6 +63,63 @@ DATATYPES: dict[str, torch.dtype] = {
 }
 DATATYPE_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
 _PACKED_DTYPE = {"d": torch.float64, "i": torch.int32, "q": torch.int64}
+
+
+# --- request bodies ---------------------------------------------------------------------------
+
+#: the binary part of a body read into a :class:`BodyBuffer` starts at a multiple of this address
+BODY_ALIGN = 64
+
+
+def _address(view) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+class BodyBuffer:
+    """A request body as its chunks arrive. With a declared length it is one uninitialized buffer
+    allocated at the first chunk (no regrowth, no copy of what arrived so far), placed so that the
+    binary part after a JSON header of ``header_length`` bytes starts ``BODY_ALIGN``-aligned: the
+    binary tensors then decode without a copy (:func:`_tensor_from_bytes`). Without a declared
+    length (chunked transfer) it is a bytearray that grows."""
+
+    def __init__(self, declared: int | None = None, header_length: int | None = None):
+        self._declared = declared
+        self._header_length = header_length or 0
+        self._view: memoryview | None = None  # the fixed buffer, once allocated
+        self._grown = bytearray()
+        self.size = 0
+
+    def append(self, chunk) -> None:
+        n = len(chunk)
+        if not n:
+            return
+        if self._view is None and self._declared is not None and not self._grown:
+            raw = np.empty(self._declared + BODY_ALIGN, dtype=np.uint8)
+            start = -(raw.ctypes.data + self._header_length) % BODY_ALIGN
+            self._view = memoryview(raw[start:start + self._declared])
+        if self._view is not None:
+            if self.size + n <= len(self._view):
+                self._view[self.size:self.size + n] = chunk
+                self.size += n
+                return
+            # more than declared (the HTTP layer does not let this happen): grow from here on
+            self._grown = bytearray(self._view[:self.size])
+            self._view = None
+        self._grown += chunk
+        self.size += n
+
+    def body(self):
+        """What arrived: a writable memoryview (declared length) or a bytearray."""
+        if self._view is not None:
+            return self._view[:self.size]
+        return self._grown
+
+
+def binary_aligned(view) -> bool:
+    """Whether the binary part ``view`` starts ``BODY_ALIGN``-aligned in writable memory (its
+    tensors then decode without a copy)."""
+    view = memoryview(view)
+    return not view.readonly and _address(view) % BODY_ALIGN == 0
 
 
 # --- tensors ---------------------------------------------------------------------------------
@@ -157,20 +215,21 @@ def response_parts(
     model_version: str,
     request_id: str | None,
     outputs: list[tuple[str, torch.Tensor, bool]],
-) -> tuple[dict, list[tuple[int, str, bytes]], list[bytes]]:
-    """The response header, the JSON outputs packed for :func:`encode_json_response`, the binary blobs."""
+) -> tuple[dict, list[tuple[int, str, bytes]], list[memoryview]]:
+    """The response header, the JSON outputs packed for :func:`encode_json_response`, the binary blobs
+    (views of the output tensors' bytes: :func:`finish_response` copies them once, into the body)."""
     header: dict = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
         header["id"] = request_id
     header["outputs"] = []
     packed: list[tuple[int, str, bytes]] = []
-    blobs: list[bytes] = []
+    blobs: list[memoryview] = []
     for index, (name, tensor, as_binary) in enumerate(outputs):
         tensor = tensor.detach().contiguous().cpu()
         entry: dict = {"name": name, "datatype": DATATYPE_OF[tensor.dtype], "shape": list(tensor.shape)}
         if as_binary:
-            raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy; keeps the tensor alive
+            entry["parameters"] = {"binary_data_size": raw.nbytes}
             blobs.append(raw)
         elif tensor.dtype.is_floating_point:
             # BF16/FP16 values are exact in float32, so JSON carries them without rounding
@@ -181,10 +240,11 @@ def response_parts(
     return header, packed, blobs
 
 
-def finish_response(head: bytes, blobs: list[bytes]) -> tuple[bytes, dict[str, str]]:
+def finish_response(head: bytes, blobs: list) -> tuple[bytes, dict[str, str]]:
     if not blobs:
         return head, {"content-type": "application/json"}
-    return head + b"".join(blobs), {
+    # one copy of each blob, straight into the body (bytes: the HTTP layer sends it without another)
+    return b"".join([head, *blobs]), {
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }

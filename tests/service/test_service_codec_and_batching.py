@@ -11,7 +11,16 @@ import torch
 
 from megamoe.service.batching import DynamicBatcher
 from megamoe.service.model import ModelRequest
-from megamoe.service.protocol import ProtocolError, encode_infer_response, parse_header_length, parse_infer_request
+from megamoe.service.protocol import (
+    BodyBuffer,
+    ProtocolError,
+    binary_aligned,
+    build_request,
+    decode_json_request,
+    encode_infer_response,
+    parse_header_length,
+    parse_infer_request,
+)
 from megamoe.service.settings import parse_settings
 
 
@@ -45,6 +54,33 @@ def test_binary_roundtrip_is_bit_exact(datatype, dtype):
     assert meta["outputs"][0]["parameters"]["binary_data_size"] == len(out) - n
     back = torch.frombuffer(bytearray(out[n:]), dtype=dtype).reshape(t.shape)
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_body_buffer_aligns_the_binary_part_and_decodes_without_a_copy(chunk):
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(33, 64, generator=gen)
+    ids = torch.randint(-5, 9, (33, 3), generator=gen, dtype=torch.int32)
+    body, head = binary_body({"x": ("FP32", t), "ids": ("INT32", ids)}, id="r" * 7)  # odd-length header
+    assert head % 4
+    buf = BodyBuffer(len(body), head)
+    for i in range(0, len(body), chunk):
+        buf.append(body[i:i + chunk])
+    got = buf.body()
+    assert bytes(got) == body and binary_aligned(got[head:])
+    parsed = build_request(decode_json_request(got[:head], None), got[head:])
+    assert torch.equal(parsed.inputs["x"], t) and torch.equal(parsed.inputs["ids"], ids)
+    # zero-copy: the tensor is the body's memory (a write to the body shows in it)
+    got[head:head + 4] = bytes(4)
+    assert parsed.inputs["x"][0, 0].item() == 0.0 and t[0, 0].item() != 0.0
+
+
+def test_body_buffer_without_or_beyond_its_declared_length_keeps_every_byte():
+    for declared in (None, 5):
+        buf = BodyBuffer(declared, 3)
+        for piece in (b"abc", b"", b"defg", b"hij"):
+            buf.append(piece)
+        assert bytes(buf.body()) == b"abcdefghij" and buf.size == 10
 
 
 def test_bf16_binary_is_the_raw_two_byte_pattern():
