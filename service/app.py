@@ -71,6 +71,17 @@ HEALTH_YIELD_MAX_S = 1.0
 _BODY_POLL_S = 0.25
 
 
+if hasattr(asyncio, "timeout"):  # Python 3.11+
+    async def _receive_within(receive, seconds: float):
+        """``await receive()``, TimeoutError after ``seconds``: asyncio.timeout costs a timer per
+        call where wait_for also makes a task (~11 vs ~39 us per body chunk here)."""
+        async with asyncio.timeout(seconds):
+            return await receive()
+else:
+    def _receive_within(receive, seconds: float):
+        return asyncio.wait_for(receive(), seconds)
+
+
 class ServiceState:
     """What the routes read: the model once loaded, and why the server is not ready when it is not."""
 
@@ -570,7 +581,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                 raise ProtocolError(f"the request body did not arrive within {settings.timeout_body_s:g} s", 408,
                                     close=True)
             try:
-                message = await asyncio.wait_for(request.receive(), min(deadline - now, _BODY_POLL_S))
+                message = await _receive_within(request.receive, min(deadline - now, _BODY_POLL_S))
             except asyncio.TimeoutError:
                 continue
             if message["type"] == "http.disconnect":
