@@ -381,6 +381,18 @@ def test_a_request_that_is_not_http_gets_json_400(local):
     assert local.metric("megamoe_requests_total", route="unparsed", code="400") - before == 1
 
 
+def test_a_request_head_over_16_kib_gets_json_400_and_close(local):
+    before = local.metric("megamoe_requests_total", route="unparsed", code="400")
+    head = f"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Pad: {'a' * (17 * 1024)}\r\n\r\n".encode()
+    reply = raw_http(local.port, head, timeout_s=5)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b'{"error": "malformed HTTP request' in reply and b"connection: close" in reply.lower()
+    assert local.metric("megamoe_requests_total", route="unparsed", code="400") - before == 1
+    ok = raw_http(local.port, f"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Pad: {'a' * 8000}\r\nConnection: close\r\n\r\n".encode(),
+                  timeout_s=5)
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
+
+
 def test_a_non_ascii_authorization_header_is_401(local):
     head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n").encode() + \
         "Authorization: Bearer t\u00e4st\r\n\r\n".encode("utf-8")
