@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from megamoe import checkpoint as C
 from megamoe.moe import MoELayer
 
-from _gpu_util import cosine, sm90_backend
+from _helpers import backend_or_skip, cosine
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def _is_ct_w4a4(d: Path) -> bool:
 
 @pytest.mark.parametrize("d,layer", CASES)
 def test_sm90_on_real_checkpoints(d, layer):
-    be = sm90_backend()
+    be = backend_or_skip("cuda-sm90")
     loaded = C.load(d, layer=layer)
     ref = _ref(d, layer)
     gpu = MoELayer(loaded.weights, loaded.config, backend=be)
