@@ -195,11 +195,14 @@ def versions() -> dict:
                                      capture_output=True, text=True, timeout=20).stdout.strip()
     except Exception as exc:  # noqa: BLE001 - informational only
         v["driver"] = f"unknown ({exc})"
-    try:
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        v["git"] = "unknown"
+    # GIT_COMMIT names the commit of a copied tree (no .git of its own, or another checkout's)
+    v["git"] = os.environ.get("GIT_COMMIT", "")[:12]
+    if not v["git"]:
+        try:
+            v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        except Exception:  # noqa: BLE001
+            v["git"] = "unknown"
     return v
 
 
