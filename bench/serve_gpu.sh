@@ -20,9 +20,9 @@ PRESET=${PRESET:-v4-flash}
 BACKEND=${BACKEND:-cuda-sm90}
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
-OUT=${1:-$PWD/serve_gpu_out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+LOG_DIR=${1:-$PWD/serve_gpu_out}
+mkdir -p "$LOG_DIR"
+LOG_DIR=$(cd "$LOG_DIR" && pwd)
 export PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
 work=$(mktemp -d)
@@ -33,14 +33,14 @@ trap cleanup EXIT
 # 1. Python packages: the service's, from wheels when the interpreter lacks them
 if ! "$PY" -c "import fastapi, uvicorn, pydantic_settings, prometheus_client" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$work/site" "${WHEELS:-.whl}"/*.whl \
-    >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; echo "wheel install failed"; exit 1; }
+    >"$LOG_DIR/setup.log" 2>&1 || { tail -20 "$LOG_DIR/setup.log"; echo "wheel install failed"; exit 1; }
   export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # 2. the extension with the sm90 kernels
 if [[ "$BACKEND" == cuda-sm90 ]] && ! "$PY" -c "from megamoe import _ext; assert _ext.has_part('sm90')" 2>/dev/null; then
   (cmake -S . -B build/serve_gpu -G Ninja -DMEGAMOE_CUDA_ARCHS=90a -DMEGAMOE_REQUIRE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
      -DPython_EXECUTABLE="$(command -v "$PY")" && cmake --build build/serve_gpu -j "$(nproc)" \
-     && cp build/serve_gpu/_C*.so megamoe/) >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+     && cp build/serve_gpu/_C*.so megamoe/) >"$LOG_DIR/build.log" 2>&1 || { tail -30 "$LOG_DIR/build.log"; echo "BUILD FAILED"; exit 1; }
   echo "extension built at $(el)"
 fi
 # 3. the installed layout (megamoe.service) when the package is not installed: megamoe/ with service/ inside
@@ -57,42 +57,42 @@ for cand in .venv/bin/perf_analyzer perf_analyzer/perf_analyzer; do
   [ -z "$PA" ] && [ -x "$cand" ] && PA=$PWD/$cand
 done
 [ -n "$PA" ] || { echo "perf_analyzer not found: set PERF_ANALYZER (scripts/install_perf_analyzer.sh)"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$LOG_DIR/gpu.txt" 2>&1
 
 # 4. forward-only tokens/s and the perf_analyzer data files (random inputs, routing given)
 "$PY" bench/serve_gpu_forward.py --preset "$PRESET" --backend "$BACKEND" --tokens 512 1 --data-dir "$work" \
-  --out "$OUT/forward.json" >"$OUT/forward.log" 2>&1 || { tail -20 "$OUT/forward.log"; echo "forward timing failed"; exit 1; }
-echo "forward-only timed at $(el): $(tail -1 "$OUT/forward.log")"
+  --out "$LOG_DIR/forward.json" >"$LOG_DIR/forward.log" 2>&1 || { tail -20 "$LOG_DIR/forward.log"; echo "forward timing failed"; exit 1; }
+echo "forward-only timed at $(el): $(tail -1 "$LOG_DIR/forward.log")"
 
 # 5. the server
 port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 (cd "$work" && exec "$PY" -m megamoe.cli serve --backend "$BACKEND" --preset "$PRESET" --host 127.0.0.1 --port "$port" \
-  --queue-delay-ms 0 --selftest-level quick --log-level info) >"$OUT/server.log" 2>&1 &
+  --queue-delay-ms 0 --selftest-level quick --log-level info) >"$LOG_DIR/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 1 600); do
   curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null 2>&1 && break
-  kill -0 "$server_pid" 2>/dev/null || { tail -30 "$OUT/server.log"; echo "server exited"; exit 1; }
+  kill -0 "$server_pid" 2>/dev/null || { tail -30 "$LOG_DIR/server.log"; echo "server exited"; exit 1; }
   sleep 0.5
 done
-curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$OUT/server.log"; echo "server never ready"; exit 1; }
+curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server.log"; echo "server never ready"; exit 1; }
 echo "server ready at $(el)"
 
 # 6. perf_analyzer cases: name tokens concurrency
 pa_case() {
   local name=$1 tokens=$2 conc=$3
-  curl -sf "http://127.0.0.1:$port/metrics" >"$OUT/metrics_${name}_before.txt"
+  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${name}_before.txt"
   "$PA" -m "$PRESET" -u "127.0.0.1:$port" -i http --input-data "$work/data_T$tokens.json" \
     --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" --stability-percentage 40 \
-    --max-trials 8 -f "$OUT/pa_$name.csv" >"$OUT/pa_$name.log" 2>&1
+    --max-trials 8 -f "$LOG_DIR/pa_$name.csv" >"$LOG_DIR/pa_$name.log" 2>&1
   echo "perf_analyzer $name rc=$? at $(el)"
-  curl -sf "http://127.0.0.1:$port/metrics" >"$OUT/metrics_${name}_after.txt"
+  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${name}_after.txt"
 }
 pa_case T512_c4 512 4
 pa_case T1_c1 1 1
 pa_case T1_c16 1 16
 kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null; server_pid=
 
-"$PY" bench/serve_gpu_forward.py --report "$OUT" --command "PRESET=$PRESET BACKEND=$BACKEND bench/serve_gpu.sh" --perf-analyzer "$PA" \
+"$PY" bench/serve_gpu_forward.py --report "$LOG_DIR" --command "PRESET=$PRESET BACKEND=$BACKEND bench/serve_gpu.sh" --perf-analyzer "$PA" \
   ${GIT_COMMIT:+--commit "$GIT_COMMIT"} \
-  --out "$OUT/serve_h200.json" || exit 1
+  --out "$LOG_DIR/serve_h200.json" || exit 1
 echo "done at $(el)"
