@@ -42,79 +42,6 @@ SHUTDOWN_LINGER_S = 1.0
 _CANCEL_AFTER_GRACE_S = 2.0
 
 
-def h11_protocol_class(settings: ServiceSettings, state=None) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with the service's timeouts; ``state`` (ServiceState) counts the
-    requests that are not even HTTP."""
-    head_timeout_s = settings.timeout_request_head_s
-    body_timeout_s = settings.timeout_body_s
-
-    class ServiceH11Protocol(H11Protocol):
-        _head_timer = None
-        _draining = False
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            # no request yet: the same limit as an idle keep-alive connection
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self.timeout_keep_alive_handler)
-
-        def _reading_unanswered(self) -> bool:
-            """A head is arriving, or the rest of a body that was already answered."""
-            their = self.conn.their_state
-            return their is h11.IDLE or (their is h11.SEND_BODY and self.cycle is not None
-                                         and self.cycle.response_complete)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self._reading_unanswered():
-                if self._head_timer is None:
-                    limit_s = head_timeout_s if self.conn.their_state is h11.IDLE else body_timeout_s
-                    self._head_timer = self.loop.call_later(limit_s, self._head_timed_out)
-            elif self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            if self._draining and self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.keep_alive = False
-
-        def _head_timed_out(self) -> None:
-            self._head_timer = None
-            if self._reading_unanswered() and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            # a request h11 cannot parse: the error in JSON like every other, and counted
-            body = json.dumps({"error": f"malformed HTTP request: {msg}"}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                          h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
-            self.transport.close()
-            if state is not None:
-                state.metrics.requests.labels("unparsed", "400").inc()
-                state.metrics.failures.labels("unparsed", "bad_request").inc()
-
-        def shutdown(self) -> None:
-            self._draining = True
-            if self.cycle is None or self.cycle.response_complete:
-                # idle: answer what may already be on its way, then close
-                self._unset_keepalive_if_required()
-                self.timeout_keep_alive_task = self.loop.call_later(SHUTDOWN_LINGER_S,
-                                                                    self.timeout_keep_alive_handler)
-            else:
-                self.cycle.keep_alive = False
-
-    return ServiceH11Protocol
-
-
 #: the longest request head (request line and headers) a connection may send: uvicorn's h11 bound
 MAX_HEAD_BYTES = 16 * 1024
 
@@ -125,25 +52,100 @@ def _error_400(msg: str) -> bytes:
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
 
+class _ServiceProtocol:
+    """What the service adds to either uvicorn protocol (mixed in before it): the keep-alive
+    limit before a first request too, head and unanswered-body timers, a counted JSON 400 for a
+    request the parser refuses, and the shutdown linger. A protocol class says whether a head is
+    arriving (``_head_arriving``) and whether the connection is reading something no response
+    will answer (``_reading_unanswered``)."""
+
+    head_timeout_s: float
+    body_timeout_s: float
+    state = None  # ServiceState: counts the requests that are not even HTTP
+    _head_timer = None
+    _draining = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # no request yet: the same limit as an idle keep-alive connection
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._reading_unanswered():
+            if self._head_timer is None:
+                limit_s = self.head_timeout_s if self._head_arriving() else self.body_timeout_s
+                self._head_timer = self.loop.call_later(limit_s, self._head_timed_out)
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._draining and self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._reading_unanswered() and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        # a request the parser cannot read: the error in JSON like every other, and counted
+        self.transport.write(_error_400(msg))
+        self.transport.close()
+        if self.state is not None:
+            self.state.metrics.requests.labels("unparsed", "400").inc()
+            self.state.metrics.failures.labels("unparsed", "bad_request").inc()
+
+    def shutdown(self) -> None:
+        self._draining = True
+        if self.cycle is None or self.cycle.response_complete:
+            # idle: answer what may already be on its way, then close
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(SHUTDOWN_LINGER_S,
+                                                                self.timeout_keep_alive_handler)
+        else:
+            self.cycle.keep_alive = False
+
+
+def h11_protocol_class(settings: ServiceSettings, state=None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the service's timeouts, 400 answer and shutdown."""
+
+    class ServiceH11Protocol(_ServiceProtocol, H11Protocol):
+        head_timeout_s = settings.timeout_request_head_s
+        body_timeout_s = settings.timeout_body_s
+
+        def _head_arriving(self) -> bool:
+            return self.conn.their_state is h11.IDLE
+
+        def _reading_unanswered(self) -> bool:
+            """A head is arriving, or the rest of a body that was already answered."""
+            their = self.conn.their_state
+            return their is h11.IDLE or (their is h11.SEND_BODY and self.cycle is not None
+                                         and self.cycle.response_complete)
+
+    ServiceH11Protocol.state = state
+    return ServiceH11Protocol
+
+
 def httptools_protocol_class(settings: ServiceSettings, state=None):
     """uvicorn's httptools protocol (a C parser: far less CPU per request than h11) with the same
     timeouts, head bound, 400 answer and shutdown as :func:`h11_protocol_class`."""
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    head_timeout_s = settings.timeout_request_head_s
-    body_timeout_s = settings.timeout_body_s
-
-    class ServiceHttpToolsProtocol(HttpToolsProtocol):
-        _head_timer = None
-        _draining = False
+    class ServiceHttpToolsProtocol(_ServiceProtocol, HttpToolsProtocol):
+        head_timeout_s = settings.timeout_request_head_s
+        body_timeout_s = settings.timeout_body_s
         _in_head = False
         _head_bytes = 0
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self.timeout_keep_alive_handler)
 
         def _count_head(self, n: int) -> None:
             self._head_bytes += n
@@ -166,52 +168,15 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             self._in_head = False
             super().on_headers_complete()
 
+        def _head_arriving(self) -> bool:
+            return self._in_head
+
         def _reading_unanswered(self) -> bool:
             """A head is arriving, or the rest of a body that was already answered."""
             cycle = self.cycle
             return self._in_head or (cycle is not None and cycle.response_complete and cycle.more_body)
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self._reading_unanswered():
-                if self._head_timer is None:
-                    limit_s = head_timeout_s if self._in_head else body_timeout_s
-                    self._head_timer = self.loop.call_later(limit_s, self._head_timed_out)
-            elif self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            if self._draining and self.cycle is not None and not self.cycle.response_complete:
-                self.cycle.keep_alive = False
-
-        def _head_timed_out(self) -> None:
-            self._head_timer = None
-            if self._reading_unanswered() and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            self.transport.write(_error_400(msg))
-            self.transport.close()
-            if state is not None:
-                state.metrics.requests.labels("unparsed", "400").inc()
-                state.metrics.failures.labels("unparsed", "bad_request").inc()
-
-        def shutdown(self) -> None:
-            self._draining = True
-            if self.cycle is None or self.cycle.response_complete:
-                self._unset_keepalive_if_required()
-                self.timeout_keep_alive_task = self.loop.call_later(SHUTDOWN_LINGER_S,
-                                                                    self.timeout_keep_alive_handler)
-            else:
-                self.cycle.keep_alive = False
-
+    ServiceHttpToolsProtocol.state = state
     return ServiceHttpToolsProtocol
 
 
