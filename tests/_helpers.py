@@ -60,6 +60,17 @@ def backend_or_skip(name: str):
     return get_backend(name)
 
 
+def sm90_and_torch_layers(preset: str = "small", seed: int = 0, **over):
+    """(cuda-sm90 layer, torch-backend layer on the GPU) with the same weights; skips without
+    cuda-sm90. ``over`` overrides the preset's shape fields (``hidden_size``, ``act_mode``...)."""
+    from megamoe.moe import MoELayer
+
+    backend_or_skip("cuda-sm90")
+    gpu = MoELayer.from_preset(preset, seed=seed, backend="cuda-sm90", **over)
+    ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
+    return gpu, ref
+
+
 def capture_graph(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` once on a side stream (warm-up: allocations, lazy set-up),
     then capture it in a CUDA graph. Returns ``(graph, out)``: ``graph.replay()`` recomputes

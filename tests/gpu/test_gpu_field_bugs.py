@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from _helpers import backend_or_skip, capture_graph, cosine
+from _helpers import sm90_and_torch_layers as _pair
+from test_field_bugs import SHAPES as CPU_SHAPES
 from test_field_bugs import check_every_column
 from megamoe import nvfp4
-from megamoe.moe import MoELayer
 
 pytestmark = pytest.mark.gpu
-
-
-def _pair(preset="small", seed=0, **over):
-    """(cuda-sm90 layer, torch-backend layer on the GPU) with the same weights."""
-    backend_or_skip("cuda-sm90")
-    gpu = MoELayer.from_preset(preset, seed=seed, backend="cuda-sm90", **over)
-    ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
-    return gpu, ref
 
 
 def _fwd(layer, x, ids, w):
@@ -93,14 +86,7 @@ def test_masked_ids_in_a_cuda_graph(gen):
 # rows 15, 20, 8, 29: H, I multiples of 16 not of 128; E not a multiple of 4 / 16; every column
 # ------------------------------------------------------------------------------------------
 
-SHAPES = [
-    pytest.param(1040, 208, 60, 3, id="H1040-I208-E60"),
-    pytest.param(400, 464, 6, 2, id="H400-I464-E6"),
-    pytest.param(272, 144, 20, 4, id="H272-I144-E20"),
-    pytest.param(896, 448, 5, 2, id="H896-I448-N896"),
-    pytest.param(144, 928, 3, 2, id="H144-I928-N1856"),
-    pytest.param(7168, 464, 61, 8, id="H7168-I464-E61"),
-]
+SHAPES = CPU_SHAPES + [pytest.param(7168, 464, 61, 8, id="H7168-I464-E61")]
 
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.moe import MoELayer
 
-from _helpers import backend_or_skip, capture_graph, cosine, rel_err
+from _helpers import capture_graph, cosine, rel_err
+from _helpers import sm90_and_torch_layers as _layers
 
 pytestmark = pytest.mark.gpu
-
-
-def _layers(preset="small", seed=0, **over):
-    backend_or_skip("cuda-sm90")
-    gpu = MoELayer.from_preset(preset, seed=seed, backend="cuda-sm90", **over)
-    ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
-    return gpu, ref
 
 
 def _route(layer, t, gen):
