@@ -81,10 +81,20 @@ def test_explicit_choices_are_kept():
     assert "kernel=stream" in repr(plan(1))
 
 
-@pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8)])
-def test_bad_tokens_per_pass_names_the_value(bad):
-    with pytest.raises(ValueError, match=str(bad["tokens_per_pass"])):
+@pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8), dict(stream_warps=6),
+                                 dict(stream_warps=-4)])
+def test_bad_tokens_per_pass_or_warps_names_the_value(bad):
+    with pytest.raises(ValueError, match=str(next(iter(bad.values())))):
         plan(3, **bad)
+
+
+def test_stream_warps_explicit_for_one_tile_streaming_only():
+    # 0: launch_grouped_gemm picks 4 or 8 warps from the grid; an explicit 4 or 8 is kept for one-tile passes
+    assert plan(1).stream_warps == 0
+    assert plan(1, stream_warps=8).stream_warps == 8 and plan(1, stream_warps=4).stream_warps == 4
+    assert plan(3, kernel=kind("stream"), tokens_per_pass=32, stream_warps=8).stream_warps == 0
+    assert plan(100, stream_warps=8).stream_warps == 0  # wgmma
+    assert "stream_warps=8" in repr(plan(1, stream_warps=8))
 
 
 def test_bad_problem_names_the_values():
@@ -105,7 +115,7 @@ def test_backend_asks_the_plan(monkeypatch):
 
     be = cuda_sm90.CudaSm90Backend.__new__(cuda_sm90.CudaSm90Backend)
     be._device = torch.device("cuda", 0)
-    be.kernel, be.tokens_per_pass, be._plans = "auto", 0, {}
+    be.kernel, be.tokens_per_pass, be.stream_warps, be._plans = "auto", 0, 0, {}
     seen = []
     real = _ext.ext.sm90_plan
 

@@ -63,17 +63,18 @@ void register_sm90(nb::module_& m) {
       .def_ro("tokens_per_pass", &sm90::GemmPlan::tokens_per_pass)
       .def_ro("gather_x", &sm90::GemmPlan::gather_x)
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
+      .def_ro("stream_warps", &sm90::GemmPlan::stream_warps)
       .def("__repr__", [](const sm90::GemmPlan& p) {
         static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
                ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +
-               ")";
+               ", stream_warps=" + std::to_string(p.stream_warps) + ")";
       });
   m.def(
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
-         sm90::GemmKernel kernel, int tokens_per_pass) {
+         sm90::GemmKernel kernel, int tokens_per_pass, int stream_warps) {
         if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
                                       std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
@@ -82,6 +83,8 @@ void register_sm90(nb::module_& m) {
             tokens_per_pass != 64)
           throw std::invalid_argument("sm90_plan: tokens_per_pass must be 0, 8, 16, 32 or 64, got " +
                                       std::to_string(tokens_per_pass));
+        if (stream_warps != 0 && stream_warps != 4 && stream_warps != 8)
+          throw std::invalid_argument("sm90_plan: stream_warps must be 0, 4 or 8, got " + std::to_string(stream_warps));
         sm90::GemmProblem p;
         p.tokens_per_expert = tokens_per_expert;
         p.k_l1 = k_l1;
@@ -91,11 +94,12 @@ void register_sm90(nb::module_& m) {
         p.gather_input = gather_input;
         p.kernel = kernel;
         p.tokens_per_pass = tokens_per_pass;
+        p.stream_warps = stream_warps;
         return sm90::plan_moe_gemms(p);
       },
       nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
-      nb::arg("tokens_per_pass") = 0,
+      nb::arg("tokens_per_pass") = 0, nb::arg("stream_warps") = 0,
       "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.");
 
   m.def(
@@ -103,14 +107,16 @@ void register_sm90(nb::module_& m) {
       [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
-         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_total_rows,
-         const sm90::GemmPlan& plan, uintptr_t stream) {
+         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray out_bf16, bool act_natural,
+         int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
         a.act_rows = opt_ptr<const int32_t>(act_rows, "act_rows", 4);
-        if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
-          throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
+        a.act_natural = act_natural;
+        if (act_natural && (!a.act_rows || act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat)))
+          throw std::invalid_argument("grouped_gemm: act_natural needs act_rows and a bfloat16 act, got " +
+                                      dtype_name(act.dtype()) + (a.act_rows ? "" : " without act_rows"));
         a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);
         a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
         a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
@@ -136,14 +142,19 @@ void register_sm90(nb::module_& m) {
         a.epilogue = epilogue;
         a.out = opt_ptr<float>(out, "out", 4);
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
-        if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
-        if (a.act_rows && plan.kernel != sm90::GemmKernel::kStream)
-          throw std::invalid_argument("grouped_gemm: act_rows (gathered x) needs the streaming kernel (plan.gather_x)");
+        a.out_bf16 = opt_ptr<uint16_t>(out_bf16, "out_bf16", 2);
+        if (int(!!a.out) + int(!!a.out_operand) + int(!!a.out_bf16) != 1)
+          throw std::invalid_argument("grouped_gemm: give exactly one of out, out_operand, out_bf16");
+        if (act_natural && plan.kernel != sm90::GemmKernel::kStream)
+          throw std::invalid_argument("grouped_gemm: act_natural (x itself) needs the streaming kernel");
+        if (a.out_bf16 && epilogue != sm90::Epilogue::kStore)
+          throw std::invalid_argument("grouped_gemm: out_bf16 needs the store epilogue");
         if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
           throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;
+        a.stream_warps = plan.stream_warps;
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(), nb::arg("expert_offsets"),
@@ -151,7 +162,8 @@ void register_sm90(nb::module_& m) {
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
       nb::arg("a_global_scale").none() = nb::none(), nb::arg("a_gs_per_expert") = false,
       nb::arg("a_row_scale").none() = nb::none(), nb::arg("epilogue"), nb::arg("swiglu_limit").none() = nb::none(),
-      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(), nb::arg("max_total_rows"),
+      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(),
+      nb::arg("out_bf16").none() = nb::none(), nb::arg("act_natural") = false, nb::arg("max_total_rows"),
       nb::arg("plan"), nb::arg("stream"),
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only.");
 
@@ -159,7 +171,11 @@ void register_sm90(nb::module_& m) {
       "sm90_moe_combine",
       [](const Array& y, const Array& entry_row, const Array& topk_weights, const Array& out, uintptr_t stream) {
         if (topk_weights.ndim() != 2 || out.ndim() != 2) throw std::invalid_argument("moe_combine: 2-D arrays");
-        check(sm90::launch_moe_combine(ptr<const float>(y, "y", 4), ptr<const int32_t>(entry_row, "entry_row", 4),
+        const ElemType yt = elem_type(y, "y");
+        if (yt == ElemType::kFloat16) throw std::invalid_argument("moe_combine: y must be float32 or bfloat16, got float16");
+        const bool y_bf16 = yt == ElemType::kBFloat16;
+        check(sm90::launch_moe_combine(ptr<const void>(y, "y", y_bf16 ? 2 : 4), y_bf16,
+                                       ptr<const int32_t>(entry_row, "entry_row", 4),
                                        ptr<const float>(topk_weights, "topk_weights", 4), int64_t(out.shape(0)),
                                        int(topk_weights.shape(1)), int64_t(out.shape(1)), out.data(),
                                        elem_type(out, "out"), stream_of(stream)),

@@ -22,7 +22,8 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kStreamThreads = 128;
+constexpr int kStreamThreads = 128;  // 4 warps (the one-tile kernels also run with 8: kStreamWideThreads)
+constexpr int kStreamWideThreads = 256;
 constexpr int kStreamRows = 32;
 
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
@@ -77,8 +78,9 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
 
 // Block start of every streaming kernel: the e4m3 -> bf16x2 scale table in shared memory, then the
 // PDL prologue.
+template <int kThreads = kStreamThreads>
 __device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256]) {
-  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
   stream_pdl_prologue(a);
 }
@@ -186,12 +188,12 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
   }
 }
 
-// End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the 4 warps' partial sums are added in shared
-// memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
-// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
-template <int NT, bool kOperandOut>
+// End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the kWarps warps' partial sums are added in
+// shared memory in a fixed order (warp 0 first; warp w finishes the token tiles nt % 4 == w), scaled and
+// written. kOperandOut: the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
+template <int NT, bool kOperandOut, int kWarps = 4>
 __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
-                                                     float (&partial)[4][2][NT][4][32], int tok0, int rows,
+                                                     float (&partial)[kWarps][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
                                                      bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
                                                      float alpha0, float alpha1) {
@@ -210,9 +212,12 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
-                     partial[3][mt][nt][i][lane];
+      for (int i = 0; i < 4; ++i) {
+        float v = partial[0][mt][nt][i][lane];
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) v += partial[w][mt][nt][i][lane];
+        sum[mt][i] = v;
+      }
     // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -238,7 +243,12 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           for (int mt = 0; mt < 2; ++mt) {
             if (!rvalid[mt][hh]) continue;
             const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
-            a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
+            const float v = scaled(sum[mt][2 * hh + t], alpha0, rs);
+            if (a.out_bf16) {
+              a.out_bf16[out_row * N + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+            } else {
+              a.out[out_row * N + n] = v;
+            }
           }
         }
       }
@@ -261,7 +271,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  const bool natural = a.act_rows != nullptr;
+  const bool natural = a.act_rows && a.act_natural;
 
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
@@ -279,7 +289,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       const int tok = tok0 + nt * 8 + g;
       tvalid[nt] = tok < rows;
       const int64_t r = int64_t(row_begin) + (tvalid[nt] ? tok : 0);
-      arow[nt] = a.act + (natural ? int64_t(a.act_rows[r]) : r) * K;
+      arow[nt] = a.act + (a.act_rows ? int64_t(a.act_rows[r]) : r) * K;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -328,9 +338,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
 // h is rounded to bf16 once either way), so results are bit-identical to it.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+// kWarps: 4, or 8 (half the K per warp, for grids of few blocks: see launch_grouped_gemm).
+template <bool kVec, bool kFused, int kWarps = 4>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
-                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
+                                                const uint32_t (&scale_lut)[256],
+                                                float (&partial)[kWarps][2][1][4][32]) {
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
 
@@ -357,7 +369,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 
     // The trip count must be the same for the whole warp (mma.sync is warp-collective):
     // lanes past the last slice load zeros.
-    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
+    for (int64_t s0 = warp * 4; s0 < slices; s0 += 4 * kWarps) {
       const int64_t s = s0 + tig;
       const bool svalid = s < slices;
       uint32_t wv[2][2][8];
@@ -367,7 +379,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         av[i] = make_uint4(0, 0, 0, 0);
-        // (kFused with act_rows: natural order here, interleaved at the MMA below: fewer live registers)
+        // (kFused with act_natural: natural order here, interleaved at the MMA below: fewer live registers)
         if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
       }
 #pragma unroll
@@ -377,33 +389,44 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
           const int i = blk * 2 + wi;
-          const uint4 b[1] = {kFused && a.act_rows ? interleave_act(av[i]) : av[i]};
+          const uint4 b[1] = {kFused && a.act_natural ? interleave_act(av[i]) : av[i]};
           mma_weight_word<1>(acc, wv, s2, i, b);
         }
       }
     }
-    stream_pass_epilogue<1, kFused>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
-                                    N, alpha0, alpha1);
+    stream_pass_epilogue<1, kFused, kWarps>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul,
+                                            rvalid, N, alpha0, alpha1);
   }
 }
 
-template <bool kVec, bool kFused>
+template <bool kVec, bool kFused, int kWarps>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[4][2][1][4][32];
-  stream_block_start(a, scale_lut);
-  stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
+  __shared__ float partial[kWarps][2][1][4][32];
+  stream_block_start<32 * kWarps>(a, scale_lut);
+  stream_nt1_item<kVec, kFused, kWarps>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
 }
 
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, false>(a);
+  stream_gemm_nt1_body<kVec, false, 4>(a);
 }
 
 // The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, true>(a);
+  stream_gemm_nt1_body<kVec, true, 4>(a);
+}
+
+// 8 warps (half the K per warp), 2 blocks per SM at the same 128 registers: for grids whose last
+// wave of 4-warp blocks would be mostly empty (T = 1: 768 blocks on 528 slots).
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamWideThreads, 2) stream_gemm_nt1_wide_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_body<kVec, false, 8>(a);
+}
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamWideThreads, 2) stream_gemm_nt1_fused_wide_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_body<kVec, true, 8>(a);
 }
 
 }  // namespace megamoe::sm90

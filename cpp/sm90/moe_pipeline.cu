@@ -15,12 +15,81 @@ constexpr int kAlignThreads = 1024;
 // The kernels here are launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh): they wait for their
 // predecessor before their first global access and release their dependents right after.
 // One block: count per expert, exclusive scan, then place every (token, expert) entry.
+// The two passes over the entries load kAlignUnroll ids per thread before their shared-memory
+// atomics (the block is alone on its SM: without that ILP each pass is one global-load latency
+// per kAlignThreads entries).
+constexpr int kAlignUnroll = 8;
+// Up to kAlignSmallEntries entries (decode) the rows are placed without atomics, in entry order.
+constexpr int kAlignSmallEntries = 256;
+
+template <typename Id>
+__device__ __forceinline__ int32_t valid_expert(const Id* ids, int64_t i, int64_t entries, int E) {
+  if (i >= entries) return -1;
+  const int64_t e = static_cast<int64_t>(ids[i]);
+  return e >= 0 && e < E ? int32_t(e) : -1;
+}
+
+// Small T: the ids in shared memory; entry i's row = (valid entries of lower experts) + (earlier
+// entries of its expert), so the rows of an expert are in entry order (no atomics, three barriers).
+template <typename Id>
+__device__ __forceinline__ void moe_align_small(const Id* ids, int entries, int top_k, int E, int32_t* expert_offsets,
+                                                int32_t* active_experts, int32_t* num_active, int32_t* row_token,
+                                                int32_t* entry_row, int32_t* sh) {
+  __shared__ int32_t s_id[kAlignSmallEntries];
+  __shared__ int32_t s_rank[kAlignSmallEntries];   // earlier entries with the same expert
+  __shared__ int32_t s_first[kAlignSmallEntries];  // first entry of its expert (1) or not (0)
+  int32_t* offset = sh;  // [E]
+  const int tid = threadIdx.x;
+  for (int i = tid; i < entries; i += kAlignThreads) s_id[i] = valid_expert(ids, i, entries, E);
+  __syncthreads();
+  for (int i = tid; i < entries; i += kAlignThreads) {
+    const int32_t e = s_id[i];
+    int32_t rank = 0;
+    for (int j = 0; j < i; ++j) rank += s_id[j] == e ? 1 : 0;
+    s_rank[i] = rank;
+    s_first[i] = e >= 0 && rank == 0 ? 1 : 0;
+  }
+  __syncthreads();
+  for (int e = tid; e <= E; e += kAlignThreads) {
+    int32_t below = 0, act_below = 0, here = 0;
+    for (int j = 0; j < entries; ++j) {
+      const int32_t id = s_id[j];
+      const bool lt = id >= 0 && id < e;
+      below += lt ? 1 : 0;
+      act_below += lt ? s_first[j] : 0;
+      here += id == e ? 1 : 0;
+    }
+    expert_offsets[e] = below;
+    if (e < E) {
+      offset[e] = below;
+      if (here > 0) active_experts[act_below] = e;
+    } else {
+      *num_active = act_below;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < entries; i += kAlignThreads) {
+    const int32_t e = s_id[i];
+    int32_t row = -1;
+    if (e >= 0) {
+      row = offset[e] + s_rank[i];
+      row_token[row] = int32_t(i / top_k);
+    }
+    entry_row[i] = row;
+  }
+}
+
 template <typename Id>
 __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids, int64_t entries, int top_k, int E,
                                                                   int32_t* expert_offsets, int32_t* active_experts,
                                                                   int32_t* num_active, int32_t* row_token,
                                                                   int32_t* entry_row) {
   extern __shared__ int32_t sh[];
+  if (entries <= kAlignSmallEntries) {
+    griddep_sync_and_release();  // no-op unless launched with PDL
+    moe_align_small(ids, int(entries), top_k, E, expert_offsets, active_experts, num_active, row_token, entry_row, sh);
+    return;
+  }
   int32_t* count = sh;       // [E]
   int32_t* fill = sh + E;    // [E]
   __shared__ int32_t warp_tot[kAlignThreads / 32];
@@ -29,9 +98,13 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids,
   for (int e = tid; e < E; e += kAlignThreads) count[e] = 0;
   griddep_sync_and_release();  // no-op unless launched with PDL
   __syncthreads();
-  for (int64_t i = tid; i < entries; i += kAlignThreads) {
-    const int64_t e = static_cast<int64_t>(ids[i]);
-    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  for (int64_t base = 0; base < entries; base += int64_t(kAlignThreads) * kAlignUnroll) {
+    int32_t e[kAlignUnroll];
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + tid, entries, E);
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u)
+      if (e[u] >= 0) atomicAdd(&count[e[u]], 1);
   }
   __syncthreads();
   // Exclusive scan of counts (and of "has tokens") in chunks of kAlignThreads experts.
@@ -69,14 +142,21 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids,
     *num_active = carry_act;
   }
   __syncthreads();
-  for (int64_t i = tid; i < entries; i += kAlignThreads) {
-    const int64_t e = static_cast<int64_t>(ids[i]);
-    int32_t row = -1;
-    if (e >= 0 && e < E) {
-      row = atomicAdd(&fill[e], 1);
-      row_token[row] = int32_t(i / top_k);
+  for (int64_t base = 0; base < entries; base += int64_t(kAlignThreads) * kAlignUnroll) {
+    int32_t e[kAlignUnroll];
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + tid, entries, E);
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) {
+      const int64_t i = base + u * kAlignThreads + tid;
+      if (i >= entries) break;
+      int32_t row = -1;
+      if (e[u] >= 0) {
+        row = atomicAdd(&fill[e[u]], 1);
+        row_token[row] = int32_t(i / top_k);
+      }
+      entry_row[i] = row;
     }
-    entry_row[i] = row;
   }
 }
 
@@ -133,6 +213,33 @@ __global__ void combine_kernel(const float* y, const int32_t* entry_row, const f
   }
 }
 
+// bf16 y (H % 8 == 0): one thread per 8 consecutive columns (16-byte loads), the same fp32 sum in j order.
+template <typename T>
+__global__ void combine_bf16_kernel(const uint16_t* y, const int32_t* entry_row, const float* w, int64_t tokens,
+                                    int top_k, int64_t hidden, T* out) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
+  const int64_t octs = hidden / 8, n = tokens * octs;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / octs, c = (idx - t * octs) * 8;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = entry_row[t * top_k + j];
+      if (r < 0) continue;
+      const float wj = w[t * top_k + j];
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(y + int64_t(r) * hidden + c));
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        acc[2 * q] += wj * __uint_as_float(u[q] << 16);             // bf16 -> fp32 is exact
+        acc[2 * q + 1] += wj * __uint_as_float(u[q] & 0xFFFF0000u);
+      }
+    }
+    T* o = out + t * hidden + c;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) o[q] = T(acc[q]);
+  }
+}
+
 unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
   int64_t b = (n + threads - 1) / threads;
   if (b < 1) b = 1;
@@ -177,8 +284,29 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
-                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream) {
+cudaError_t launch_moe_combine(const void* y_any, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
+                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
+                               cudaStream_t stream) {
+  if (y_bf16) {
+    if (hidden % 8 != 0) return cudaErrorInvalidValue;
+    const int64_t n8 = tokens * (hidden / 8);
+    if (n8 == 0) return cudaSuccess;
+    const unsigned grid8 = grid_of(n8, 256);
+    const uint16_t* y16 = static_cast<const uint16_t*>(y_any);
+    switch (out_type) {
+      case ElemType::kFloat32:
+        return pdl_launch(combine_bf16_kernel<float>, grid8, 256, 0, stream, y16, entry_row, topk_weights, tokens,
+                          top_k, hidden, static_cast<float*>(out));
+      case ElemType::kFloat16:
+        return pdl_launch(combine_bf16_kernel<__half>, grid8, 256, 0, stream, y16, entry_row, topk_weights, tokens,
+                          top_k, hidden, static_cast<__half*>(out));
+      case ElemType::kBFloat16:
+        return pdl_launch(combine_bf16_kernel<__nv_bfloat16>, grid8, 256, 0, stream, y16, entry_row, topk_weights,
+                          tokens, top_k, hidden, static_cast<__nv_bfloat16*>(out));
+    }
+    return cudaErrorInvalidValue;
+  }
+  const float* y = static_cast<const float*>(y_any);
   if (hidden % 4 != 0) return cudaErrorInvalidValue;
   const int64_t n = tokens * (hidden / 4);
   if (n == 0) return cudaSuccess;

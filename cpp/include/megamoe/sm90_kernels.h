@@ -56,6 +56,7 @@ struct GemmProblem {
   bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
   GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
   int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
+  int stream_warps = 0;                   // one-tile streaming: explicit 4 or 8 warps per block (0: by the grid)
 };
 
 // The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
@@ -63,8 +64,10 @@ struct GemmPlan {
   GemmKernel kernel = GemmKernel::kStream;  // never kAuto
   int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
   int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
-  bool gather_x = false;    // W4A16 streaming: L1 reads the rows of x itself (no staging kernel before L1)
+  bool gather_x = false;    // W4A16: L1 reads its rows through row_token (x itself with the streaming kernel and
+                            // bf16 x, else x staged once as [T, H] operand order: no per-slot staging kernel)
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
+  int stream_warps = 0;     // one-tile streaming: warps per block, 4 or 8 (0: launch_grouped_gemm picks by the grid)
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
@@ -80,8 +83,9 @@ constexpr int64_t kStreamOneTileUpTo = 8;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
 struct GroupedGemmArgs {
-  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_rows)
-  const int32_t* act_rows = nullptr;  // streaming kernel only: grouped row r reads act row act_rows[r], natural order
+  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_natural)
+  const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r] (null: row r)
+  bool act_natural = false;           // streaming kernel, with act_rows: act is natural-order bf16 (x itself)
   const int32_t* expert_offsets = nullptr;  // [E+1]
   const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
   const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
@@ -100,17 +104,20 @@ struct GroupedGemmArgs {
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in operand order instead
+  uint16_t* out_bf16 = nullptr;     // kStore only: write bf16 [rows, N] (natural order, rounded once) instead of out
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
+  int stream_warps = 0;                     // one-tile streaming: 4 or 8 warps per block, 0: by the grid (plan)
   int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
                             // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
 };
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
-// dropped entries skipped), cast to out_type. y fp32 [rows, H].
-cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
-                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream);
+// dropped entries skipped), cast to out_type. y fp32 [rows, H], or bf16 with y_bf16 (H % 8 == 0).
+cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
+                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
+                               cudaStream_t stream);
 
 }  // namespace megamoe::sm90
