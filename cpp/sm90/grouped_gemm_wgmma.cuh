@@ -20,6 +20,9 @@
 // [32 tig, 32 tig + 32) of its two rows (one 16-byte shared load per row, every nibble of it
 // used, whole words dequantized), and the activation tile is stored in the matching order by
 // 4-byte copies (load_stage).
+// Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of operand-order rows,
+// e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
+// set up once and advanced by K per stage.
 //
 // Pipeline per k-tile kt (prefetch distance kStages-1):
 //   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
@@ -73,14 +76,24 @@ __device__ __forceinline__ void acc_fence(float (&d)[M]) {
   for (int i = 0; i < M; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Descriptor of a K-major, 128-byte-swizzled bf16 tile: rows of 128 bytes, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t sw128_desc(const void* smem) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  uint64_t d = uint64_t((addr & 0x3FFFFu) >> 4);
-  d |= uint64_t(1) << 16;            // leading byte offset (unused for swizzled K-major)
-  d |= uint64_t(1024 >> 4) << 32;    // stride byte offset: next 8-row group
-  d |= uint64_t(1) << 62;            // swizzle mode: 128 B
-  return d;
+// Descriptor of a K-major, 128-byte-swizzled bf16 tile at shared address addr: rows of 128 bytes,
+// 8-row groups 1024 bytes apart. The low word holds addr / 16 (14 bits: shared addresses are below
+// 256 KB, so an offset added to it never carries out) and the leading byte offset (unused for
+// swizzled K-major); the high word the stride byte offset (next 8-row group) and the 128 B swizzle mode.
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) { return ((addr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
+  return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
+}
+
+// cp.async of kBytes (16, 8 or 4) to a shared address; only the first bytes_valid are read, the rest zero-filled.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_s(uint32_t smem, const void* gmem, int bytes_valid) {
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
+  else if constexpr (kBytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
 }
 
 template <int kMaxN>
@@ -138,7 +151,14 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t n = n0 + 8 * hh;
-        if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[c + 2 * hh], alpha0, rs);
+        if (n < Nw) {
+          const float v = scaled(acc[c + 2 * hh], alpha0, rs);
+          if (a.out_bf16) {
+            a.out_bf16[out_row * Nw + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          } else {
+            a.out[out_row * Nw + n] = v;
+          }
+        }
       }
     });
   }
@@ -180,44 +200,56 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   if (tid < kWgRows) s_src = ws + weight_row(tid, s_valid) * Kb;
 
   const int num_k_tiles = int(K / kKS);
+  // Activation copies of this thread, fixed for the whole tile: kAR source rows (token r of the tile ->
+  // grouped row row_begin + m0 + r, or act row act_rows[that] with a gather), each a pointer advanced by
+  // kKS elements per stage, and its shared-memory destination relative to the stage.
+  //  K 128: lane-owned K ranges (see the main loop). Stored column c = 8u + 2t + e (u = 16-byte chunk
+  //   of the stage row, t = slot in it, e = 0, 1) holds operand position 32t + 2u + e of the stage's
+  //   128: 4-byte copies; one warp instruction = one token row's 128-byte sub-tile (lane: slot
+  //   t = lane >> 3, chunk ch = lane & 7); thread rows 8j + warp, j < N / 8, both sub-tiles.
+  //  K 64: 16-byte copies, thread rows tid / 8 + 32 j (j < N / 32), chunk tid & 7.
+  constexpr int kAR = kKS == 128 ? N / 8 : (N * 8 + kWgThreads - 1) / kWgThreads;
+  const bool a_thread = kKS == 128 || N * 8 >= kWgThreads || tid < N * 8;
+  const uint16_t* a_src[kAR];
+  bool a_valid[kAR];
+  uint32_t a_dst;  // byte offset of this thread's first copy in a stage (row of j = 0)
+  {
+    const int ct = lane >> 3, ch = lane & 7;
+    const int r0 = kKS == 128 ? warp : tid >> 3;
+    const int col = kKS == 128 ? 32 * ct + 2 * ch : 8 * (tid & 7);
+    a_dst = kKS == 128 ? uint32_t(r0 * 128 + ((ch ^ warp) * 16) + ct * 4)
+                       : uint32_t(r0 * 128 + (((tid & 7) ^ (r0 & 7)) * 16));
+    const int64_t first = int64_t(row_begin) + m0;  // invalid tokens read the tile's first row (0 bytes)
+    const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
+#pragma unroll
+    for (int j = 0; j < kAR; ++j) {
+      const int r = r0 + (kKS == 128 ? 8 : 32) * j;
+      a_valid[j] = a_thread && m0 + r < rows;
+      const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
+      a_src[j] = a.act + src * K + col;
+    }
+  }
+  const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   auto load_stage = [&](int slot, int kt) {
-    uint8_t* sa = stages + slot * Cfg::kStageBytes;
-    uint8_t* sw = sa + Cfg::kABytes;
-    uint8_t* ss = sw + Cfg::kWBytes;
-    if constexpr (kKS == 128) {
-      // K 128: lane-owned K ranges (see the main loop). Stored column c = 8u + 2t + e (u = 16-byte
-      // chunk of the stage row, t = slot in it, e = 0, 1) holds operand position 32t + 2u + e of the
-      // stage's 128: 4-byte copies; one warp instruction = one token row's 128-byte sub-tile
-      // (lane: slot t = lane >> 3, chunk ch = lane & 7; global: 4 runs of 32 bytes).
-      const int ct = lane >> 3, ch = lane & 7;
+    const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
+    const uint32_t sw = sa + Cfg::kABytes;
+    const uint32_t ss = sw + Cfg::kWBytes;
+    const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
-      for (int i = 0; i < N * Cfg::kSub / 8; ++i) {
-        const int sub = (8 * i) / N, r = (8 * i) % N + warp;  // N is a multiple of 8: r & 7 == warp
-        const bool valid = m0 + r < rows;
-        const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + 32 * ct +
-                              16 * sub + 2 * ch;
-        cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ warp) * 16) + ct * 4, src, valid ? 4 : 0, 4);
-      }
-    } else {
-      constexpr int kChunks = N * 8 * Cfg::kSub;  // 16-byte activation chunks of the stage
+    for (int j = 0; j < kAR; ++j) {
+      if constexpr (kKS == 128) {
 #pragma unroll
-      for (int i = 0; i < (kChunks + kWgThreads - 1) / kWgThreads; ++i) {
-        const int c = tid + i * kWgThreads;
-        if (kChunks % kWgThreads == 0 || c < kChunks) {
-          constexpr int kRowShift = Cfg::kSub == 2 ? 4 : 3;  // 8 * kSub chunks per activation row
-          const int r = c >> kRowShift, cc = c & ((1 << kRowShift) - 1), sub = cc >> 3, ch = cc & 7;
-          const bool valid = m0 + r < rows;
-          const uint16_t* src = a.act + (int64_t(row_begin) + (valid ? m0 + r : 0)) * K + int64_t(kt) * kKS + cc * 8;
-          cp_async(sa + sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16), src, valid ? 16 : 0, 16);
-        }
+        for (int sub = 0; sub < Cfg::kSub; ++sub)
+          cp_async_s<4>(sa + a_dst + sub * (kMaxN * 128) + 8 * j * 128, a_src[j] + ko + 16 * sub, a_valid[j] ? 4 : 0);
+      } else {
+        if (a_thread) cp_async_s<16>(sa + a_dst + 32 * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
       }
     }
 #pragma unroll
     for (int q = 0; q < kKS / 64; ++q)
-      cp_async(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
-               w_valid ? 16 : 0, 16);
-    if (tid < kWgRows)
-      cp_async(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0, kKS / 16);
+      cp_async_s<16>(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
+                     w_valid ? 16 : 0);
+    if (tid < kWgRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
   };
 
   float acc[N / 2];
@@ -237,15 +269,17 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   }
 
   uint32_t af[4 * Cfg::kSub][4];
+  const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
+  int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
     __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
     const int pf = kt + S - 1;
-    if (pf < num_k_tiles) load_stage(pf % S, pf);  // the slot of tile kt-1
+    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
     cp_async_commit();
 
-    const uint8_t* sa = stages + (kt % S) * Cfg::kStageBytes;
+    const uint8_t* sa = stages + slot * Cfg::kStageBytes;
     const uint8_t* sw = sa + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
     if constexpr (kKS == 64) {
@@ -298,13 +332,16 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
-      Wgmma<N>::mma(acc, af[ks], sw128_desc(sa + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32));
+      Wgmma<N>::mma(acc, af[ks],
+                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
     acc_fence(acc);
     // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
     // registers feeding one are written while an earlier group is in flight. The other
     // warpgroup (and block) keep the tensor cores busy meanwhile.
     wgmma_wait<0>();
+    slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
   acc_fence(acc);
   cp_async_wait<0>();
