@@ -42,6 +42,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   }
   plan.tokens_per_pass = tpp;
   plan.stream_warps = tpp == 8 ? p.stream_warps : 0;
+  plan.fold_align = tpp == 8 && plan.gather_x && p.entries > 0 && p.entries <= kRouteMaxEntries && p.fold_align != 0;
   return plan;
 }
 
@@ -67,6 +68,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
   if (a.stream_warps != 0 && a.stream_warps != 4 && a.stream_warps != 8) return cudaErrorInvalidValue;
+  if (a.route_ids && (a.kernel != GemmKernel::kStream || a.tokens_per_pass != 8 || a.route_top_k <= 0 ||
+                      a.route_entries <= 0 || a.route_entries > kRouteMaxEntries))
+    return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes; it gathers operand-order rows only (act_rows).
     if (a.act_natural || (a.act_rows && !kWgmmaGathersRows) || !(a.out || (silu_mul && a.out_operand) || (!silu_mul && a.out_bf16)))
@@ -90,7 +94,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   GroupedGemmArgs sa = a;
   sa.prefetch_blocks = 4 * sm_count();
   if (nt == 1) {
-    const bool fused = a.act_rows || a.out_operand;
+    const bool fused = a.act_rows || a.out_operand || a.route_act_tokens;
     const bool wide = a.stream_warps == 8 || (a.stream_warps == 0 && stream_wide(int64_t(gx) * grid.y, sm_count()));
     if (wide) {
       sa.prefetch_blocks = 2 * sm_count();  // one wave of 8-warp blocks

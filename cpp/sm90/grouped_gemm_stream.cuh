@@ -16,6 +16,7 @@
 // only on tig, the same for the A lane (row g) and the B lane (token g), which is what
 // makes the per-lane K assignment valid.
 #pragma once
+#include "decode_route.cuh"
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
 #include "pdl.cuh"
@@ -59,19 +60,23 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 // a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
 // tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
 // predecessor grid and releases the next one.
+__device__ __forceinline__ void prefetch_block_weights(const GroupedGemmArgs& a, bool active, int expert, int rb) {
+  const int64_t n0 = int64_t(rb) * kStreamRows;
+  const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
+  if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
+    const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
+    prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
+    prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
+  }
+}
+
 __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   const int slot = int(blockIdx.y), rb = int(blockIdx.x);
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
     const bool active = !a.num_active || slot < __ldcg(a.num_active);
     const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;
-    const int64_t n0 = int64_t(rb) * kStreamRows;
-    const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
-    if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
-      const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
-      prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
-      prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
-    }
+    prefetch_block_weights(a, active, expert, rb);
   }
   griddep_sync_and_release();
 }
@@ -83,6 +88,28 @@ __device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uin
   for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
   stream_pdl_prologue(a);
+}
+
+// The same for the one-tile kernels with plan.fold_align (a.route_ids): warp 0 derives the block's
+// expert slot from topk_ids into route[] (route_slot, decode_route.cuh) -- in the L2 GEMM (kStore)
+// before the PDL wait (the ids were complete before L1 started, rule 3; its weight prefetch needs
+// the expert), in the L1 GEMM after it.
+template <int kThreads>
+__device__ __forceinline__ void stream_block_start_routed(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256],
+                                                          int32_t* route) {
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  const bool early = a.epilogue == Epilogue::kStore;
+  if (early && threadIdx.x < 32)
+    route_slot(a.route_ids, a.route_ids64, a.route_entries, a.route_top_k, a.num_experts, int(blockIdx.y), route);
+  __syncthreads();
+  if (early && threadIdx.x == 0 && int64_t(blockIdx.y) * gridDim.x + blockIdx.x < a.prefetch_blocks)
+    prefetch_block_weights(a, route[2] > 0, route[0], int(blockIdx.x));
+  griddep_sync_and_release();
+  if (!early) {
+    if (threadIdx.x < 32)
+      route_slot(a.route_ids, a.route_ids64, a.route_entries, a.route_top_k, a.num_experts, int(blockIdx.y), route);
+    __syncthreads();
+  }
 }
 
 // The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
@@ -342,9 +369,16 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 template <bool kVec, bool kFused, int kWarps = 4>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
                                                 const uint32_t (&scale_lut)[256],
-                                                float (&partial)[kWarps][2][1][4][32]) {
+                                                float (&partial)[kWarps][2][1][4][32], const int32_t* route) {
   int expert, row_begin, rows;
-  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
+  if (a.route_ids) {
+    rows = route[2];
+    if (rows <= 0) return;
+    expert = route[0];
+    row_begin = route[1];
+  } else if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) {
+    return;
+  }
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
@@ -364,8 +398,13 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][0][i] = 0.f;
     const bool tvalid = tok0 + g < rows;
-    const int64_t grow = int64_t(row_begin + tok0 + (tvalid ? g : 0));
-    const uint16_t* arow = a.act + (kFused && a.act_rows ? int64_t(a.act_rows[grow]) : grow) * K;
+    const int tok = tok0 + (tvalid ? g : 0);
+    const int64_t grow = int64_t(row_begin + tok);
+    const int64_t src = !kFused                                  ? grow
+                        : a.route_ids                            ? (a.route_act_tokens ? int64_t(route[3 + tok]) : grow)
+                        : a.act_rows                             ? int64_t(a.act_rows[grow])
+                                                                 : grow;
+    const uint16_t* arow = a.act + src * K;
 
     // The trip count must be the same for the whole warp (mma.sync is warp-collective):
     // lanes past the last slice load zeros.
@@ -403,8 +442,13 @@ template <bool kVec, bool kFused, int kWarps>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
   __shared__ float partial[kWarps][2][1][4][32];
-  stream_block_start<32 * kWarps>(a, scale_lut);
-  stream_nt1_item<kVec, kFused, kWarps>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
+  __shared__ int32_t route[3 + kRouteMaxEntries];
+  if (a.route_ids) {
+    stream_block_start_routed<32 * kWarps>(a, scale_lut, route);
+  } else {
+    stream_block_start<32 * kWarps>(a, scale_lut);
+  }
+  stream_nt1_item<kVec, kFused, kWarps>(a, blockIdx.y, blockIdx.x, scale_lut, partial, route);
 }
 
 template <bool kVec>

@@ -5,6 +5,7 @@
 
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "decode_route.cuh"
 #include "pdl.cuh"
 
 namespace megamoe::sm90 {
@@ -185,58 +186,65 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
-// One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of y, the
-// bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
-template <typename T>
-__global__ void combine_kernel(const float* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
-                               int64_t hidden, T* out) {
-  griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t quads = hidden / 4, n = tokens * quads;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / quads, c = (idx - t * quads) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t r = entry_row[t * top_k + j];
-      if (r < 0) continue;
-      const float wj = w[t * top_k + j];
-      const float4 v = __ldcs(reinterpret_cast<const float4*>(y + int64_t(r) * hidden + c));
-      acc.x += wj * v.x;
-      acc.y += wj * v.y;
-      acc.z += wj * v.z;
-      acc.w += wj * v.w;
-    }
-    T* o = out + t * hidden + c;  // T(float): round to nearest even for __half and bf16
-    o[0] = T(acc.x);
-    o[1] = T(acc.y);
-    o[2] = T(acc.z);
-    o[3] = T(acc.w);
-  }
-}
+// Weighted combine, out[t, c] = sum_j w[t, j] * y[row(t, j), c]: one thread per kCols consecutive
+// columns of one token (16-byte loads of y: 4 fp32 or 8 bf16 columns, so the bytes of the k partial
+// rows are read exactly once), fp32 sum in j order, dropped entries skipped. kRouted: row(t, j) from
+// topk_ids (decode_route.cuh numbering, computed once per block into shared memory), else entry_row.
+struct CombineArgs {
+  const void* y;
+  const int32_t* entry_row;
+  const void* ids;
+  bool ids64;
+  int num_experts;
+  const float* w;
+  int64_t tokens;
+  int top_k;
+  int64_t hidden;
+};
 
-// bf16 y (H % 8 == 0): one thread per 8 consecutive columns (16-byte loads), the same fp32 sum in j order.
-template <typename T>
-__global__ void combine_bf16_kernel(const uint16_t* y, const int32_t* entry_row, const float* w, int64_t tokens,
-                                    int top_k, int64_t hidden, T* out) {
+template <typename T, bool kYbf16, bool kRouted>
+__global__ void combine_kernel(CombineArgs c, T* out) {
+  constexpr int kCols = kYbf16 ? 8 : 4;
+  __shared__ int32_t s_row[kRouted ? kRouteMaxEntries : 1];
   griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t octs = hidden / 8, n = tokens * octs;
+  const int64_t entries = c.tokens * c.top_k;
+  if constexpr (kRouted) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const LaneRoute r = lane_route(route_id(c.ids, c.ids64, lane, int(entries), c.num_experts), lane);
+      if (lane < entries) s_row[lane] = r.e >= 0 ? lane_row(r, lane) : -1;
+    }
+    __syncthreads();
+  }
+  const int64_t groups = c.hidden / kCols, n = c.tokens * groups;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / octs, c = (idx - t * octs) * 8;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t r = entry_row[t * top_k + j];
-      if (r < 0) continue;
-      const float wj = w[t * top_k + j];
-      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(y + int64_t(r) * hidden + c));
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    const int64_t t = idx / groups, col = (idx - t * groups) * kCols;
+    float acc[kCols];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        acc[2 * q] += wj * __uint_as_float(u[q] << 16);             // bf16 -> fp32 is exact
-        acc[2 * q + 1] += wj * __uint_as_float(u[q] & 0xFFFF0000u);
+    for (int q = 0; q < kCols; ++q) acc[q] = 0.f;
+    for (int j = 0; j < c.top_k; ++j) {
+      const int32_t r = kRouted ? s_row[t * c.top_k + j] : c.entry_row[t * c.top_k + j];
+      if (r < 0) continue;
+      const float wj = c.w[t * c.top_k + j];
+      if constexpr (kYbf16) {
+        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(c.y) + int64_t(r) * c.hidden + col));
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[2 * q] += wj * __uint_as_float(u[q] << 16);  // bf16 -> fp32 is exact
+          acc[2 * q + 1] += wj * __uint_as_float(u[q] & 0xFFFF0000u);
+        }
+      } else {
+        const float4 v = __ldcs(reinterpret_cast<const float4*>(static_cast<const float*>(c.y) + int64_t(r) * c.hidden + col));
+        acc[0] += wj * v.x;
+        acc[1] += wj * v.y;
+        acc[2] += wj * v.z;
+        acc[3] += wj * v.w;
       }
     }
-    T* o = out + t * hidden + c;
+    T* o = out + t * c.hidden + col;  // T(float): round to nearest even for __half and bf16
 #pragma unroll
-    for (int q = 0; q < 8; ++q) o[q] = T(acc[q]);
+    for (int q = 0; q < kCols; ++q) o[q] = T(acc[q]);
   }
 }
 
@@ -284,45 +292,39 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_moe_combine(const void* y_any, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
-                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
-                               cudaStream_t stream) {
-  if (y_bf16) {
-    if (hidden % 8 != 0) return cudaErrorInvalidValue;
-    const int64_t n8 = tokens * (hidden / 8);
-    if (n8 == 0) return cudaSuccess;
-    const unsigned grid8 = grid_of(n8, 256);
-    const uint16_t* y16 = static_cast<const uint16_t*>(y_any);
-    switch (out_type) {
-      case ElemType::kFloat32:
-        return pdl_launch(combine_bf16_kernel<float>, grid8, 256, 0, stream, y16, entry_row, topk_weights, tokens,
-                          top_k, hidden, static_cast<float*>(out));
-      case ElemType::kFloat16:
-        return pdl_launch(combine_bf16_kernel<__half>, grid8, 256, 0, stream, y16, entry_row, topk_weights, tokens,
-                          top_k, hidden, static_cast<__half*>(out));
-      case ElemType::kBFloat16:
-        return pdl_launch(combine_bf16_kernel<__nv_bfloat16>, grid8, 256, 0, stream, y16, entry_row, topk_weights,
-                          tokens, top_k, hidden, static_cast<__nv_bfloat16*>(out));
-    }
-    return cudaErrorInvalidValue;
-  }
-  const float* y = static_cast<const float*>(y_any);
-  if (hidden % 4 != 0) return cudaErrorInvalidValue;
-  const int64_t n = tokens * (hidden / 4);
+template <bool kYbf16, bool kRouted>
+cudaError_t launch_combine(const CombineArgs& c, void* out, ElemType out_type, cudaStream_t stream) {
+  const int64_t n = c.tokens * (c.hidden / (kYbf16 ? 8 : 4));
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
   switch (out_type) {
     case ElemType::kFloat32:
-      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
-                        hidden, static_cast<float*>(out));
+      return pdl_launch(combine_kernel<float, kYbf16, kRouted>, grid, 256, 0, stream, c, static_cast<float*>(out));
     case ElemType::kFloat16:
-      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
-                        hidden, static_cast<__half*>(out));
+      return pdl_launch(combine_kernel<__half, kYbf16, kRouted>, grid, 256, 0, stream, c, static_cast<__half*>(out));
     case ElemType::kBFloat16:
-      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens,
-                        top_k, hidden, static_cast<__nv_bfloat16*>(out));
+      return pdl_launch(combine_kernel<__nv_bfloat16, kYbf16, kRouted>, grid, 256, 0, stream, c,
+                        static_cast<__nv_bfloat16*>(out));
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
+                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
+                               cudaStream_t stream) {
+  if (hidden % (y_bf16 ? 8 : 4) != 0 || !entry_row) return cudaErrorInvalidValue;
+  const CombineArgs c{y, entry_row, nullptr, false, 0, topk_weights, tokens, top_k, hidden};
+  return y_bf16 ? launch_combine<true, false>(c, out, out_type, stream)
+                : launch_combine<false, false>(c, out, out_type, stream);
+}
+
+cudaError_t launch_moe_combine_routed(const void* y, bool y_bf16, const void* topk_ids, bool ids_int64, int num_experts,
+                                      const float* topk_weights, int64_t tokens, int top_k, int64_t hidden, void* out,
+                                      ElemType out_type, cudaStream_t stream) {
+  if (hidden % (y_bf16 ? 8 : 4) != 0 || !topk_ids || tokens * top_k > kRouteMaxEntries) return cudaErrorInvalidValue;
+  const CombineArgs c{y, nullptr, topk_ids, ids_int64, num_experts, topk_weights, tokens, top_k, hidden};
+  return y_bf16 ? launch_combine<true, true>(c, out, out_type, stream)
+                : launch_combine<false, true>(c, out, out_type, stream);
 }
 
 }  // namespace megamoe::sm90

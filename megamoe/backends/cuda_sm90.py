@@ -108,9 +108,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
     name = "cuda-sm90"
 
     def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0,
-                 stream_warps: int = 0, y_bf16: bool = False) -> None:
-        """``kernel``/``tokens_per_pass``/``stream_warps``: an explicit choice for benchmarks and tests
-        ("auto"/0: the plan's). ``y_bf16``: with bf16 x, the L2 GEMM rounds each slot's partial y to bf16
+                 stream_warps: int = 0, y_bf16: bool = False, fold_align: int = -1) -> None:
+        """``kernel``/``tokens_per_pass``/``stream_warps``/``fold_align``: an explicit choice for benchmarks and
+        tests ("auto"/0/-1: the plan's). ``y_bf16``: with bf16 x, the L2 GEMM rounds each slot's partial y to bf16
         for the combine (half its bytes; results differ from the fp32 partials of docs/SPEC.md §3 in
         the last bits)."""
         self._device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -120,6 +120,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self.tokens_per_pass = tokens_per_pass
         self.stream_warps = stream_warps
         self.y_bf16 = y_bf16
+        self.fold_align = fold_align
         # Workspaces by batch shape, least recently used first. A service sees many token
         # counts, so only MAX_WORKSPACES stay allocated; one captured into a CUDA graph is
         # pinned (the graph replays its addresses) and never evicted.
@@ -127,15 +128,18 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._pinned: set[tuple] = set()
         self._plans: dict[tuple, object] = {}
 
-    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool):
-        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached."""
-        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, str(self.kernel), self.tokens_per_pass,
-               self.stream_warps)
+    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool,
+             entries: int = 0):
+        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached.
+        ``entries``: T*k of a MoE forward (0: unknown)."""
+        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, entries, str(self.kernel),
+               self.tokens_per_pass, self.stream_warps, self.fold_align)
         plan = self._plans.get(key)
         if plan is None:
             plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
                                       w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
-                                      tokens_per_pass=self.tokens_per_pass, stream_warps=self.stream_warps)
+                                      tokens_per_pass=self.tokens_per_pass, stream_warps=self.stream_warps,
+                                      entries=entries, fold_align=self.fold_align)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -295,15 +299,19 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         stream = current_stream(self.device)
         r = t * k
         grid_experts = min(e, r)
-        ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
-                           stream)
         expected = -(-r // e)  # tokens per expert under uniform routing
-        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", True)
+        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", True, r)
+        # plan.fold_align (decode): no align kernel; both GEMMs and the combine route from topk_ids
+        route = dict(route_ids=topk_ids) if plan.fold_align else {}
+        if not plan.fold_align:
+            ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
+                               stream)
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
-                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
+                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream, **route)
         natural = False
         if plan.gather_x:
-            a1_rows, a_gs, per_e, a_rs = ws.row_token, None, False, None
+            a1_rows = None if plan.fold_align else ws.row_token
+            a_gs, per_e, a_rs = None, False, None
             natural = plan.kernel == ext.Sm90GemmKernel.stream and x.dtype == torch.bfloat16
             if natural:
                 a1 = x
@@ -314,7 +322,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
                                             cfg, prepared.w13_input_scale, stream, r)
             a1, a1_rows = ws.a1, None
-        ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, act_natural=natural, w_data=prepared.w13_data,
+        ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, act_natural=natural, route_act_tokens=plan.fold_align,
+                              w_data=prepared.w13_data,
                               w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
@@ -332,7 +341,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=None if y16 else y,
                               out_bf16=y if y16 else None, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
-        ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
+        if plan.fold_align:
+            ext.sm90_moe_combine(y, None, topk_weights, out, stream, topk_ids=topk_ids, num_experts=e)
+        else:
+            ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
 
     @staticmethod

@@ -57,6 +57,8 @@ struct GemmProblem {
   GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
   int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
   int stream_warps = 0;                   // one-tile streaming: explicit 4 or 8 warps per block (0: by the grid)
+  int64_t entries = 0;                    // T*k of the MoE forward (0: unknown, never folds the align step)
+  int fold_align = -1;                    // explicit: 0 never, 1 where possible (-1: the plan's, the same)
 };
 
 // The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
@@ -68,6 +70,8 @@ struct GemmPlan {
                             // bf16 x, else x staged once as [T, H] operand order: no per-slot staging kernel)
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
   int stream_warps = 0;     // one-tile streaming: warps per block, 4 or 8 (0: launch_grouped_gemm picks by the grid)
+  bool fold_align = false;  // W4A16 one-tile streaming, T*k <= kRouteMaxEntries: no moe_align kernel; L1, L2 and
+                            // the combine derive the routing from topk_ids themselves (cpp/sm90/decode_route.cuh)
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
@@ -80,6 +84,7 @@ constexpr int64_t kWgmmaAboveTokensPerExpert = 6;
 constexpr int64_t kWgmma32UpTo = 24;
 constexpr int64_t kWgmma64UpTo = 32;
 constexpr int64_t kStreamOneTileUpTo = 8;
+constexpr int kRouteMaxEntries = 32;  // one warp, one entry per lane
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
 struct GroupedGemmArgs {
@@ -109,6 +114,14 @@ struct GroupedGemmArgs {
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
   int stream_warps = 0;                     // one-tile streaming: 4 or 8 warps per block, 0: by the grid (plan)
+  // plan.fold_align: topk_ids [T, route_top_k] (int32, or int64 with route_ids64), T*k = route_entries; the
+  // kernel derives its expert slot, rows and tokens from them (expert_offsets, active_experts, num_active and
+  // act_rows are not read; with act_rows semantics: the rows of act are tokens)
+  const void* route_ids = nullptr;
+  bool route_ids64 = false;
+  int route_top_k = 0;
+  int route_entries = 0;
+  bool route_act_tokens = false;  // with route_ids: act rows are tokens (L1 reading x), else grouped rows
   int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
                             // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
 };
@@ -119,5 +132,10 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream
 cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
                                int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
                                cudaStream_t stream);
+// The same with the rows derived from topk_ids [tokens, top_k] (plan.fold_align: tokens*top_k <=
+// kRouteMaxEntries, ids outside [0, num_experts) dropped) instead of entry_row.
+cudaError_t launch_moe_combine_routed(const void* y, bool y_bf16, const void* topk_ids, bool ids_int64, int num_experts,
+                                      const float* topk_weights, int64_t tokens, int top_k, int64_t hidden, void* out,
+                                      ElemType out_type, cudaStream_t stream);
 
 }  // namespace megamoe::sm90
