@@ -132,7 +132,7 @@ def test_fused_w4a16_equals_staged(shape, gen):
         outs = []
         for xin in (x, x.float()):
             ws = gpu.backend.workspace(t, gpu.config)
-            for buf in (ws.h, ws.a1, ws.a2, ws.y):
+            for buf in (ws.h, ws.a1, ws.a2, ws.y, ws.x_op):
                 buf.fill_(float("nan"))
             outs.append(gpu.forward(xin, ids, w, validate=False).to(torch.bfloat16))
         assert torch.isfinite(outs[0].float()).all(), t
