@@ -48,8 +48,9 @@ def test_switch_to_wgmma_and_its_tiles():
     assert plan(100000).kernel == kind("wgmma128")
     for tpe in (7, 24, 25, 32, 33, 5000):
         p = plan(tpe)
-        assert not p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
-        assert not plan(tpe, w4a16=False).h_operand
+        # W4A16: L1 gathers the rows of x staged once ([T, H]) through row_token
+        assert p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
+        assert not plan(tpe, w4a16=False).h_operand and not plan(tpe, w4a16=False).gather_x
 
 
 @pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])

@@ -7,9 +7,6 @@
 
 namespace megamoe::sm90 {
 
-// The wgmma kernels read their activation rows through act_rows.
-constexpr bool kWgmmaGathersRows = false;
-
 GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmPlan plan;
   const bool wgmma_shape = p.k_l1 % kWgK == 0 && p.k_l2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
@@ -26,7 +23,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
     kernel = GemmKernel::kWgmma128;  // an explicit tile-32/64 request on a K they cannot step through
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
-  plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kWgmmaGathersRows);
+  plan.gather_x = p.w4a16 && p.gather_input;
   if (kernel != GemmKernel::kStream) {
     plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kWgTiny
                                              : kernel == GemmKernel::kWgmma64 ? kWgSmall
@@ -73,7 +70,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes; it gathers operand-order rows only (act_rows).
-    if (a.act_natural || (a.act_rows && !kWgmmaGathersRows) || !(a.out || (silu_mul && a.out_operand) || (!silu_mul && a.out_bf16)))
+    if (a.act_natural || a.route_ids || !(a.out || (silu_mul && a.out_operand) || (!silu_mul && a.out_bf16)))
       return cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma32)
       return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;
