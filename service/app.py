@@ -40,14 +40,15 @@ from .protocol import (
     HEADER_LENGTH,
     BodyBuffer,
     ProtocolError,
+    aligned_body,
     binary_aligned,
     build_request,
     count_json_values_bound,
     decode_json_request,
     encode_json_response,
-    finish_response,
     parse_header_length,
     response_parts,
+    response_pieces,
     strict_json,
     too_many_values,
 )
@@ -63,6 +64,8 @@ _REASON_OF_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 
 OFFLOAD_JSON_BYTES = 256 * 1024
 #: a JSON output with this many values or more is encoded there too
 OFFLOAD_JSON_VALUES = 16 * 1024
+#: a request whose hidden_states has this many bytes or more is validated in a worker thread
+OFFLOAD_VALIDATE_BYTES = 1024 * 1024
 #: values an infer request's JSON may hold beyond its tensors' (shapes, sizes, parameters)
 JSON_VALUES_SLACK = 1024
 #: a kernel-health run waits for queued inference before each device call, at most this long
@@ -147,6 +150,15 @@ class ServiceState:
         cfg = self.model.config
         per_row = cfg.hidden_size + 2 * cfg.top_k + cfg.num_experts
         return self.settings.max_tokens_per_request * per_row + JSON_VALUES_SLACK
+
+    def body_buffer(self, declared: int, header_length: int) -> memoryview:
+        """Where a binary infer body of ``declared`` bytes is read to (the HTTP protocol reads it
+        there directly): pinned host memory once the model is on a CUDA device (its rows are copied
+        to the device from there), its binary part aligned for the tensors that view it."""
+        model = self.model
+        if model is not None:
+            return model.body_buffer(declared, header_length)
+        return aligned_body(declared, header_length)
 
     # --- decoder process ----------------------------------------------------------------
 
@@ -345,6 +357,22 @@ def _error(status: int, message: str, headers: dict | None = None, close: bool =
 def _where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+class _PiecesResponse(Response):
+    """A response whose body is sent as pieces in order (a JSON header, then the binary outputs
+    from the output tensor's memory): no copy of a large output into one body."""
+
+    def __init__(self, pieces: list, headers: dict[str, str]):
+        self._pieces = pieces
+        super().__init__(content=b"", media_type=headers["content-type"],
+                         headers={**headers, "content-length": str(sum(len(p) for p in pieces))})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self._pieces) - 1
+        for index, piece in enumerate(self._pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": index < last})
 
 
 class ServiceMiddleware:
@@ -589,6 +617,9 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             chunk = message.get("body", b"")
             if body.size + len(chunk) > limit:
                 raise ProtocolError(f"{what} exceeds the limit of {limit} bytes", 413)
+            if (not count_values and not body.size and not message.get("more_body", False)
+                    and isinstance(chunk, memoryview) and not chunk.readonly):
+                return chunk  # read whole by the HTTP protocol, into the buffer from body_buffer()
             if count_values:
                 values += count_json_values_bound(chunk)
                 if values > max_values:
@@ -624,7 +655,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             head = await state.in_decoder(encode_json_response, header, packed)
         else:
             head = encode_json_response(header, packed)
-        return finish_response(head, blobs)
+        return response_pieces(head, blobs)
 
     @app.post("/v2/models/{model_name}/infer")
     @app.post("/v2/models/{model_name}/versions/{model_version}/infer")
@@ -652,7 +683,13 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             unknown_outputs = sorted(set(parsed.outputs) - {OUTPUT_NAME})
             if unknown_outputs:
                 raise ProtocolError(f"unknown output(s) {unknown_outputs}; this model has {[OUTPUT_NAME]}")
-            model_request = model.validate(parsed.inputs, parsed.datatypes)
+            hidden = parsed.inputs.get("hidden_states")
+            if hidden is not None and hidden.nbytes >= OFFLOAD_VALIDATE_BYTES:
+                # numpy's finiteness pass over a large tensor runs without the interpreter lock: in a
+                # thread it leaves the event loop to the other connections
+                model_request = await asyncio.to_thread(model.validate, parsed.inputs, parsed.datatypes)
+            else:
+                model_request = model.validate(parsed.inputs, parsed.datatypes)
             metrics.record_stage(model.name, "decode", time.perf_counter() - decode_started)
         except ProtocolError as exc:
             return _error(exc.status, exc.message, close=exc.close)
@@ -677,7 +714,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             return _error(exc.status, exc.message)
         metrics.queue_latency.labels(model.name).observe(result.queue_s)
         metrics.request_latency.labels(model.name).observe(time.perf_counter() - started)
-        return Response(content=content, headers=headers, media_type=headers["content-type"])
+        return _PiecesResponse(content, headers)
 
     # --- kernel health and metrics -----------------------------------------------
 

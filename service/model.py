@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .protocol import ProtocolError
+from .protocol import BODY_ALIGN, ProtocolError, aligned_body
 from .settings import ServiceSettings
 
 log = logging.getLogger("megamoe.service.model")
@@ -112,11 +112,22 @@ class ServedModel:
         params = inspect.signature(layer.forward).parameters
         self._forward_kwargs = {"validate": False} if "validate" in params else {}
         self._graphs: dict[tuple, _Graph | None] = {}
+        self._pad_ids: dict[int, torch.Tensor] = {}
         if self.device.type == "cuda":
             # The device thread's batch is ~25 short torch calls, each releasing the interpreter
             # lock; with the event loop busy (many connections), taking it back waits up to the
             # switch interval (default 5 ms) each time. A shorter interval keeps the device fed.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+
+    def body_buffer(self, declared: int, header_length: int) -> memoryview:
+        """A request body's buffer (see ServiceState.body_buffer). On a CUDA device it is pinned host
+        memory from torch's caching host allocator (blocks are reused, not allocated per request):
+        the request's rows go to the device straight from it, without a staging copy. The tensors
+        decoded from it keep it alive; launch_batch keeps them until the device has read them."""
+        if self.device.type != "cuda":
+            return aligned_body(declared, header_length)
+        raw = torch.empty(declared + BODY_ALIGN, dtype=torch.uint8, pin_memory=True)
+        return aligned_body(declared, header_length, raw.numpy())
 
     @property
     def has_router(self) -> bool:
@@ -291,6 +302,7 @@ class ServedModel:
         if launched.events is not None:
             start, h2d, compute, d2h = launched.events
             d2h.synchronize()
+            launched.keep = None  # the device has read the inputs: their buffers may be reused
             stages.update(h2d=start.elapsed_time(h2d) / 1e3, compute=h2d.elapsed_time(compute) / 1e3,
                           d2h=compute.elapsed_time(d2h) / 1e3)
         out = launched.output[: sum(launched.sizes)]
@@ -312,41 +324,73 @@ class ServedModel:
         key = (head.mode, head.hidden_states.dtype)
         graph = self._graph_for(key, tokens)
         rows = graph.rows if graph is not None else tokens
-        # one pinned staging tensor per input (torch's caching host allocator recycles them once
-        # the copies that read them are done), the requests' rows concatenated straight into it
-        # (one call per input: few interpreter-lock hand-overs while the event loop is busy)
+        names = ROUTING_INPUTS.get(head.mode, ()) + ("hidden_states",)
+        # Large batches (and single requests): each request's rows go to the device straight from
+        # its body (pinned host memory, see body_buffer), one copy per request and input. Many small
+        # requests: their rows are first stacked into one pinned buffer per input (few copies).
+        direct = len(requests) == 1 or tokens >= DIRECT_COPY_ROWS
         host = {}
-        for name in ROUTING_INPUTS.get(head.mode, ()) + ("hidden_states",):
-            first = getattr(head, name)
-            buf = torch.empty((rows, first.shape[1]), dtype=first.dtype, pin_memory=True)
-            if len(requests) == 1:
-                buf[:tokens].copy_(first)
-            else:
+        if not direct:
+            for name in names:
+                first = getattr(head, name)
+                buf = torch.empty((rows, first.shape[1]), dtype=first.dtype, pin_memory=True)
                 torch.cat([getattr(r, name) for r in requests], out=buf[:tokens])
-            if rows > tokens:
-                _fill_padding(name, buf[tokens:], self.config)
-            host[name] = buf
+                if rows > tokens:
+                    _fill_padding(name, buf[tokens:], self.config)
+                host[name] = buf
         staged = time.perf_counter()
         events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
         events[0].record()
         with torch.inference_mode():
             if graph is not None:
+                dev = graph.inputs
+            elif direct:
+                dev = {name: torch.empty((rows, getattr(head, name).shape[1]), dtype=getattr(head, name).dtype,
+                                         device=self.device) for name in names}
+            else:
+                dev = {name: buf.to(self.device, non_blocking=True) for name, buf in host.items()}
+            if direct:
+                for name in names:
+                    target = dev[name]
+                    if len(requests) == 1:
+                        target[:tokens].copy_(getattr(head, name), non_blocking=True)
+                    else:
+                        offset = 0
+                        for request, n in zip(requests, sizes):
+                            target[offset:offset + n].copy_(getattr(request, name), non_blocking=True)
+                            offset += n
+                    if rows > tokens:
+                        self._pad_on_device(name, target[tokens:])
+            elif graph is not None:
                 for name, buf in host.items():
                     graph.inputs[name].copy_(buf, non_blocking=True)
-                events[1].record()
+            events[1].record()
+            if graph is not None:
                 graph.graph.replay()
                 out_dev = graph.output
             else:
-                dev = {name: buf.to(self.device, non_blocking=True) for name, buf in host.items()}
-                events[1].record()
                 out_dev = self.layer.forward(dev["hidden_states"], topk_ids=dev.get("topk_ids"),
                                              topk_weights=dev.get("topk_weights"),
                                              router_logits=dev.get("router_logits"), **self._forward_kwargs)
             events[2].record()
-            out = torch.empty(out_dev.shape, dtype=out_dev.dtype, pin_memory=True)
-            out.copy_(out_dev, non_blocking=True)
+            out = torch.empty((tokens, out_dev.shape[1]), dtype=out_dev.dtype, pin_memory=True)
+            out.copy_(out_dev[:tokens], non_blocking=True)
             events[3].record()
-        return _Launched(out, sizes, events, {"stage": staged - started})
+        # the requests' bodies (and the staging buffers) stay alive until the device has read them
+        return _Launched(out, sizes, events, {"stage": staged - started}, keep=(requests, host))
+
+    def _pad_on_device(self, name: str, rows: torch.Tensor) -> None:
+        """The padding rows of a graph bucket, filled on the device (as _fill_padding does on the host)."""
+        if name != "topk_ids":
+            rows.zero_()
+            return
+        n = rows.shape[0]
+        pattern = self._pad_ids.get(n)
+        if pattern is None:
+            pattern = torch.empty((n, self.config.top_k), dtype=torch.int32)
+            _fill_padding(name, pattern, self.config)
+            pattern = self._pad_ids[n] = pattern.to(self.device)
+        rows.copy_(pattern)
 
     # --- CUDA graphs for bucketed batch sizes ------------------------------------------
     #
@@ -420,6 +464,8 @@ class ServedModel:
         return _Graph(graph, inputs, output, rows)
 
 
+#: a CUDA batch of this many tokens or more copies each request's rows to the device from its body
+DIRECT_COPY_ROWS = 64
 #: interpreter switch interval while serving on a CUDA device (see ServedModel.__init__)
 SWITCH_INTERVAL_S = 0.0005
 #: inputs staged per routing mode (besides hidden_states)
@@ -445,6 +491,7 @@ class _Launched:
     sizes: list[int]
     events: tuple | None          # CUDA: start, after h2d, after compute, after d2h
     stages: dict[str, float]
+    keep: object = None           # CUDA: what the device reads from until the batch is done
 
 
 @dataclass

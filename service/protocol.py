@@ -75,6 +75,18 @@ def _address(view) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
+def aligned_body(declared: int, header_length: int, raw: np.ndarray | None = None) -> memoryview:
+    """A writable buffer of ``declared`` bytes whose binary part (after a JSON header of
+    ``header_length`` bytes) starts ``BODY_ALIGN``-aligned, placed in ``raw`` (a uint8 array of at
+    least ``declared + BODY_ALIGN`` bytes: pinned host memory, say), else in a new uninitialized one."""
+    if raw is None:
+        raw = np.empty(declared + BODY_ALIGN, dtype=np.uint8)
+    if len(raw) < declared + BODY_ALIGN:
+        raise ValueError(f"body buffer of {len(raw)} bytes is too small for {declared} + {BODY_ALIGN}")
+    start = -(raw.ctypes.data + header_length) % BODY_ALIGN
+    return memoryview(raw[start:start + declared])
+
+
 class BodyBuffer:
     """A request body as its chunks arrive. With a declared length it is one uninitialized buffer
     allocated at the first chunk (no regrowth, no copy of what arrived so far), placed so that the
@@ -94,9 +106,7 @@ class BodyBuffer:
         if not n:
             return
         if self._view is None and self._declared is not None and not self._grown:
-            raw = np.empty(self._declared + BODY_ALIGN, dtype=np.uint8)
-            start = -(raw.ctypes.data + self._header_length) % BODY_ALIGN
-            self._view = memoryview(raw[start:start + self._declared])
+            self._view = aligned_body(self._declared, self._header_length)
         if self._view is not None:
             if self.size + n <= len(self._view):
                 self._view[self.size:self.size + n] = chunk
@@ -248,6 +258,23 @@ def finish_response(head: bytes, blobs: list) -> tuple[bytes, dict[str, str]]:
         "content-type": "application/octet-stream",
         HEADER_LENGTH: str(len(head)),
     }
+
+
+#: a response body this short is sent as one piece (one write); a longer one as its JSON header and
+#: then each binary output from the output tensor's own memory (no copy into a body)
+JOIN_BELOW_BYTES = 64 * 1024
+
+
+def response_pieces(head: bytes, blobs: list) -> tuple[list, dict[str, str]]:
+    """The body of a response as the pieces to send in order (their lengths add up to the
+    Content-Length), and its headers: large binary outputs are not copied into one body."""
+    if not blobs:
+        return [head], {"content-type": "application/json"}
+    total = len(head) + sum(len(b) for b in blobs)
+    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
+    if total < JOIN_BELOW_BYTES:
+        return [b"".join([head, *blobs])], headers
+    return [head, *blobs], headers
 
 
 def encode_infer_response(

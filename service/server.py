@@ -73,6 +73,10 @@ class _ServiceProtocol:
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        self._after_read()
+
+    def _after_read(self) -> None:
+        """After bytes arrived: the head/unanswered-body timer, and the shutdown's Connection: close."""
         if self.transport.is_closing():
             return
         if self._reading_unanswered():
@@ -135,17 +139,136 @@ def h11_protocol_class(settings: ServiceSettings, state=None) -> type[H11Protoco
     return ServiceH11Protocol
 
 
+#: bytes the transport reads at once into a connection's buffer outside a direct body
+READ_CHUNK = 256 * 1024
+
+
+class _DirectBody:
+    """A binary infer body read by the transport straight into its buffer (``recv_into``), past the
+    HTTP parser: no bytes objects per chunk, no copies between them, no wake-up of the app per chunk."""
+
+    __slots__ = ("view", "filled", "cycle", "done", "delivered")
+
+    def __init__(self, view: memoryview, cycle):
+        self.view, self.filled, self.cycle = view, 0, cycle
+        self.done = self.delivered = False
+
+
+def _direct_length(headers, max_body_bytes: int) -> tuple[int, int] | None:
+    """(Content-Length, Inference-Header-Content-Length) of a request whose body can be read
+    directly: a binary infer body of a declared length within the limit, not chunked; else None
+    (the app reads it chunk by chunk and answers what is wrong with it)."""
+    declared = header_length = None
+    for name, value in headers:
+        if name == b"content-length":
+            if declared is not None or not value.isdigit():
+                return None
+            declared = int(value)
+        elif name == b"inference-header-content-length":
+            if header_length is not None or not value.isdigit():
+                return None
+            header_length = int(value)
+        elif name in (b"transfer-encoding", b"content-encoding"):
+            return None
+    if declared is None or header_length is None or not 0 < declared <= max_body_bytes or header_length > declared:
+        return None
+    return declared, header_length
+
+
+async def _direct_receive(cycle, direct: _DirectBody):
+    """The ASGI receive of a request whose body is read directly: one message with the whole body
+    (a writable memoryview of its buffer), then, like uvicorn's, a disconnect once the response is
+    done or the client went away."""
+    if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    while (not direct.done or direct.delivered) and not cycle.disconnected and not cycle.response_complete:
+        cycle.flow.resume_reading()
+        await cycle.message_event.wait()
+        cycle.message_event.clear()
+    if cycle.disconnected or cycle.response_complete:
+        return {"type": "http.disconnect"}
+    direct.delivered = True
+    return {"type": "http.request", "body": direct.view, "more_body": False}
+
+
 def httptools_protocol_class(settings: ServiceSettings, state=None):
     """uvicorn's httptools protocol (a C parser: far less CPU per request than h11) with the same
-    timeouts, head bound, 400 answer and shutdown as :func:`h11_protocol_class`."""
+    timeouts, head bound, 400 answer and shutdown as :func:`h11_protocol_class`.
+
+    It is also a buffered protocol: the transport reads into the connection's buffer, and the body
+    of a binary infer request with a declared length goes straight into the buffer that its tensors
+    will live in (``ServiceState.body_buffer``: pinned host memory on a CUDA device), past the parser,
+    which is replaced by a fresh one for the next request on the connection."""
+    import asyncio
+
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class ServiceHttpToolsProtocol(_ServiceProtocol, HttpToolsProtocol):
+    class ServiceHttpToolsProtocol(_ServiceProtocol, HttpToolsProtocol, asyncio.BufferedProtocol):
         head_timeout_s = settings.timeout_request_head_s
         body_timeout_s = settings.timeout_body_s
         _in_head = False
         _head_bytes = 0
+        _direct: _DirectBody | None = None
+        _scratch: memoryview | None = None
+
+        # --- the buffered protocol ------------------------------------------------------
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            direct = self._direct
+            if direct is not None:
+                return direct.view[direct.filled:]
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(READ_CHUNK))
+            return self._scratch
+
+        def buffer_updated(self, nbytes: int) -> None:
+            direct = self._direct
+            if direct is None:
+                # the parser copies what it keeps: the buffer is free again when this returns
+                self.data_received(self._scratch[:nbytes])
+                return
+            self._unset_keepalive_if_required()
+            direct.filled += nbytes
+            if direct.filled == len(direct.view):
+                # the parser saw the head only: a fresh one reads the next request
+                self.parser = httptools.HttpRequestParser(self)
+                try:
+                    self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+                except AttributeError:
+                    pass
+                self._direct_done()
+            self._after_read()
+
+        def _direct_done(self) -> None:
+            direct, self._direct = self._direct, None
+            direct.done = True
+            cycle = direct.cycle
+            if cycle.response_complete:
+                # answered before its body was in (401, 404, ...): the connection is idle now
+                if not self.pipeline and self.timeout_keep_alive_task is None and not self.transport.is_closing():
+                    self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                        self.timeout_keep_alive_handler)
+            else:
+                cycle.more_body = False
+            cycle.message_event.set()
+
+        def on_body(self, body: bytes) -> None:
+            direct = self._direct
+            if direct is None:
+                super().on_body(body)
+                return
+            # the part of the body that came with the head (the parser never passes the declared length)
+            n = len(body)
+            direct.view[direct.filled:direct.filled + n] = body
+            direct.filled += n
+
+        def on_message_complete(self) -> None:
+            if self._direct is not None:
+                self._direct_done()  # the whole body came with the head: the parser is at the next request
+                return
+            super().on_message_complete()
 
         def _count_head(self, n: int) -> None:
             self._head_bytes += n
@@ -167,6 +290,16 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
         def on_headers_complete(self) -> None:
             self._in_head = False
             super().on_headers_complete()
+            cycle = self.cycle
+            if (self.state is None or cycle is None or cycle.scope is not self.scope
+                    or self.scope.get("method") != "POST" or not self.scope.get("path", "").endswith("/infer")):
+                return
+            lengths = _direct_length(self.headers, settings.max_body_bytes)
+            if lengths is None:
+                return
+            direct = self._direct = _DirectBody(self.state.body_buffer(*lengths), cycle)
+            # the cycle's task has not started yet: its receive is the direct body's
+            cycle.receive = lambda: _direct_receive(cycle, direct)
 
         def _head_arriving(self) -> bool:
             return self._in_head
@@ -174,7 +307,9 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
         def _reading_unanswered(self) -> bool:
             """A head is arriving, or the rest of a body that was already answered."""
             cycle = self.cycle
-            return self._in_head or (cycle is not None and cycle.response_complete and cycle.more_body)
+            direct = self._direct
+            return self._in_head or (cycle is not None and cycle.response_complete and cycle.more_body) or (
+                direct is not None and direct.cycle.response_complete)
 
     ServiceHttpToolsProtocol.state = state
     return ServiceHttpToolsProtocol
