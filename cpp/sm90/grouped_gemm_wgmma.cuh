@@ -1,7 +1,7 @@
 // NVFP4 grouped GEMM on Hopper warpgroup MMA (wgmma, sm_90a), swap-AB: the weights are the
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
-// Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
+// Block = 2 warpgroups (256 threads; tile 128: kWg128Groups) = 128 weight rows (64 per warpgroup, 16 per warp) of
 // one expert x one token tile of up to kMaxN tokens of that expert; K in steps of 64.
 // All 256 threads load (cp.async, kStages-deep ring of shared-memory stages) and compute:
 //  - activations (bf16, operand order, K-major) land in a 128-byte-swizzled tile, rows of
@@ -37,11 +37,13 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kWgThreads = 256;
-constexpr int kWgRows = 128;     // weight rows per block
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1 or 2)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
+constexpr int kWg128Groups = 2;            // warpgroups per block of token tile 128 (64 weight rows each)
+constexpr int kWg128G4Stages = 4;          // stages of tile 128 with 4 warpgroups (one block per SM)
+constexpr int kWgTinyBlocks = 2;           // blocks per SM of tile 32 (3: 4 stages, 80 registers)
+constexpr int kWgTinyAccSets = 1;          // tile 32: accumulator sets the k16 steps alternate between (summed at the end)
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 128 per stage, 5 stages (the memory-bound
@@ -50,17 +52,21 @@ template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN <= kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;                   // SW128 activation sub-tiles per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 5 : 4;
-  static constexpr int kMinBlocks = 2;
+  static constexpr int kStages = kMaxN == kWgTiny ? (kWgTinyBlocks == 3 ? 4 : 5) : kMaxN == kWgMid && kWg128Groups == 4 ? kWg128G4Stages : 4;
+  // Warpgroups per block (64 weight rows each; tiles 32 and 64: 2, their K-128 copies assume 8 warps)
+  static constexpr int kGroups = kMaxN == kWgMid ? kWg128Groups : 2;
+  static constexpr int kThreads = 128 * kGroups;
+  static constexpr int kRows = 64 * kGroups;  // weight rows per block
+  static constexpr int kMinBlocks = kMaxN == kWgTiny ? kWgTinyBlocks : kGroups == 2 ? 2 : 1;
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
   static constexpr int kWRowBytes = kKS == 128 ? kKS / 2 : kKS / 2 + 16;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kWBytes = kWgRows * kWRowBytes;
-  static constexpr int kRaw = kABytes + kWBytes + kWgRows * (kKS / 16);
+  static constexpr int kWBytes = kRows * kWRowBytes;
+  static constexpr int kRaw = kABytes + kWBytes + kRows * (kKS / 16);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + 2 * 1024 * 4;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -125,7 +131,7 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
 // warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
 // 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
 // silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
-template <int N>
+template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
                                             int wg, int wq, int g, int tig) {
@@ -133,7 +139,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
   // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
   if (silu_mul) {
-    const int64_t col = int64_t(blockIdx.x) * 64 + wg * 32 + wq * 8 + g;
+    const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
     if (col < I) {
       wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
         const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
@@ -146,7 +152,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       });
     }
   } else {
-    const int64_t n0 = int64_t(blockIdx.x) * kWgRows + wg * 64 + wq * 16 + g;
+    const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
     wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -183,11 +189,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens.
   auto weight_row = [&](int lr, bool& valid) -> int64_t {
     if (silu_mul) {
-      const int64_t col = int64_t(blockIdx.x) * 64 + (lr >> 4) * 8 + (lr & 7);
+      const int64_t col = int64_t(blockIdx.x) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
       valid = col < I;
       return valid ? (((lr >> 3) & 1) ? I + col : col) : 0;
     }
-    const int64_t n = int64_t(blockIdx.x) * kWgRows + lr;
+    const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
     valid = n < Nw;
     return valid ? n : 0;
   };
@@ -197,7 +203,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * (kKS / 4);
   bool s_valid = false;
   const uint8_t* s_src = ws;
-  if (tid < kWgRows) s_src = ws + weight_row(tid, s_valid) * Kb;
+  if (tid < Cfg::kRows) s_src = ws + weight_row(tid, s_valid) * Kb;
 
   const int num_k_tiles = int(K / kKS);
   // Activation copies of this thread, fixed for the whole tile: kAR source rows (token r of the tile ->
@@ -208,8 +214,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   //   128: 4-byte copies; one warp instruction = one token row's 128-byte sub-tile (lane: slot
   //   t = lane >> 3, chunk ch = lane & 7); thread rows 8j + warp, j < N / 8, both sub-tiles.
   //  K 64: 16-byte copies, thread rows tid / 8 + 32 j (j < N / 32), chunk tid & 7.
-  constexpr int kAR = kKS == 128 ? N / 8 : (N * 8 + kWgThreads - 1) / kWgThreads;
-  const bool a_thread = kKS == 128 || N * 8 >= kWgThreads || tid < N * 8;
+  constexpr int kT = Cfg::kThreads;
+  static_assert(kKS == 64 || kT == 256, "the K-128 activation copies assume 8 warps (r & 7 == warp)");
+  constexpr int kAR = kKS == 128 ? N / 8 : (N * 8 + kT - 1) / kT;
+  const bool a_thread = kKS == 128 || N * 8 >= kT || tid < N * 8;
   const uint16_t* a_src[kAR];
   bool a_valid[kAR];
   uint32_t a_dst;  // byte offset of this thread's first copy in a stage (row of j = 0)
@@ -223,7 +231,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
 #pragma unroll
     for (int j = 0; j < kAR; ++j) {
-      const int r = r0 + (kKS == 128 ? 8 : 32) * j;
+      const int r = r0 + (kKS == 128 ? 8 : kT / 8) * j;
       a_valid[j] = a_thread && m0 + r < rows;
       const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
       a_src[j] = a.act + src * K + col;
@@ -242,19 +250,22 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         for (int sub = 0; sub < Cfg::kSub; ++sub)
           cp_async_s<4>(sa + a_dst + sub * (kMaxN * 128) + 8 * j * 128, a_src[j] + ko + 16 * sub, a_valid[j] ? 4 : 0);
       } else {
-        if (a_thread) cp_async_s<16>(sa + a_dst + 32 * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
+        if (a_thread) cp_async_s<16>(sa + a_dst + (kT / 8) * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
       }
     }
 #pragma unroll
     for (int q = 0; q < kKS / 64; ++q)
       cp_async_s<16>(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
                      w_valid ? 16 : 0);
-    if (tid < kWgRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
+    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
   };
 
-  float acc[N / 2];
+  constexpr int kAS = kMaxN == kWgTiny ? kWgTinyAccSets : 1;  // accumulator sets (k16 step ks uses set ks % kAS)
+  float acc[kAS][N / 2];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  for (int u = 0; u < kAS; ++u)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[u][i] = 0.f;
 
   // Per-lane dequant constants: this lane extracts pair P_tig of each word.
   const uint32_t pick_shift = tig >= 2 ? 8u : 0u;
@@ -328,14 +339,16 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         af[2 * q + 1][3] = p[3];
       }
     }
-    acc_fence(acc);
+#pragma unroll
+    for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
-      Wgmma<N>::mma(acc, af[ks],
+      Wgmma<N>::mma(acc[ks % kAS], af[ks],
                     sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
-    acc_fence(acc);
+#pragma unroll
+    for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
     // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
     // registers feeding one are written while an earlier group is in flight. The other
     // warpgroup (and block) keep the tensor cores busy meanwhile.
@@ -343,14 +356,19 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     slot = slot + 1 == S ? 0 : slot + 1;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
-  acc_fence(acc);
+#pragma unroll
+  for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
   cp_async_wait<0>();
+#pragma unroll
+  for (int u = 1; u < kAS; ++u)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[0][i] += acc[u][i];
 
-  wg_epilogue<N>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
+  wg_epilogue<N, kMaxN>(a, acc[0], silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
 template <int kMaxN>
-__global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
@@ -362,11 +380,11 @@ __global__ void __launch_bounds__(kWgThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_
   int32_t* warp_sums = tile_scan + 1024;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int i = tid; i < 256; i += kWgThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
 
   // Which expert and which token tile of it.
   const int E = a.num_experts;
-  const int num_tiles = expert_tile_scan<kWgThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
+  const int num_tiles = expert_tile_scan<Cfg::kThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
   const int tile = blockIdx.y;
   if (tile >= num_tiles) return;
   const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
@@ -396,15 +414,19 @@ inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream)
   static bool attr_set = false;
   if (!attr_set) {
     cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
+    if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
+      err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 int(cudaSharedmemCarveoutMaxShared));
     if (err != cudaSuccess) return err;
     attr_set = true;
   }
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  const unsigned gx = silu_mul ? unsigned((a.N / 2 + 63) / 64) : unsigned((a.N + kWgRows - 1) / kWgRows);
+  constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
+  const unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
-  wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), kWgThreads, Cfg::kSmem, stream>>>(a);
+  wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), Cfg::kThreads, Cfg::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
