@@ -61,7 +61,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$
 
 # 4. forward-only tokens/s and the perf_analyzer data files (random inputs, routing given)
 "$PY" bench/serve_gpu_forward.py --preset "$PRESET" --backend "$BACKEND" --tokens 512 1 --data-dir "$work" \
-  --out "$LOG_DIR/forward.json" >"$LOG_DIR/forward.log" 2>&1 || { tail -20 "$LOG_DIR/forward.log"; echo "forward timing failed"; exit 1; }
+  --expect "$work/expect.pt" --out "$LOG_DIR/forward.json" >"$LOG_DIR/forward.log" 2>&1 || { tail -20 "$LOG_DIR/forward.log"; echo "forward timing failed"; exit 1; }
 echo "forward-only timed at $(el): $(tail -1 "$LOG_DIR/forward.log")"
 
 # 5. the server
@@ -76,6 +76,10 @@ for _ in $(seq 1 600); do
 done
 curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server.log"; echo "server never ready"; exit 1; }
 echo "server ready at $(el)"
+# the served outputs against the layer's own forward (single, batched, stacked and padded requests)
+"$PY" bench/serve_gpu_forward.py --check "127.0.0.1:$port" --model "$PRESET" --expect "$work/expect.pt" \
+  --out "$LOG_DIR/check.json" >"$LOG_DIR/check.log" 2>&1
+echo "served-output check rc=$? at $(el): $(tail -1 "$LOG_DIR/check.log")"
 
 # 6. perf_analyzer cases: name tokens concurrency
 pa_case() {

@@ -72,6 +72,99 @@ def time_forward(args) -> None:
         record["forward"].append(row)
         print(json.dumps(row))
     Path(args.out).write_text(json.dumps(record, indent=2))
+    if args.expect:
+        save_expected(layer, Path(args.expect))
+
+
+#: the served-output check: (tokens per request, requests sent at once); single requests, several
+#: large ones in one batch, many small ones stacked, one in a padded graph bucket
+CHECK_PLAN = ((512, 4), (1, 16), (3, 1), (100, 3), (512, 1), (1, 1))
+
+
+def save_expected(layer, path: Path) -> None:
+    """The layer's own forward of the check's random inputs, one request at a time (--check compares
+    the served outputs with these)."""
+    import torch
+
+    cfg = layer.config
+    gen = torch.Generator().manual_seed(12345)
+    cases = []
+    with torch.inference_mode():
+        for tokens, n in CHECK_PLAN:
+            group = []
+            for _ in range(n):
+                hidden = torch.randn(tokens, cfg.hidden_size, generator=gen)
+                ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k]
+                                   for _ in range(tokens)]).int()
+                weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
+                out = layer.forward(hidden.to(layer.device), topk_ids=ids.to(layer.device),
+                                    topk_weights=weights.to(layer.device), validate=False).float().cpu()
+                group.append((hidden, ids, weights, out))
+            cases.append(group)
+    torch.save(cases, path)
+
+
+def check(args) -> int:
+    """Send the saved inputs to the server (binary tensors; each group at once, from threads) and
+    compare every answer with the layer's own forward of that request alone."""
+    import http.client
+    import threading
+
+    import numpy as np
+    import torch
+
+    host, _, port = args.check.rpartition(":")
+    cases = torch.load(args.expect)
+    rows = []
+
+    def infer(hidden, ids, weights, slot, results):
+        tensors = [("hidden_states", "FP32", hidden), ("topk_ids", "INT32", ids), ("topk_weights", "FP32", weights)]
+        blobs = [t.contiguous().numpy().tobytes() for _, _, t in tensors]
+        head = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
+                                       "parameters": {"binary_data_size": len(b)}}
+                                      for (n, d, t), b in zip(tensors, blobs)],
+                           "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", f"/v2/models/{args.model}/infer", body=head + b"".join(blobs),
+                     headers={"Inference-Header-Content-Length": str(len(head)),
+                              "Content-Type": "application/octet-stream"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            results[slot] = (None, f"HTTP {resp.status}: {body[:300]!r}")
+            return
+        n = int(resp.getheader("Inference-Header-Content-Length"))
+        out = np.frombuffer(body[n:], dtype=np.float32).reshape(hidden.shape[0], -1)
+        results[slot] = (torch.from_numpy(out.copy()), None)
+        conn.close()
+
+    ok = True
+    for group in cases:
+        results = [None] * len(group)
+        threads = [threading.Thread(target=infer, args=(h, i, w, k, results)) for k, (h, i, w, _) in enumerate(group)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for (hidden, _, _, expect), (got, error) in zip(group, results):
+            row = {"tokens": hidden.shape[0], "at_once": len(group)}
+            if error is not None:
+                row["error"] = error
+                ok = False
+            else:
+                diff = (got - expect).abs().max().item()
+                scale = expect.abs().max().item()
+                row.update(bit_equal=bool(torch.equal(got, expect)), max_abs_diff=diff, max_abs_ref=scale)
+                ok &= diff <= 1e-3 * max(scale, 1e-30)
+            rows.append(row)
+    summary = {"check": "served output vs the layer's forward of each request alone", "passed": bool(ok),
+               "bit_equal": sum(r.get("bit_equal", False) for r in rows), "requests": len(rows),
+               "worst_rel_diff": max((r["max_abs_diff"] / max(r["max_abs_ref"], 1e-30) for r in rows if "max_abs_diff" in r),
+                                     default=None),
+               "errors": [r for r in rows if "error" in r][:3]}
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+    print(json.dumps(summary))
+    return 0 if ok else 1
 
 
 def _stages(before: Path, after: Path) -> dict:
@@ -157,6 +250,8 @@ def report(args) -> None:
                      "perf_analyzer": "2.48.0 (tritonclient 2.48.0 wheel)"},
         "perf_analyzer": args.perf_analyzer,
         "forward_only": forward["forward"],
+        "served_output_check": (json.loads((d / "check.json").read_text())["summary"]
+                                if (d / "check.json").exists() else None),
         "results": results,
         "targets": checks,
     }
@@ -176,8 +271,14 @@ def main() -> int:
     p.add_argument("--command", default="bench/serve_gpu.sh")
     p.add_argument("--perf-analyzer")
     p.add_argument("--commit", help="the commit that ran (default: git rev-parse HEAD)")
+    p.add_argument("--expect", help="with --tokens: also save the check's inputs and the layer's outputs here; "
+                                    "with --check: read them")
+    p.add_argument("--check", metavar="HOST:PORT", help="compare the server's answers with the saved outputs")
+    p.add_argument("--model", default="v4-flash", help="with --check: the served model's name")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.check:
+        return check(args)
     if args.report:
         report(args)
     else:
