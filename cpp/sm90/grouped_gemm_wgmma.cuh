@@ -43,16 +43,17 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 constexpr int kWg128Groups = 2;            // warpgroups per block of token tile 128 (64 weight rows each)
 constexpr int kWg128G4Stages = 4;          // stages of tile 128 with 4 warpgroups (one block per SM)
 constexpr int kWgTinyBlocks = 2;           // blocks per SM of tile 32 (3: 4 stages, 80 registers)
-constexpr int kWgTinyAccSets = 1;          // tile 32: accumulator sets the k16 steps alternate between (summed at the end)
+constexpr int kWgTinyAccSets = 1;
+constexpr int kWgTinyK = 128;              // K per stage of tile 32 (256: two lane-owned K-128 halves, 3 stages)          // tile 32: accumulator sets the k16 steps alternate between (summed at the end)
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 128 per stage, 5 stages (the memory-bound
 // middle: half the per-stage fixed cost per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kKS = kMaxN <= kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kKS = kMaxN == kWgTiny ? kWgTinyK : kMaxN <= kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;                   // SW128 activation sub-tiles per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? (kWgTinyBlocks == 3 ? 4 : 5) : kMaxN == kWgMid && kWg128Groups == 4 ? kWg128G4Stages : 4;
+  static constexpr int kStages = kMaxN == kWgTiny ? (kWgTinyK == 256 ? 3 : kWgTinyBlocks == 3 ? 4 : 5) : kMaxN == kWgMid && kWg128Groups == 4 ? kWg128G4Stages : 4;
   // Warpgroups per block (64 weight rows each; tiles 32 and 64: 2, their K-128 copies assume 8 warps)
   static constexpr int kGroups = kMaxN == kWgMid ? kWg128Groups : 2;
   static constexpr int kThreads = 128 * kGroups;
@@ -61,7 +62,7 @@ struct WgCfg {
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
-  static constexpr int kWRowBytes = kKS == 128 ? kKS / 2 : kKS / 2 + 16;
+  static constexpr int kWRowBytes = kKS >= 128 ? kKS / 2 : kKS / 2 + 16;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kWRowBytes;
   static constexpr int kRaw = kABytes + kWBytes + kRows * (kKS / 16);
@@ -216,22 +217,23 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   //  K 64: 16-byte copies, thread rows tid / 8 + 32 j (j < N / 32), chunk tid & 7.
   constexpr int kT = Cfg::kThreads;
   static_assert(kKS == 64 || kT == 256, "the K-128 activation copies assume 8 warps (r & 7 == warp)");
-  constexpr int kAR = kKS == 128 ? N / 8 : (N * 8 + kT - 1) / kT;
-  const bool a_thread = kKS == 128 || N * 8 >= kT || tid < N * 8;
+  constexpr bool kLane = kKS >= 128;  // lane-owned K (K-128 halves)
+  constexpr int kAR = kLane ? N / 8 : (N * 8 + kT - 1) / kT;
+  const bool a_thread = kLane || N * 8 >= kT || tid < N * 8;
   const uint16_t* a_src[kAR];
   bool a_valid[kAR];
   uint32_t a_dst;  // byte offset of this thread's first copy in a stage (row of j = 0)
   {
     const int ct = lane >> 3, ch = lane & 7;
-    const int r0 = kKS == 128 ? warp : tid >> 3;
-    const int col = kKS == 128 ? 32 * ct + 2 * ch : 8 * (tid & 7);
-    a_dst = kKS == 128 ? uint32_t(r0 * 128 + ((ch ^ warp) * 16) + ct * 4)
+    const int r0 = kLane ? warp : tid >> 3;
+    const int col = kLane ? 32 * ct + 2 * ch : 8 * (tid & 7);
+    a_dst = kLane ? uint32_t(r0 * 128 + ((ch ^ warp) * 16) + ct * 4)
                        : uint32_t(r0 * 128 + (((tid & 7) ^ (r0 & 7)) * 16));
     const int64_t first = int64_t(row_begin) + m0;  // invalid tokens read the tile's first row (0 bytes)
     const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
 #pragma unroll
     for (int j = 0; j < kAR; ++j) {
-      const int r = r0 + (kKS == 128 ? 8 : kT / 8) * j;
+      const int r = r0 + (kLane ? 8 : kT / 8) * j;
       a_valid[j] = a_thread && m0 + r < rows;
       const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
       a_src[j] = a.act + src * K + col;
@@ -245,10 +247,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
     for (int j = 0; j < kAR; ++j) {
-      if constexpr (kKS == 128) {
+      if constexpr (kLane) {
 #pragma unroll
-        for (int sub = 0; sub < Cfg::kSub; ++sub)
-          cp_async_s<4>(sa + a_dst + sub * (kMaxN * 128) + 8 * j * 128, a_src[j] + ko + 16 * sub, a_valid[j] ? 4 : 0);
+        for (int sub = 0; sub < Cfg::kSub; ++sub)  // K-128 half sub / 2, its sub-tile sub % 2
+          cp_async_s<4>(sa + a_dst + sub * (kMaxN * 128) + 8 * j * 128, a_src[j] + ko + 128 * (sub >> 1) + 16 * (sub & 1),
+                        a_valid[j] ? 4 : 0);
       } else {
         if (a_thread) cp_async_s<16>(sa + a_dst + (kT / 8) * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
       }
@@ -316,27 +319,32 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
       // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
       // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
-      const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16 * tig);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16 * tig);
-      const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * 8 + 2 * tig);
-      const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * 8 + 2 * tig);
-      const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
-      const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
-      const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
-      const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint32_t p[4];
-        dequant_word(r0[q], s0[q >> 1], p);
-        af[2 * q][0] = p[0];
-        af[2 * q][2] = p[1];
-        af[2 * q + 1][0] = p[2];
-        af[2 * q + 1][2] = p[3];
-        dequant_word(r1[q], s1[q >> 1], p);
-        af[2 * q][1] = p[0];
-        af[2 * q][3] = p[1];
-        af[2 * q + 1][1] = p[2];
-        af[2 * q + 1][3] = p[3];
+      for (int hf = 0; hf < kKS / 128; ++hf) {  // K-128 half: k16 steps 8 hf ..
+        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 64 * hf + 16 * tig);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 64 * hf + 16 * tig);
+        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * (kKS / 16) + 8 * hf + 2 * tig);
+        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * (kKS / 16) + 8 * hf + 2 * tig);
+        const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
+        const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
+        const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
+        const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t p[4];
+          uint32_t(&fa)[4] = af[8 * hf + 2 * q];
+          uint32_t(&fb)[4] = af[8 * hf + 2 * q + 1];
+          dequant_word(r0[q], s0[q >> 1], p);
+          fa[0] = p[0];
+          fa[2] = p[1];
+          fb[0] = p[2];
+          fb[2] = p[3];
+          dequant_word(r1[q], s1[q >> 1], p);
+          fa[1] = p[0];
+          fa[3] = p[1];
+          fb[1] = p[2];
+          fb[3] = p[3];
+        }
       }
     }
 #pragma unroll
