@@ -82,39 +82,10 @@ def test_explicit_choices_are_kept():
     assert "kernel=stream" in repr(plan(1))
 
 
-@pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8), dict(stream_warps=6),
-                                 dict(stream_warps=-4)])
-def test_bad_tokens_per_pass_or_warps_names_the_value(bad):
-    with pytest.raises(ValueError, match=str(next(iter(bad.values())))):
+@pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8)])
+def test_bad_tokens_per_pass_names_the_value(bad):
+    with pytest.raises(ValueError, match=str(bad["tokens_per_pass"])):
         plan(3, **bad)
-
-
-def test_stream_warps_explicit_for_one_tile_streaming_only():
-    # 0: launch_grouped_gemm picks 4 or 8 warps from the grid; an explicit 4 or 8 is kept for one-tile passes
-    assert plan(1).stream_warps == 0
-    assert plan(1, stream_warps=8).stream_warps == 8 and plan(1, stream_warps=4).stream_warps == 4
-    assert plan(3, kernel=kind("stream"), tokens_per_pass=32, stream_warps=8).stream_warps == 0
-    assert plan(100, stream_warps=8).stream_warps == 0  # wgmma
-    assert "stream_warps=8" in repr(plan(1, stream_warps=8))
-
-
-@pytest.mark.parametrize("entries,fold", [(0, False), (1, True), (6, True), (32, True), (33, False)])
-def test_fold_align_for_decode_batches_of_up_to_32_entries(entries, fold):
-    # T*k <= 32 (one warp, one entry per lane) with W4A16 one-tile streaming and a gathered L1 input
-    assert plan(1, entries=entries).fold_align == fold, entries
-    assert not plan(1, entries=entries, fold_align=0).fold_align
-    assert plan(1, entries=entries, fold_align=1).fold_align == fold
-    assert not plan(1, entries=entries, w4a16=False).fold_align
-    assert not plan(1, entries=entries, gather_input=False).fold_align
-    assert not plan(1, entries=entries, kernel=kind("wgmma32")).fold_align
-    assert not plan(1, entries=entries, kernel=kind("stream"), tokens_per_pass=16).fold_align
-
-
-def test_bad_fold_align_or_entries_names_the_value():
-    with pytest.raises(ValueError, match="2"):
-        plan(1, entries=4, fold_align=2)
-    with pytest.raises(ValueError, match="-3"):
-        plan(1, entries=-3)
 
 
 def test_bad_problem_names_the_values():
@@ -135,7 +106,7 @@ def test_backend_asks_the_plan(monkeypatch):
 
     be = cuda_sm90.CudaSm90Backend.__new__(cuda_sm90.CudaSm90Backend)
     be._device = torch.device("cuda", 0)
-    be.kernel, be.tokens_per_pass, be.stream_warps, be.fold_align, be._plans = "auto", 0, 0, -1, {}
+    be.kernel, be.tokens_per_pass, be._plans = "auto", 0, {}
     seen = []
     real = _ext.ext.sm90_plan
 

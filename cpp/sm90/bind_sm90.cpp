@@ -15,7 +15,8 @@ void register_sm90(nb::module_& m) {
   m.def(
       "sm90_moe_align",
       [](const Array& topk_ids, int num_experts, const Array& expert_offsets, const Array& active_experts,
-         const Array& num_active, const Array& row_token, const Array& entry_row, uintptr_t stream) {
+         const Array& num_active, const Array& row_token, const Array& entry_row, uintptr_t stream,
+         OptArray scratch) {
         if (topk_ids.ndim() != 2) throw std::invalid_argument("moe_align: topk_ids must be [T, k]");
         const int bits = topk_ids.dtype().bits;
         if (topk_ids.dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
@@ -29,11 +30,18 @@ void register_sm90(nb::module_& m) {
                                      num_experts, ptr<int32_t>(expert_offsets, "expert_offsets", 4),
                                      ptr<int32_t>(active_experts, "active_experts", 4),
                                      ptr<int32_t>(num_active, "num_active", 4), ptr<int32_t>(row_token, "row_token", 4),
-                                     ptr<int32_t>(entry_row, "entry_row", 4), stream_of(stream)),
+                                     ptr<int32_t>(entry_row, "entry_row", 4),
+                                     opt_ptr<int32_t>(scratch, "scratch", 4), scratch ? numel(*scratch) : 0,
+                                     stream_of(stream)),
               "moe_align");
       },
       nb::arg("topk_ids"), nb::arg("num_experts"), nb::arg("expert_offsets"), nb::arg("active_experts"),
-      nb::arg("num_active"), nb::arg("row_token"), nb::arg("entry_row"), nb::arg("stream"));
+      nb::arg("num_active"), nb::arg("row_token"), nb::arg("entry_row"), nb::arg("stream"),
+      nb::arg("scratch").none() = nb::none(),
+      "Routing -> grouped rows; scratch: int32 of at least sm90_align_scratch_size(T*k, E) entries lets large\n"
+      "T use the multi-block align.");
+  m.def("sm90_align_scratch_size", &sm90::align_scratch_size, nb::arg("entries"), nb::arg("num_experts"),
+        "int32 entries of moe_align's scratch for T*k entries and E experts");
 
   m.def(
       "sm90_stage_bf16",
@@ -63,20 +71,17 @@ void register_sm90(nb::module_& m) {
       .def_ro("tokens_per_pass", &sm90::GemmPlan::tokens_per_pass)
       .def_ro("gather_x", &sm90::GemmPlan::gather_x)
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
-      .def_ro("stream_warps", &sm90::GemmPlan::stream_warps)
-      .def_ro("fold_align", &sm90::GemmPlan::fold_align)
       .def("__repr__", [](const sm90::GemmPlan& p) {
         static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
                ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +
-               ", stream_warps=" + std::to_string(p.stream_warps) + ", fold_align=" + (p.fold_align ? "True" : "False") +
                ")";
       });
   m.def(
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
-         sm90::GemmKernel kernel, int tokens_per_pass, int stream_warps, int64_t entries, int fold_align) {
+         sm90::GemmKernel kernel, int tokens_per_pass) {
         if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
                                       std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
@@ -85,11 +90,6 @@ void register_sm90(nb::module_& m) {
             tokens_per_pass != 64)
           throw std::invalid_argument("sm90_plan: tokens_per_pass must be 0, 8, 16, 32 or 64, got " +
                                       std::to_string(tokens_per_pass));
-        if (stream_warps != 0 && stream_warps != 4 && stream_warps != 8)
-          throw std::invalid_argument("sm90_plan: stream_warps must be 0, 4 or 8, got " + std::to_string(stream_warps));
-        if (entries < 0 || fold_align < -1 || fold_align > 1)
-          throw std::invalid_argument("sm90_plan: need entries >= 0 and fold_align -1, 0 or 1, got " +
-                                      std::to_string(entries) + ", " + std::to_string(fold_align));
         sm90::GemmProblem p;
         p.tokens_per_expert = tokens_per_expert;
         p.k_l1 = k_l1;
@@ -99,14 +99,11 @@ void register_sm90(nb::module_& m) {
         p.gather_input = gather_input;
         p.kernel = kernel;
         p.tokens_per_pass = tokens_per_pass;
-        p.stream_warps = stream_warps;
-        p.entries = entries;
-        p.fold_align = fold_align;
         return sm90::plan_moe_gemms(p);
       },
       nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
-      nb::arg("tokens_per_pass") = 0, nb::arg("stream_warps") = 0, nb::arg("entries") = 0, nb::arg("fold_align") = -1,
+      nb::arg("tokens_per_pass") = 0,
       "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.");
 
   m.def(
@@ -114,32 +111,14 @@ void register_sm90(nb::module_& m) {
       [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
-         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray out_bf16, bool act_natural,
-         OptArray route_ids, bool route_act_tokens, int64_t max_total_rows, const sm90::GemmPlan& plan,
-         uintptr_t stream) {
+         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_total_rows,
+         const sm90::GemmPlan& plan, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
         a.act_rows = opt_ptr<const int32_t>(act_rows, "act_rows", 4);
-        a.act_natural = act_natural;
-        if (route_ids) {
-          const int rbits = route_ids->dtype().bits;
-          if (route_ids->ndim() != 2 || route_ids->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) ||
-              (rbits != 32 && rbits != 64) || !is_contiguous(*route_ids))
-            throw std::invalid_argument("grouped_gemm: route_ids must be contiguous int32 or int64 [T, k], got " +
-                                        dtype_name(route_ids->dtype()));
-          if (!plan.fold_align) throw std::invalid_argument("grouped_gemm: route_ids needs plan.fold_align");
-          a.route_ids = route_ids->data();
-          a.route_ids64 = rbits == 64;
-          a.route_top_k = int(route_ids->shape(1));
-          a.route_entries = int(numel(*route_ids));
-          a.route_act_tokens = route_act_tokens;
-        } else if (route_act_tokens) {
-          throw std::invalid_argument("grouped_gemm: route_act_tokens needs route_ids");
-        }
-        if (act_natural && (!(a.act_rows || route_ids) || act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat)))
-          throw std::invalid_argument("grouped_gemm: act_natural needs act_rows (or route_ids) and a bfloat16 act, got " +
-                                      dtype_name(act.dtype()) + (a.act_rows || route_ids ? "" : " without act_rows"));
+        if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
+          throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
         a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);
         a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
         a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
@@ -165,19 +144,12 @@ void register_sm90(nb::module_& m) {
         a.epilogue = epilogue;
         a.out = opt_ptr<float>(out, "out", 4);
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
-        a.out_bf16 = opt_ptr<uint16_t>(out_bf16, "out_bf16", 2);
-        if (int(!!a.out) + int(!!a.out_operand) + int(!!a.out_bf16) != 1)
-          throw std::invalid_argument("grouped_gemm: give exactly one of out, out_operand, out_bf16");
-        if (act_natural && plan.kernel != sm90::GemmKernel::kStream)
-          throw std::invalid_argument("grouped_gemm: act_natural (x itself) needs the streaming kernel");
-        if (a.out_bf16 && epilogue != sm90::Epilogue::kStore)
-          throw std::invalid_argument("grouped_gemm: out_bf16 needs the store epilogue");
+        if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
         if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
           throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;
-        a.stream_warps = plan.stream_warps;
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(), nb::arg("expert_offsets"),
@@ -185,45 +157,19 @@ void register_sm90(nb::module_& m) {
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
       nb::arg("a_global_scale").none() = nb::none(), nb::arg("a_gs_per_expert") = false,
       nb::arg("a_row_scale").none() = nb::none(), nb::arg("epilogue"), nb::arg("swiglu_limit").none() = nb::none(),
-      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(),
-      nb::arg("out_bf16").none() = nb::none(), nb::arg("act_natural") = false,
-      nb::arg("route_ids").none() = nb::none(), nb::arg("route_act_tokens") = false, nb::arg("max_total_rows"),
+      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(), nb::arg("max_total_rows"),
       nb::arg("plan"), nb::arg("stream"),
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only.");
 
   m.def(
       "sm90_moe_combine",
-      [](const Array& y, OptArray entry_row, const Array& topk_weights, const Array& out, uintptr_t stream,
-         OptArray topk_ids, int num_experts) {
+      [](const Array& y, const Array& entry_row, const Array& topk_weights, const Array& out, uintptr_t stream) {
         if (topk_weights.ndim() != 2 || out.ndim() != 2) throw std::invalid_argument("moe_combine: 2-D arrays");
-        const ElemType yt = elem_type(y, "y");
-        if (yt == ElemType::kFloat16) throw std::invalid_argument("moe_combine: y must be float32 or bfloat16, got float16");
-        const bool y_bf16 = yt == ElemType::kBFloat16;
-        if (bool(entry_row) == bool(topk_ids))
-          throw std::invalid_argument("moe_combine: give entry_row or (plan.fold_align) topk_ids, not both");
-        if (topk_ids) {
-          const int bits = topk_ids->dtype().bits;
-          if (topk_ids->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64) ||
-              !is_contiguous(*topk_ids) || numel(*topk_ids) != numel(topk_weights) || num_experts <= 0)
-            throw std::invalid_argument("moe_combine: topk_ids must be contiguous int32/int64 shaped like topk_weights "
-                                        "(and num_experts > 0), got " + dtype_name(topk_ids->dtype()) + ", E = " +
-                                        std::to_string(num_experts));
-          check(sm90::launch_moe_combine_routed(ptr<const void>(y, "y", y_bf16 ? 2 : 4), y_bf16, topk_ids->data(),
-                                                bits == 64, num_experts,
-                                                ptr<const float>(topk_weights, "topk_weights", 4),
-                                                int64_t(out.shape(0)), int(topk_weights.shape(1)),
-                                                int64_t(out.shape(1)), out.data(), elem_type(out, "out"),
-                                                stream_of(stream)),
-                "moe_combine");
-          return;
-        }
-        check(sm90::launch_moe_combine(ptr<const void>(y, "y", y_bf16 ? 2 : 4), y_bf16,
-                                       ptr<const int32_t>(*entry_row, "entry_row", 4),
+        check(sm90::launch_moe_combine(ptr<const float>(y, "y", 4), ptr<const int32_t>(entry_row, "entry_row", 4),
                                        ptr<const float>(topk_weights, "topk_weights", 4), int64_t(out.shape(0)),
                                        int(topk_weights.shape(1)), int64_t(out.shape(1)), out.data(),
                                        elem_type(out, "out"), stream_of(stream)),
               "moe_combine");
       },
-      nb::arg("y"), nb::arg("entry_row").none(), nb::arg("topk_weights"), nb::arg("out"), nb::arg("stream"),
-      nb::arg("topk_ids").none() = nb::none(), nb::arg("num_experts") = 0);
+      nb::arg("y"), nb::arg("entry_row"), nb::arg("topk_weights"), nb::arg("out"), nb::arg("stream"));
 }

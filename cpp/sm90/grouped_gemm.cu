@@ -38,24 +38,8 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
     tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 32 ? 32 : 64;
   }
   plan.tokens_per_pass = tpp;
-  plan.stream_warps = tpp == 8 ? p.stream_warps : 0;
-  plan.fold_align = tpp == 8 && plan.gather_x && p.entries > 0 && p.entries <= kRouteMaxEntries && p.fold_align != 0;
   return plan;
 }
-
-namespace {
-// Warps per one-tile streaming block: 8 (2 blocks per SM) instead of 4 (4 per SM) when that fills
-// the last wave of the grid clearly better (both run 16 warps per SM at 128 registers; 8 warps halve
-// the K per warp, so a block takes about half as long). T = 1 v4-flash: 768 blocks = 1.45 waves of
-// 4-warp blocks, 2.9 waves of 8-warp ones.
-bool stream_wide(int64_t blocks, int sms) {
-  auto fill = [](int64_t b, int64_t slots) {
-    const int64_t waves = (b + slots - 1) / slots;
-    return double(b) / double(waves * slots);
-  };
-  return fill(blocks, 2 * int64_t(sms)) > fill(blocks, 4 * int64_t(sms)) + 0.125;
-}
-}  // namespace
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.K % 16 != 0 || a.K <= 0 || a.N <= 0 || !a.act || !a.w_data || !a.w_scale || !a.w_global_scale ||
@@ -64,14 +48,9 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
-  if (a.stream_warps != 0 && a.stream_warps != 4 && a.stream_warps != 8) return cudaErrorInvalidValue;
-  if (a.route_ids && (a.kernel != GemmKernel::kStream || a.tokens_per_pass != 8 || a.route_top_k <= 0 ||
-                      a.route_entries <= 0 || a.route_entries > kRouteMaxEntries))
-    return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
-    // The plan chooses wgmma only for shapes it takes; it gathers operand-order rows only (act_rows).
-    if (a.act_natural || a.route_ids || !(a.out || (silu_mul && a.out_operand) || (!silu_mul && a.out_bf16)))
-      return cudaErrorInvalidValue;
+    // The plan chooses wgmma only for shapes it takes (act_rows: a gather of operand-order rows).
+    if (!(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma32)
       return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma64)
@@ -79,7 +58,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     return wg_gemm_supported<kWgMid>(a) ? launch_wg_gemm<kWgMid>(a, stream) : cudaErrorInvalidValue;
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;
-  if (!a.out && !(silu_mul && a.out_operand) && !(!silu_mul && a.out_bf16)) return cudaErrorInvalidValue;
+  if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   const int nt = a.tokens_per_pass / 8;
   if (nt != 1 && nt != 2 && nt != 4 && nt != 8) return cudaErrorInvalidValue;
 
@@ -91,16 +70,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   GroupedGemmArgs sa = a;
   sa.prefetch_blocks = 4 * sm_count();
   if (nt == 1) {
-    const bool fused = a.act_rows || a.out_operand || a.route_act_tokens;
-    const bool wide = a.stream_warps == 8 || (a.stream_warps == 0 && stream_wide(int64_t(gx) * grid.y, sm_count()));
-    if (wide) {
-      sa.prefetch_blocks = 2 * sm_count();  // one wave of 8-warp blocks
-      if (vec && fused)
-        return pdl_launch(stream_gemm_nt1_fused_wide_kernel<true>, grid, kStreamWideThreads, 0, stream, sa);
-      if (vec) return pdl_launch(stream_gemm_nt1_wide_kernel<true>, grid, kStreamWideThreads, 0, stream, sa);
-      if (fused) return pdl_launch(stream_gemm_nt1_fused_wide_kernel<false>, grid, kStreamWideThreads, 0, stream, sa);
-      return pdl_launch(stream_gemm_nt1_wide_kernel<false>, grid, kStreamWideThreads, 0, stream, sa);
-    }
+    const bool fused = a.act_rows || a.out_operand;
     if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true>, grid, kStreamThreads, 0, stream, sa);
     if (vec) return pdl_launch(stream_gemm_nt1_kernel<true>, grid, kStreamThreads, 0, stream, sa);
     if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false>, grid, kStreamThreads, 0, stream, sa);

@@ -16,15 +16,13 @@
 // only on tig, the same for the A lane (row g) and the B lane (token g), which is what
 // makes the per-lane K assignment valid.
 #pragma once
-#include "decode_route.cuh"
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
 #include "pdl.cuh"
 
 namespace megamoe::sm90 {
 
-constexpr int kStreamThreads = 128;  // 4 warps (the one-tile kernels also run with 8: kStreamWideThreads)
-constexpr int kStreamWideThreads = 256;
+constexpr int kStreamThreads = 128;
 constexpr int kStreamRows = 32;
 
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
@@ -60,56 +58,29 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 // a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
 // tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
 // predecessor grid and releases the next one.
-__device__ __forceinline__ void prefetch_block_weights(const GroupedGemmArgs& a, bool active, int expert, int rb) {
-  const int64_t n0 = int64_t(rb) * kStreamRows;
-  const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
-  if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
-    const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
-    prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
-    prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
-  }
-}
-
 __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   const int slot = int(blockIdx.y), rb = int(blockIdx.x);
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
     const bool active = !a.num_active || slot < __ldcg(a.num_active);
     const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;
-    prefetch_block_weights(a, active, expert, rb);
+    const int64_t n0 = int64_t(rb) * kStreamRows;
+    const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
+    if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
+      const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
+      prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
+      prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
+    }
   }
   griddep_sync_and_release();
 }
 
 // Block start of every streaming kernel: the e4m3 -> bf16x2 scale table in shared memory, then the
 // PDL prologue.
-template <int kThreads = kStreamThreads>
 __device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256]) {
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
+  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   __syncthreads();
   stream_pdl_prologue(a);
-}
-
-// The same for the one-tile kernels with plan.fold_align (a.route_ids): warp 0 derives the block's
-// expert slot from topk_ids into route[] (route_slot, decode_route.cuh) -- in the L2 GEMM (kStore)
-// before the PDL wait (the ids were complete before L1 started, rule 3; its weight prefetch needs
-// the expert), in the L1 GEMM after it.
-template <int kThreads>
-__device__ __forceinline__ void stream_block_start_routed(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256],
-                                                          int32_t* route) {
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  const bool early = a.epilogue == Epilogue::kStore;
-  if (early && threadIdx.x < 32)
-    route_slot(a.route_ids, a.route_ids64, a.route_entries, a.route_top_k, a.num_experts, int(blockIdx.y), route);
-  __syncthreads();
-  if (early && threadIdx.x == 0 && int64_t(blockIdx.y) * gridDim.x + blockIdx.x < a.prefetch_blocks)
-    prefetch_block_weights(a, route[2] > 0, route[0], int(blockIdx.x));
-  griddep_sync_and_release();
-  if (!early) {
-    if (threadIdx.x < 32)
-      route_slot(a.route_ids, a.route_ids64, a.route_entries, a.route_top_k, a.num_experts, int(blockIdx.y), route);
-    __syncthreads();
-  }
 }
 
 // The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
@@ -215,12 +186,12 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
   }
 }
 
-// End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the kWarps warps' partial sums are added in
-// shared memory in a fixed order (warp 0 first; warp w finishes the token tiles nt % 4 == w), scaled and
-// written. kOperandOut: the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
-template <int NT, bool kOperandOut, int kWarps = 4>
+// End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the 4 warps' partial sums are added in shared
+// memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
+// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
+template <int NT, bool kOperandOut>
 __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
-                                                     float (&partial)[kWarps][2][NT][4][32], int tok0, int rows,
+                                                     float (&partial)[4][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
                                                      bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
                                                      float alpha0, float alpha1) {
@@ -239,12 +210,9 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float v = partial[0][mt][nt][i][lane];
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) v += partial[w][mt][nt][i][lane];
-        sum[mt][i] = v;
-      }
+      for (int i = 0; i < 4; ++i)
+        sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
+                     partial[3][mt][nt][i][lane];
     // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -270,12 +238,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           for (int mt = 0; mt < 2; ++mt) {
             if (!rvalid[mt][hh]) continue;
             const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
-            const float v = scaled(sum[mt][2 * hh + t], alpha0, rs);
-            if (a.out_bf16) {
-              a.out_bf16[out_row * N + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-            } else {
-              a.out[out_row * N + n] = v;
-            }
+            a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
           }
         }
       }
@@ -298,7 +261,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  const bool natural = a.act_rows && a.act_natural;
+  const bool natural = a.act_rows != nullptr;
 
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
@@ -316,7 +279,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       const int tok = tok0 + nt * 8 + g;
       tvalid[nt] = tok < rows;
       const int64_t r = int64_t(row_begin) + (tvalid[nt] ? tok : 0);
-      arow[nt] = a.act + (a.act_rows ? int64_t(a.act_rows[r]) : r) * K;
+      arow[nt] = a.act + (natural ? int64_t(a.act_rows[r]) : r) * K;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -365,20 +328,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
 // h is rounded to bf16 once either way), so results are bit-identical to it.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-// kWarps: 4, or 8 (half the K per warp, for grids of few blocks: see launch_grouped_gemm).
-template <bool kVec, bool kFused, int kWarps = 4>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
-                                                const uint32_t (&scale_lut)[256],
-                                                float (&partial)[kWarps][2][1][4][32], const int32_t* route) {
+                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
-  if (a.route_ids) {
-    rows = route[2];
-    if (rows <= 0) return;
-    expert = route[0];
-    row_begin = route[1];
-  } else if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) {
-    return;
-  }
+  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
@@ -398,17 +352,12 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][0][i] = 0.f;
     const bool tvalid = tok0 + g < rows;
-    const int tok = tok0 + (tvalid ? g : 0);
-    const int64_t grow = int64_t(row_begin + tok);
-    const int64_t src = !kFused                                  ? grow
-                        : a.route_ids                            ? (a.route_act_tokens ? int64_t(route[3 + tok]) : grow)
-                        : a.act_rows                             ? int64_t(a.act_rows[grow])
-                                                                 : grow;
-    const uint16_t* arow = a.act + src * K;
+    const int64_t grow = int64_t(row_begin + tok0 + (tvalid ? g : 0));
+    const uint16_t* arow = a.act + (kFused && a.act_rows ? int64_t(a.act_rows[grow]) : grow) * K;
 
     // The trip count must be the same for the whole warp (mma.sync is warp-collective):
     // lanes past the last slice load zeros.
-    for (int64_t s0 = warp * 4; s0 < slices; s0 += 4 * kWarps) {
+    for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
       const int64_t s = s0 + tig;
       const bool svalid = s < slices;
       uint32_t wv[2][2][8];
@@ -418,7 +367,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         av[i] = make_uint4(0, 0, 0, 0);
-        // (kFused with act_natural: natural order here, interleaved at the MMA below: fewer live registers)
+        // (kFused with act_rows: natural order here, interleaved at the MMA below: fewer live registers)
         if (tvalid && (kVec ? svalid : s * 4 + i / 2 < Kb)) av[i] = __ldg(reinterpret_cast<const uint4*>(arow + s * 64 + i * 8));
       }
 #pragma unroll
@@ -428,49 +377,33 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
           const int i = blk * 2 + wi;
-          const uint4 b[1] = {kFused && a.act_natural ? interleave_act(av[i]) : av[i]};
+          const uint4 b[1] = {kFused && a.act_rows ? interleave_act(av[i]) : av[i]};
           mma_weight_word<1>(acc, wv, s2, i, b);
         }
       }
     }
-    stream_pass_epilogue<1, kFused, kWarps>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul,
-                                            rvalid, N, alpha0, alpha1);
+    stream_pass_epilogue<1, kFused>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
+                                    N, alpha0, alpha1);
   }
 }
 
-template <bool kVec, bool kFused, int kWarps>
+template <bool kVec, bool kFused>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
-  __shared__ float partial[kWarps][2][1][4][32];
-  __shared__ int32_t route[3 + kRouteMaxEntries];
-  if (a.route_ids) {
-    stream_block_start_routed<32 * kWarps>(a, scale_lut, route);
-  } else {
-    stream_block_start<32 * kWarps>(a, scale_lut);
-  }
-  stream_nt1_item<kVec, kFused, kWarps>(a, blockIdx.y, blockIdx.x, scale_lut, partial, route);
+  __shared__ float partial[4][2][1][4][32];
+  stream_block_start(a, scale_lut);
+  stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
 }
 
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, false, 4>(a);
+  stream_gemm_nt1_body<kVec, false>(a);
 }
 
 // The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, true, 4>(a);
-}
-
-// 8 warps (half the K per warp), 2 blocks per SM at the same 128 registers: for grids whose last
-// wave of 4-warp blocks would be mostly empty (T = 1: 768 blocks on 528 slots).
-template <bool kVec>
-__global__ void __launch_bounds__(kStreamWideThreads, 2) stream_gemm_nt1_wide_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, false, 8>(a);
-}
-template <bool kVec>
-__global__ void __launch_bounds__(kStreamWideThreads, 2) stream_gemm_nt1_fused_wide_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, true, 8>(a);
+  stream_gemm_nt1_body<kVec, true>(a);
 }
 
 }  // namespace megamoe::sm90

@@ -5,7 +5,6 @@
 
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
-#include "decode_route.cuh"
 #include "pdl.cuh"
 
 namespace megamoe::sm90 {
@@ -15,19 +14,101 @@ constexpr int kAlignThreads = 1024;
 
 // The kernels here are launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh): they wait for their
 // predecessor before their first global access and release their dependents right after.
-// One block: count per expert, exclusive scan, then place every (token, expert) entry.
-// The two passes over the entries load kAlignUnroll ids per thread before their shared-memory
-// atomics (the block is alone on its SM: without that ILP each pass is one global-load latency
-// per kAlignThreads entries).
-constexpr int kAlignUnroll = 8;
-// Up to kAlignSmallEntries entries (decode) the rows are placed without atomics, in entry order.
+// Align: count per expert, exclusive scan, then place every (token, expert) entry. Up to
+// kAlignSmallEntries entries (decode) one block places them without atomics, in entry order; up to
+// kAlignMultiFrom one block counts and places with shared-memory atomics; above, kAlignChunk
+// entries per block in two kernels (count; then scan of all blocks' counts and place), because one
+// block's loop is latency-bound at ~2 ns per entry. The loops load kAlignUnroll ids per thread
+// before their atomics. The order of rows inside an expert is not fixed (results do not depend on it).
+constexpr int kAlignUnroll = 4;
 constexpr int kAlignSmallEntries = 256;
+static_assert(kAlignChunk == kAlignThreads * kAlignUnroll, "one chunk = one pass of the block's loads");
+constexpr int64_t kAlignMultiFrom = 2 * kAlignChunk;
 
 template <typename Id>
 __device__ __forceinline__ int32_t valid_expert(const Id* ids, int64_t i, int64_t entries, int E) {
   if (i >= entries) return -1;
   const int64_t e = static_cast<int64_t>(ids[i]);
   return e >= 0 && e < E ? int32_t(e) : -1;
+}
+
+// count[e] += entries of expert e in [begin, end) (shared-memory atomics).
+template <typename Id>
+__device__ __forceinline__ void align_count(const Id* ids, int64_t begin, int64_t end, int E, int32_t* count) {
+  for (int64_t base = begin; base < end; base += kAlignChunk) {
+    int32_t e[kAlignUnroll];
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + threadIdx.x, end, E);
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u)
+      if (e[u] >= 0) atomicAdd(&count[e[u]], 1);
+  }
+}
+
+// Rows of the entries in [begin, end): row = atomicAdd(fill[e]); row_token[row] = token, entry_row[i] = row.
+template <typename Id>
+__device__ __forceinline__ void align_place(const Id* ids, int64_t begin, int64_t end, int top_k, int E, int32_t* fill,
+                                            int32_t* row_token, int32_t* entry_row) {
+  for (int64_t base = begin; base < end; base += kAlignChunk) {
+    int32_t e[kAlignUnroll];
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + threadIdx.x, end, E);
+#pragma unroll
+    for (int u = 0; u < kAlignUnroll; ++u) {
+      const int64_t i = base + u * kAlignThreads + threadIdx.x;
+      if (i >= end) break;
+      int32_t row = -1;
+      if (e[u] >= 0) {
+        row = atomicAdd(&fill[e[u]], 1);
+        row_token[row] = int32_t(i) / top_k;  // rows are int32: 32-bit division
+      }
+      entry_row[i] = row;
+    }
+  }
+}
+
+// Block-wide exclusive scan of count[0..E) (and of "has tokens"): fill[e] += prefix(e); with write_meta
+// also expert_offsets[0..E], active_experts and num_active. Call with all kAlignThreads threads.
+__device__ __forceinline__ void align_scan(const int32_t* count, int32_t* fill, int E, bool write_meta,
+                                           int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active) {
+  __shared__ int32_t warp_tot[kAlignThreads / 32];
+  __shared__ int32_t warp_act[kAlignThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int32_t carry = 0, carry_act = 0;
+  for (int base = 0; base < E; base += kAlignThreads) {
+    const int e = base + tid;
+    const int32_t c = e < E ? count[e] : 0;
+    int32_t v = c, act = c > 0 ? 1 : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t t = __shfl_up_sync(0xffffffffu, v, o);
+      const int32_t ta = __shfl_up_sync(0xffffffffu, act, o);
+      if (lane >= o) { v += t; act += ta; }
+    }
+    if (lane == 31) { warp_tot[warp] = v; warp_act[warp] = act; }
+    __syncthreads();
+    int32_t pre = carry, pre_a = carry_act, tot = carry, tot_a = carry_act;
+    for (int w = 0; w < kAlignThreads / 32; ++w) {
+      if (w < warp) { pre += warp_tot[w]; pre_a += warp_act[w]; }
+      tot += warp_tot[w];
+      tot_a += warp_act[w];
+    }
+    if (e < E) {
+      const int32_t excl = pre + v - c;
+      fill[e] += excl;
+      if (write_meta) {
+        expert_offsets[e] = excl;
+        if (c > 0) active_experts[pre_a + act - 1] = e;
+      }
+    }
+    carry = tot;
+    carry_act = tot_a;
+    __syncthreads();
+  }
+  if (write_meta && tid == 0) {
+    expert_offsets[E] = carry;
+    *num_active = carry_act;
+  }
 }
 
 // Small T: the ids in shared memory; entry i's row = (valid entries of lower experts) + (earlier
@@ -93,72 +174,61 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const Id* ids,
   }
   int32_t* count = sh;       // [E]
   int32_t* fill = sh + E;    // [E]
-  __shared__ int32_t warp_tot[kAlignThreads / 32];
-  __shared__ int32_t warp_act[kAlignThreads / 32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int e = tid; e < E; e += kAlignThreads) count[e] = 0;
+  for (int e = threadIdx.x; e < E; e += kAlignThreads) count[e] = fill[e] = 0;
   griddep_sync_and_release();  // no-op unless launched with PDL
   __syncthreads();
-  for (int64_t base = 0; base < entries; base += int64_t(kAlignThreads) * kAlignUnroll) {
-    int32_t e[kAlignUnroll];
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + tid, entries, E);
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u)
-      if (e[u] >= 0) atomicAdd(&count[e[u]], 1);
+  align_count(ids, 0, entries, E, count);
+  __syncthreads();
+  align_scan(count, fill, E, true, expert_offsets, active_experts, num_active);
+  __syncthreads();
+  align_place(ids, 0, entries, top_k, E, fill, row_token, entry_row);
+}
+
+// Multi-block align, step 1: block b counts the experts of entries [b*kAlignChunk, +kAlignChunk) into
+// block_counts[b*E .. b*E + E).
+template <typename Id>
+__global__ void __launch_bounds__(kAlignThreads) moe_align_count_kernel(const Id* ids, int64_t entries, int E,
+                                                                        int32_t* block_counts) {
+  extern __shared__ int32_t count[];  // [E]
+  for (int e = threadIdx.x; e < E; e += kAlignThreads) count[e] = 0;
+  griddep_sync_and_release();
+  __syncthreads();
+  const int64_t begin = int64_t(blockIdx.x) * kAlignChunk;
+  align_count(ids, begin, begin + kAlignChunk < entries ? begin + kAlignChunk : entries, E, count);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kAlignThreads) block_counts[int64_t(blockIdx.x) * E + e] = count[e];
+}
+
+// Step 2 (same grid): every block adds up all blocks' counts (totals, and the counts of the blocks before
+// it: its first row in each expert), scans the totals (block 0 writes expert_offsets, active_experts,
+// num_active) and places its own entries.
+template <typename Id>
+__global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id* ids, int64_t entries, int top_k,
+                                                                        int E, const int32_t* block_counts,
+                                                                        int32_t* expert_offsets,
+                                                                        int32_t* active_experts, int32_t* num_active,
+                                                                        int32_t* row_token, int32_t* entry_row) {
+  extern __shared__ int32_t sh[];
+  int32_t* total = sh;     // [E]
+  int32_t* fill = sh + E;  // [E]
+  griddep_sync_and_release();
+  const int b = int(blockIdx.x), nb = int(gridDim.x);
+  for (int e = threadIdx.x; e < E; e += kAlignThreads) {
+    int32_t tot = 0, before = 0;
+    for (int q = 0; q < nb; ++q) {
+      const int32_t c = block_counts[int64_t(q) * E + e];
+      tot += c;
+      before += q < b ? c : 0;
+    }
+    total[e] = tot;
+    fill[e] = before;
   }
   __syncthreads();
-  // Exclusive scan of counts (and of "has tokens") in chunks of kAlignThreads experts.
-  int32_t carry = 0, carry_act = 0;
-  for (int base = 0; base < E; base += kAlignThreads) {
-    const int e = base + tid;
-    const int32_t c = e < E ? count[e] : 0;
-    int32_t v = c, act = c > 0 ? 1 : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t t = __shfl_up_sync(0xffffffffu, v, o);
-      const int32_t ta = __shfl_up_sync(0xffffffffu, act, o);
-      if (lane >= o) { v += t; act += ta; }
-    }
-    if (lane == 31) { warp_tot[warp] = v; warp_act[warp] = act; }
-    __syncthreads();
-    int32_t pre = carry, pre_a = carry_act, tot = carry, tot_a = carry_act;
-    for (int w = 0; w < kAlignThreads / 32; ++w) {
-      if (w < warp) { pre += warp_tot[w]; pre_a += warp_act[w]; }
-      tot += warp_tot[w];
-      tot_a += warp_act[w];
-    }
-    if (e < E) {
-      const int32_t excl = pre + v - c;
-      expert_offsets[e] = excl;
-      fill[e] = excl;
-      if (c > 0) active_experts[pre_a + act - 1] = e;
-    }
-    carry = tot;
-    carry_act = tot_a;
-    __syncthreads();
-  }
-  if (tid == 0) {
-    expert_offsets[E] = carry;
-    *num_active = carry_act;
-  }
+  align_scan(total, fill, E, b == 0, expert_offsets, active_experts, num_active);
   __syncthreads();
-  for (int64_t base = 0; base < entries; base += int64_t(kAlignThreads) * kAlignUnroll) {
-    int32_t e[kAlignUnroll];
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u) e[u] = valid_expert(ids, base + u * kAlignThreads + tid, entries, E);
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u) {
-      const int64_t i = base + u * kAlignThreads + tid;
-      if (i >= entries) break;
-      int32_t row = -1;
-      if (e[u] >= 0) {
-        row = atomicAdd(&fill[e[u]], 1);
-        row_token[row] = int32_t(i / top_k);
-      }
-      entry_row[i] = row;
-    }
-  }
+  const int64_t begin = int64_t(b) * kAlignChunk;
+  align_place(ids, begin, begin + kAlignChunk < entries ? begin + kAlignChunk : entries, top_k, E, fill, row_token,
+              entry_row);
 }
 
 // One thread per 8-element group: gather, convert, store in operand order.
@@ -186,65 +256,31 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
-// Weighted combine, out[t, c] = sum_j w[t, j] * y[row(t, j), c]: one thread per kCols consecutive
-// columns of one token (16-byte loads of y: 4 fp32 or 8 bf16 columns, so the bytes of the k partial
-// rows are read exactly once), fp32 sum in j order, dropped entries skipped. kRouted: row(t, j) from
-// topk_ids (decode_route.cuh numbering, computed once per block into shared memory), else entry_row.
-struct CombineArgs {
-  const void* y;
-  const int32_t* entry_row;
-  const void* ids;
-  bool ids64;
-  int num_experts;
-  const float* w;
-  int64_t tokens;
-  int top_k;
-  int64_t hidden;
-};
-
-template <typename T, bool kYbf16, bool kRouted>
-__global__ void combine_kernel(CombineArgs c, T* out) {
-  constexpr int kCols = kYbf16 ? 8 : 4;
-  __shared__ int32_t s_row[kRouted ? kRouteMaxEntries : 1];
+// One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of y, the
+// bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
+template <typename T>
+__global__ void combine_kernel(const float* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
+                               int64_t hidden, T* out) {
   griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t entries = c.tokens * c.top_k;
-  if constexpr (kRouted) {
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const LaneRoute r = lane_route(route_id(c.ids, c.ids64, lane, int(entries), c.num_experts), lane);
-      if (lane < entries) s_row[lane] = r.e >= 0 ? lane_row(r, lane) : -1;
-    }
-    __syncthreads();
-  }
-  const int64_t groups = c.hidden / kCols, n = c.tokens * groups;
+  const int64_t quads = hidden / 4, n = tokens * quads;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / groups, col = (idx - t * groups) * kCols;
-    float acc[kCols];
-#pragma unroll
-    for (int q = 0; q < kCols; ++q) acc[q] = 0.f;
-    for (int j = 0; j < c.top_k; ++j) {
-      const int32_t r = kRouted ? s_row[t * c.top_k + j] : c.entry_row[t * c.top_k + j];
+    const int64_t t = idx / quads, c = (idx - t * quads) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = entry_row[t * top_k + j];
       if (r < 0) continue;
-      const float wj = c.w[t * c.top_k + j];
-      if constexpr (kYbf16) {
-        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(c.y) + int64_t(r) * c.hidden + col));
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          acc[2 * q] += wj * __uint_as_float(u[q] << 16);  // bf16 -> fp32 is exact
-          acc[2 * q + 1] += wj * __uint_as_float(u[q] & 0xFFFF0000u);
-        }
-      } else {
-        const float4 v = __ldcs(reinterpret_cast<const float4*>(static_cast<const float*>(c.y) + int64_t(r) * c.hidden + col));
-        acc[0] += wj * v.x;
-        acc[1] += wj * v.y;
-        acc[2] += wj * v.z;
-        acc[3] += wj * v.w;
-      }
+      const float wj = w[t * top_k + j];
+      const float4 v = __ldcs(reinterpret_cast<const float4*>(y + int64_t(r) * hidden + c));
+      acc.x += wj * v.x;
+      acc.y += wj * v.y;
+      acc.z += wj * v.z;
+      acc.w += wj * v.w;
     }
-    T* o = out + t * c.hidden + col;  // T(float): round to nearest even for __half and bf16
-#pragma unroll
-    for (int q = 0; q < kCols; ++q) o[q] = T(acc[q]);
+    T* o = out + t * hidden + c;  // T(float): round to nearest even for __half and bf16
+    o[0] = T(acc.x);
+    o[1] = T(acc.y);
+    o[2] = T(acc.z);
+    o[3] = T(acc.w);
   }
 }
 
@@ -258,10 +294,32 @@ unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
 
 cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
                              int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active,
-                             int32_t* row_token, int32_t* entry_row, cudaStream_t stream) {
+                             int32_t* row_token, int32_t* entry_row, int32_t* scratch, int64_t scratch_size,
+                             cudaStream_t stream) {
   if (num_experts <= 0 || top_k <= 0) return cudaErrorInvalidValue;
   const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
   const int64_t entries = tokens * top_k;
+  if (scratch && entries > kAlignMultiFrom && scratch_size >= align_scratch_size(entries, num_experts)) {
+    const unsigned nb = unsigned((entries + kAlignChunk - 1) / kAlignChunk);
+    const size_t csmem = sizeof(int32_t) * size_t(num_experts);
+    cudaError_t err;
+    if (ids_int64) {
+      const int64_t* ids = static_cast<const int64_t*>(topk_ids);
+      err = pdl_launch(moe_align_count_kernel<int64_t>, nb, kAlignThreads, csmem, stream, ids, entries, num_experts,
+                       scratch);
+      if (err != cudaSuccess) return err;
+      return pdl_launch(moe_align_place_kernel<int64_t>, nb, kAlignThreads, smem, stream, ids, entries, top_k,
+                        num_experts, static_cast<const int32_t*>(scratch), expert_offsets, active_experts, num_active,
+                        row_token, entry_row);
+    }
+    const int32_t* ids = static_cast<const int32_t*>(topk_ids);
+    err = pdl_launch(moe_align_count_kernel<int32_t>, nb, kAlignThreads, csmem, stream, ids, entries, num_experts,
+                     scratch);
+    if (err != cudaSuccess) return err;
+    return pdl_launch(moe_align_place_kernel<int32_t>, nb, kAlignThreads, smem, stream, ids, entries, top_k,
+                      num_experts, static_cast<const int32_t*>(scratch), expert_offsets, active_experts, num_active,
+                      row_token, entry_row);
+  }
   if (ids_int64)
     return pdl_launch(moe_align_kernel<int64_t>, 1, kAlignThreads, smem, stream,
                       static_cast<const int64_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
@@ -292,39 +350,24 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   return cudaErrorInvalidValue;
 }
 
-template <bool kYbf16, bool kRouted>
-cudaError_t launch_combine(const CombineArgs& c, void* out, ElemType out_type, cudaStream_t stream) {
-  const int64_t n = c.tokens * (c.hidden / (kYbf16 ? 8 : 4));
+cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
+                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream) {
+  if (hidden % 4 != 0) return cudaErrorInvalidValue;
+  const int64_t n = tokens * (hidden / 4);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
   switch (out_type) {
     case ElemType::kFloat32:
-      return pdl_launch(combine_kernel<float, kYbf16, kRouted>, grid, 256, 0, stream, c, static_cast<float*>(out));
+      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
+                        hidden, static_cast<float*>(out));
     case ElemType::kFloat16:
-      return pdl_launch(combine_kernel<__half, kYbf16, kRouted>, grid, 256, 0, stream, c, static_cast<__half*>(out));
+      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
+                        hidden, static_cast<__half*>(out));
     case ElemType::kBFloat16:
-      return pdl_launch(combine_kernel<__nv_bfloat16, kYbf16, kRouted>, grid, 256, 0, stream, c,
-                        static_cast<__nv_bfloat16*>(out));
+      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens,
+                        top_k, hidden, static_cast<__nv_bfloat16*>(out));
   }
   return cudaErrorInvalidValue;
-}
-
-cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
-                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
-                               cudaStream_t stream) {
-  if (hidden % (y_bf16 ? 8 : 4) != 0 || !entry_row) return cudaErrorInvalidValue;
-  const CombineArgs c{y, entry_row, nullptr, false, 0, topk_weights, tokens, top_k, hidden};
-  return y_bf16 ? launch_combine<true, false>(c, out, out_type, stream)
-                : launch_combine<false, false>(c, out, out_type, stream);
-}
-
-cudaError_t launch_moe_combine_routed(const void* y, bool y_bf16, const void* topk_ids, bool ids_int64, int num_experts,
-                                      const float* topk_weights, int64_t tokens, int top_k, int64_t hidden, void* out,
-                                      ElemType out_type, cudaStream_t stream) {
-  if (hidden % (y_bf16 ? 8 : 4) != 0 || !topk_ids || tokens * top_k > kRouteMaxEntries) return cudaErrorInvalidValue;
-  const CombineArgs c{y, nullptr, topk_ids, ids_int64, num_experts, topk_weights, tokens, top_k, hidden};
-  return y_bf16 ? launch_combine<true, true>(c, out, out_type, stream)
-                : launch_combine<false, true>(c, out, out_type, stream);
 }
 
 }  // namespace megamoe::sm90

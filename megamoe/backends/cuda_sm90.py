@@ -7,10 +7,11 @@ all on the current stream with no host synchronisation (CUDA-graph capturable fo
 fixed T):
 
 1. ``moe_align``      routing results -> rows grouped by expert (one kernel)
-2. L1 input           W4A16: none (the L1 GEMM gathers its rows of x through row_token: x
-                      itself with the streaming kernel and bf16 x, else x staged once as the
-                      [T, H] bf16 operand); W4A4: gather + NVFP4 quantize per row (static
-                      per-expert or per-row dynamic scale), exact e2m1*e4m3 bf16 operand
+2. L1 input           W4A16 with bf16 x: none (the L1 GEMM gathers its rows through row_token:
+                      the streaming kernel from x itself, the wgmma kernel from x staged
+                      once as the [T, H] bf16 operand); else gather + bf16 per slot (W4A16)
+                      or gather + NVFP4 quantize per slot (W4A4; static per-expert or per-row
+                      dynamic scale), exact e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
 4. L2 input           as 2, from h
 5. L2 GEMM            h @ w2^T -> y fp32 per (token, expert) row
@@ -23,8 +24,9 @@ W4A16 skips the staging kernels is one C++ decision, ``megamoe._C.sm90_plan`` (t
 table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
-previous kernel's tail. W4A16: L1 gathers its rows and writes h as the bf16 L2 operand (align, L1,
-L2, combine: 4 kernels; 5 with the one-time [T, H] staging of x for the wgmma kernels or non-bf16 x).
+previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with bf16 x it gathers its
+rows (align, L1, L2, combine: 4 kernels with the streaming kernel, plus the one-time [T, H] staging
+of x with the wgmma kernel; align is two kernels above 8192 rows).
 """
 from __future__ import annotations
 
@@ -85,9 +87,11 @@ class _Workspace:
         self.entry_row = torch.zeros(r, **i32)
         self.a2 = torch.empty((r, i), dtype=torch.bfloat16, device=device)
         # allocated on first use (only some paths need each), then kept: fixed addresses for graphs
-        self._shapes = {"x_op": ((max(t, 1), h), torch.bfloat16), "a1": ((r, h), torch.bfloat16),
+        scratch = max(1, _ext.ext.sm90_align_scratch_size(t * k, e))
+        self._shapes = {"align_scratch": ((scratch,), torch.int32), "x_op": ((max(t, 1), h), torch.bfloat16),
+                        "a1": ((r, h), torch.bfloat16),
                         "a1_rs": ((r,), torch.float32), "h": ((r, i), torch.float32), "a2_rs": ((r,), torch.float32),
-                        "y": ((r, h), torch.float32), "y16": ((r, h), torch.bfloat16)}
+                        "y": ((r, h), torch.float32)}
         self._bufs: dict[str, torch.Tensor] = {}
 
     def __getattr__(self, name: str) -> torch.Tensor:
@@ -107,20 +111,13 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     name = "cuda-sm90"
 
-    def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0,
-                 stream_warps: int = 0, y_bf16: bool = False, fold_align: int = -1) -> None:
-        """``kernel``/``tokens_per_pass``/``stream_warps``/``fold_align``: an explicit choice for benchmarks and
-        tests ("auto"/0/-1: the plan's). ``y_bf16``: with bf16 x, the L2 GEMM rounds each slot's partial y to bf16
-        for the combine (half its bytes; results differ from the fp32 partials of docs/SPEC.md §3 in
-        the last bits)."""
+    def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0) -> None:
+        """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's)."""
         self._device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self._device.type != "cuda":
             raise ValueError(f"cuda-sm90 runs on a CUDA device, got {self._device}")
         self.kernel = kernel
         self.tokens_per_pass = tokens_per_pass
-        self.stream_warps = stream_warps
-        self.y_bf16 = y_bf16
-        self.fold_align = fold_align
         # Workspaces by batch shape, least recently used first. A service sees many token
         # counts, so only MAX_WORKSPACES stay allocated; one captured into a CUDA graph is
         # pinned (the graph replays its addresses) and never evicted.
@@ -128,18 +125,14 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._pinned: set[tuple] = set()
         self._plans: dict[tuple, object] = {}
 
-    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool,
-             entries: int = 0):
-        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached.
-        ``entries``: T*k of a MoE forward (0: unknown)."""
-        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, entries, str(self.kernel),
-               self.tokens_per_pass, self.stream_warps, self.fold_align)
+    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool):
+        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached."""
+        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, str(self.kernel), self.tokens_per_pass)
         plan = self._plans.get(key)
         if plan is None:
             plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
                                       w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
-                                      tokens_per_pass=self.tokens_per_pass, stream_warps=self.stream_warps,
-                                      entries=entries, fold_align=self.fold_align)
+                                      tokens_per_pass=self.tokens_per_pass)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -300,31 +293,23 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         r = t * k
         grid_experts = min(e, r)
         expected = -(-r // e)  # tokens per expert under uniform routing
-        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", True, r)
-        # plan.fold_align (decode): no align kernel; both GEMMs and the combine route from topk_ids
-        route = dict(route_ids=topk_ids) if plan.fold_align else {}
-        if not plan.fold_align:
-            ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
-                               stream)
+        ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
+                           stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
+        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", x.dtype == torch.bfloat16)
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
-                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream, **route)
-        natural = False
+                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
         if plan.gather_x:
-            a1_rows = None if plan.fold_align else ws.row_token
-            a_gs, per_e, a_rs = None, False, None
-            natural = plan.kernel == ext.Sm90GemmKernel.stream and x.dtype == torch.bfloat16
-            if natural:
-                a1 = x
-            else:  # one bf16 operand row per token (not per slot); L1 gathers through row_token
+            a1_rows, a_gs, per_e, a_rs = ws.row_token, None, False, None
+            if plan.kernel == ext.Sm90GemmKernel.stream:
+                a1 = x  # the streaming kernel reads the rows of bf16 x itself
+            else:  # one operand row per token (not per slot); the wgmma L1 gathers them through row_token
                 a1 = ws.x_op[:t]
                 ext.sm90_stage_bf16(x, None, None, a1, stream)
         else:
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
                                             cfg, prepared.w13_input_scale, stream, r)
             a1, a1_rows = ws.a1, None
-        ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, act_natural=natural, route_act_tokens=plan.fold_align,
-                              w_data=prepared.w13_data,
-                              w_scale=prepared.w13_scale,
+        ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
@@ -334,17 +319,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
                                             cfg, prepared.w2_input_scale, stream, r)
-        y16 = self.y_bf16 and x.dtype == torch.bfloat16
-        y = ws.y16 if y16 else ws.y
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=None if y16 else y,
-                              out_bf16=y if y16 else None, **common)
+                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=ws.y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
-        if plan.fold_align:
-            ext.sm90_moe_combine(y, None, topk_weights, out, stream, topk_ids=topk_ids, num_experts=e)
-        else:
-            ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
+        ext.sm90_moe_combine(ws.y, ws.entry_row, topk_weights, out, stream)
         return out
 
     @staticmethod

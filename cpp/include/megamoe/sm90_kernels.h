@@ -22,10 +22,17 @@ namespace megamoe::sm90 {
 //   expert_offsets [E+1], active_experts [E] (experts with tokens, ascending; entries
 //   past num_active[0] undefined), num_active [1], row_token [T*k] (token of each
 //   grouped row), entry_row [T*k] (grouped row of entry t*k+j, -1 when dropped).
-// One block; the order of rows inside an expert is not fixed (results do not depend on it).
+// The order of rows inside an expert is not fixed (results do not depend on it). One block, or with
+// scratch (int32, at least align_scratch_size(T*k, E) entries) and more than 2 * kAlignChunk entries,
+// kAlignChunk entries per block in two kernels (count, then scan and place).
+constexpr int kAlignChunk = 4096;
+constexpr int64_t align_scratch_size(int64_t entries, int num_experts) {
+  return (entries + kAlignChunk - 1) / kAlignChunk * num_experts;
+}
 cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
                              int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active,
-                             int32_t* row_token, int32_t* entry_row, cudaStream_t stream);
+                             int32_t* row_token, int32_t* entry_row, int32_t* scratch, int64_t scratch_size,
+                             cudaStream_t stream);
 
 // dst[r] = bf16(src[src_rows ? src_rows[r] : r]) in operand order, for r < *num_rows
 // (device count; rows past it are not touched). cols % 16 == 0.
@@ -56,9 +63,6 @@ struct GemmProblem {
   bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
   GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
   int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
-  int stream_warps = 0;                   // one-tile streaming: explicit 4 or 8 warps per block (0: by the grid)
-  int64_t entries = 0;                    // T*k of the MoE forward (0: unknown, never folds the align step)
-  int fold_align = -1;                    // explicit: 0 never, 1 where possible (-1: the plan's, the same)
 };
 
 // The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
@@ -66,12 +70,9 @@ struct GemmPlan {
   GemmKernel kernel = GemmKernel::kStream;  // never kAuto
   int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
   int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
-  bool gather_x = false;    // W4A16: L1 reads its rows through row_token (x itself with the streaming kernel and
-                            // bf16 x, else x staged once as [T, H] operand order: no per-slot staging kernel)
+  bool gather_x = false;    // W4A16, bf16 x: L1 reads its rows through row_token (the streaming kernel from x
+                            // itself, wgmma from x staged once as [T, H] operand order): no per-slot staging
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
-  int stream_warps = 0;     // one-tile streaming: warps per block, 4 or 8 (0: launch_grouped_gemm picks by the grid)
-  bool fold_align = false;  // W4A16 one-tile streaming, T*k <= kRouteMaxEntries: no moe_align kernel; L1, L2 and
-                            // the combine derive the routing from topk_ids themselves (cpp/sm90/decode_route.cuh)
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
@@ -84,13 +85,12 @@ constexpr int64_t kWgmmaAboveTokensPerExpert = 6;
 constexpr int64_t kWgmma32UpTo = 24;
 constexpr int64_t kWgmma64UpTo = 32;
 constexpr int64_t kStreamOneTileUpTo = 8;
-constexpr int kRouteMaxEntries = 32;  // one warp, one entry per lane
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
 struct GroupedGemmArgs {
-  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_natural)
-  const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r] (null: row r)
-  bool act_natural = false;           // streaming kernel, with act_rows: act is natural-order bf16 (x itself)
+  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_rows, streaming)
+  const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r]: the streaming kernel natural-order
+                                      // bf16 x, the wgmma kernel operand-order rows (x staged once as [T, K])
   const int32_t* expert_offsets = nullptr;  // [E+1]
   const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
   const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
@@ -109,33 +109,18 @@ struct GroupedGemmArgs {
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in operand order instead
-  uint16_t* out_bf16 = nullptr;     // kStore only: write bf16 [rows, N] (natural order, rounded once) instead of out
+  uint16_t* out_bf16 = nullptr;     // (unused: the bf16-y variant was not kept; its wgmma epilogue branch goes next)
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
-  int stream_warps = 0;                     // one-tile streaming: 4 or 8 warps per block, 0: by the grid (plan)
-  // plan.fold_align: topk_ids [T, route_top_k] (int32, or int64 with route_ids64), T*k = route_entries; the
-  // kernel derives its expert slot, rows and tokens from them (expert_offsets, active_experts, num_active and
-  // act_rows are not read; with act_rows semantics: the rows of act are tokens)
-  const void* route_ids = nullptr;
-  bool route_ids64 = false;
-  int route_top_k = 0;
-  int route_entries = 0;
-  bool route_act_tokens = false;  // with route_ids: act rows are tokens (L1 reading x), else grouped rows
   int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
                             // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
 };
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
-// dropped entries skipped), cast to out_type. y fp32 [rows, H], or bf16 with y_bf16 (H % 8 == 0).
-cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
-                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
-                               cudaStream_t stream);
-// The same with the rows derived from topk_ids [tokens, top_k] (plan.fold_align: tokens*top_k <=
-// kRouteMaxEntries, ids outside [0, num_experts) dropped) instead of entry_row.
-cudaError_t launch_moe_combine_routed(const void* y, bool y_bf16, const void* topk_ids, bool ids_int64, int num_experts,
-                                      const float* topk_weights, int64_t tokens, int top_k, int64_t hidden, void* out,
-                                      ElemType out_type, cudaStream_t stream);
+// dropped entries skipped), cast to out_type. y fp32 [rows, H].
+cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
+                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream);
 
 }  // namespace megamoe::sm90
