@@ -1,7 +1,7 @@
 // NVFP4 grouped GEMM on Hopper warpgroup MMA (wgmma, sm_90a), swap-AB: the weights are the
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
-// Block = 2 warpgroups (256 threads; tile 128: kWg128Groups) = 128 weight rows (64 per warpgroup, 16 per warp) of
+// Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
 // one expert x one token tile of up to kMaxN tokens of that expert; K in steps of 64.
 // All 256 threads load (cp.async, kStages-deep ring of shared-memory stages) and compute:
 //  - activations (bf16, operand order, K-major) land in a 128-byte-swizzled tile, rows of
@@ -16,10 +16,10 @@
 // Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
 // (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
 // so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
-// K 128 per stage (token tiles 32 and 64) permutes K within the stage instead: lane tig owns K
-// [32 tig, 32 tig + 32) of its two rows (one 16-byte shared load per row, every nibble of it
-// used, whole words dequantized), and the activation tile is stored in the matching order by
-// 4-byte copies (load_stage).
+// K 128 or 256 per stage (token tiles 64 and 32) permutes K within each K-128 half of the stage
+// instead: lane tig owns K [32 tig, 32 tig + 32) of the half for its two rows (one 16-byte shared
+// load per row, every nibble of it used, whole words dequantized), and the activation tile is
+// stored in the matching order by 4-byte copies (load_stage).
 // Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of operand-order rows,
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
@@ -37,28 +37,22 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1 or 2)
+constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
-constexpr int kWg128Groups = 2;            // warpgroups per block of token tile 128 (64 weight rows each)
-constexpr int kWg128G4Stages = 4;          // stages of tile 128 with 4 warpgroups (one block per SM)
-constexpr int kWgTinyBlocks = 2;           // blocks per SM of tile 32 (3: 4 stages, 80 registers)
-constexpr int kWgTinyAccSets = 1;
-constexpr int kWgTinyK = 128;              // K per stage of tile 32 (256: two lane-owned K-128 halves, 3 stages)          // tile 32: accumulator sets the k16 steps alternate between (summed at the end)
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
-// dequantization with the other's MMAs). kMaxN 32: K 128 per stage, 5 stages (the memory-bound
-// middle: half the per-stage fixed cost per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
+// dequantization with the other's MMAs). kMaxN 32: K 256 per stage (two lane-owned K-128 halves),
+// 3 stages (the memory-bound middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait,
+// drain, copies' addressing -- per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kKS = kMaxN == kWgTiny ? kWgTinyK : kMaxN <= kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;                   // SW128 activation sub-tiles per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? (kWgTinyK == 256 ? 3 : kWgTinyBlocks == 3 ? 4 : 5) : kMaxN == kWgMid && kWg128Groups == 4 ? kWg128G4Stages : 4;
-  // Warpgroups per block (64 weight rows each; tiles 32 and 64: 2, their K-128 copies assume 8 warps)
-  static constexpr int kGroups = kMaxN == kWgMid ? kWg128Groups : 2;
-  static constexpr int kThreads = 128 * kGroups;
-  static constexpr int kRows = 64 * kGroups;  // weight rows per block
-  static constexpr int kMinBlocks = kMaxN == kWgTiny ? kWgTinyBlocks : kGroups == 2 ? 2 : 1;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
+  static constexpr int kThreads = 256;  // 2 warpgroups
+  static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
+  static constexpr int kMinBlocks = 2;
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
@@ -158,14 +152,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t n = n0 + 8 * hh;
-        if (n < Nw) {
-          const float v = scaled(acc[c + 2 * hh], alpha0, rs);
-          if (a.out_bf16) {
-            a.out_bf16[out_row * Nw + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-          } else {
-            a.out[out_row * Nw + n] = v;
-          }
-        }
+        if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[c + 2 * hh], alpha0, rs);
       }
     });
   }
@@ -216,7 +203,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   //   t = lane >> 3, chunk ch = lane & 7); thread rows 8j + warp, j < N / 8, both sub-tiles.
   //  K 64: 16-byte copies, thread rows tid / 8 + 32 j (j < N / 32), chunk tid & 7.
   constexpr int kT = Cfg::kThreads;
-  static_assert(kKS == 64 || kT == 256, "the K-128 activation copies assume 8 warps (r & 7 == warp)");
   constexpr bool kLane = kKS >= 128;  // lane-owned K (K-128 halves)
   constexpr int kAR = kLane ? N / 8 : (N * 8 + kT - 1) / kT;
   const bool a_thread = kLane || N * 8 >= kT || tid < N * 8;
@@ -263,12 +249,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
   };
 
-  constexpr int kAS = kMaxN == kWgTiny ? kWgTinyAccSets : 1;  // accumulator sets (k16 step ks uses set ks % kAS)
-  float acc[kAS][N / 2];
+  float acc[N / 2];
 #pragma unroll
-  for (int u = 0; u < kAS; ++u)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) acc[u][i] = 0.f;
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
   // Per-lane dequant constants: this lane extracts pair P_tig of each word.
   const uint32_t pick_shift = tig >= 2 ? 8u : 0u;
@@ -315,7 +298,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
       }
     } else {
-      // K 128 per stage, lane-owned K: lane tig takes K [32 tig, 32 tig + 32) of the stage for its rows
+      // K 128 / 256 per stage, lane-owned K: per K-128 half, lane tig takes K [32 tig, 32 tig + 32) for its rows
       // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
       // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
       // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
@@ -347,16 +330,14 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
+    acc_fence(acc);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
-      Wgmma<N>::mma(acc[ks % kAS], af[ks],
+      Wgmma<N>::mma(acc, af[ks],
                     sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
-#pragma unroll
-    for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
+    acc_fence(acc);
     // Drain before the A registers are redefined: ptxas serializes every wgmma (C7513) when
     // registers feeding one are written while an earlier group is in flight. The other
     // warpgroup (and block) keep the tensor cores busy meanwhile.
@@ -364,15 +345,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     slot = slot + 1 == S ? 0 : slot + 1;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
-#pragma unroll
-  for (int u = 0; u < kAS; ++u) acc_fence(acc[u]);
+  acc_fence(acc);
   cp_async_wait<0>();
-#pragma unroll
-  for (int u = 1; u < kAS; ++u)
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) acc[0][i] += acc[u][i];
 
-  wg_epilogue<N, kMaxN>(a, acc[0], silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
+  wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
 template <int kMaxN>

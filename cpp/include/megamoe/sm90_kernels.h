@@ -49,7 +49,7 @@ enum class Epilogue : int {
 enum class GemmKernel : int {
   kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
   kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
-  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 128 per stage (grouped_gemm_wgmma.cuh)
+  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
   kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
   kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
 };
@@ -77,9 +77,10 @@ struct GemmPlan {
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
 // (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
-// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo and tile 64 up to
-// kWgmma64UpTo when both K are multiples of 128 (both step K by 128), then (or for a K that is a
-// multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
+// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
+// of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
+// multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
+// that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
 // wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 6;
 constexpr int64_t kWgmma32UpTo = 24;
