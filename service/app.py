@@ -64,8 +64,6 @@ _REASON_OF_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 
 OFFLOAD_JSON_BYTES = 256 * 1024
 #: a JSON output with this many values or more is encoded there too
 OFFLOAD_JSON_VALUES = 16 * 1024
-#: a request whose hidden_states has this many bytes or more is validated in a worker thread
-OFFLOAD_VALIDATE_BYTES = 1024 * 1024
 #: values an infer request's JSON may hold beyond its tensors' (shapes, sizes, parameters)
 JSON_VALUES_SLACK = 1024
 #: a kernel-health run waits for queued inference before each device call, at most this long
@@ -683,13 +681,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             unknown_outputs = sorted(set(parsed.outputs) - {OUTPUT_NAME})
             if unknown_outputs:
                 raise ProtocolError(f"unknown output(s) {unknown_outputs}; this model has {[OUTPUT_NAME]}")
-            hidden = parsed.inputs.get("hidden_states")
-            if hidden is not None and hidden.nbytes >= OFFLOAD_VALIDATE_BYTES:
-                # numpy's finiteness pass over a large tensor runs without the interpreter lock: in a
-                # thread it leaves the event loop to the other connections
-                model_request = await asyncio.to_thread(model.validate, parsed.inputs, parsed.datatypes)
-            else:
-                model_request = model.validate(parsed.inputs, parsed.datatypes)
+            model_request = model.validate(parsed.inputs, parsed.datatypes)
             metrics.record_stage(model.name, "decode", time.perf_counter() - decode_started)
         except ProtocolError as exc:
             return _error(exc.status, exc.message, close=exc.close)

@@ -16,6 +16,7 @@ import inspect
 import logging
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,7 @@ class ServedModel:
         self._forward_kwargs = {"validate": False} if "validate" in params else {}
         self._graphs: dict[tuple, _Graph | None] = {}
         self._pad_ids: dict[int, torch.Tensor] = {}
+        self._pinned = PinnedPool()
         if self.device.type == "cuda":
             # The device thread's batch is ~25 short torch calls, each releasing the interpreter
             # lock; with the event loop busy (many connections), taking it back waits up to the
@@ -126,8 +128,7 @@ class ServedModel:
         decoded from it keep it alive; launch_batch keeps them until the device has read them."""
         if self.device.type != "cuda":
             return aligned_body(declared, header_length)
-        raw = torch.empty(declared + BODY_ALIGN, dtype=torch.uint8, pin_memory=True)
-        return aligned_body(declared, header_length, raw.numpy())
+        return aligned_body(declared, header_length, self._pinned.take(declared + BODY_ALIGN))
 
     @property
     def has_router(self) -> bool:
@@ -325,19 +326,23 @@ class ServedModel:
         graph = self._graph_for(key, tokens)
         rows = graph.rows if graph is not None else tokens
         names = ROUTING_INPUTS.get(head.mode, ()) + ("hidden_states",)
-        # Large batches (and single requests): each request's rows go to the device straight from
-        # its body (pinned host memory, see body_buffer), one copy per request and input. Many small
-        # requests: their rows are first stacked into one pinned buffer per input (few copies).
-        direct = len(requests) == 1 or tokens >= DIRECT_COPY_ROWS
+        # Large batches: each request's rows go to the device straight from its body (pinned host
+        # memory, see body_buffer), one copy per request and input. Small ones: their rows are first
+        # stacked into one pooled pinned buffer per input, with numpy (few torch calls, few copies).
+        direct = tokens >= DIRECT_COPY_ROWS
         host = {}
         if not direct:
+            # numpy copies into pooled pinned memory: no torch call (each one hands the interpreter
+            # lock to the busy event loop and waits to get it back) until the copy to the device
             for name in names:
-                first = getattr(head, name)
-                buf = torch.empty((rows, first.shape[1]), dtype=first.dtype, pin_memory=True)
-                torch.cat([getattr(r, name) for r in requests], out=buf[:tokens])
+                parts = [_as_numpy(getattr(r, name)) for r in requests]
+                dtype, width = parts[0].dtype, parts[0].shape[1]
+                staged_np = self._pinned.take(rows * width * dtype.itemsize).view(dtype).reshape(rows, width)
+                np.concatenate(parts, out=staged_np[:tokens])
                 if rows > tokens:
-                    _fill_padding(name, buf[tokens:], self.config)
-                host[name] = buf
+                    _fill_padding_np(name, staged_np[tokens:], self.config)
+                staged_t = torch.from_numpy(staged_np)
+                host[name] = staged_t.view(torch.bfloat16) if head_dtype(head, name) == torch.bfloat16 else staged_t
         staged = time.perf_counter()
         events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
         events[0].record()
@@ -472,6 +477,63 @@ SWITCH_INTERVAL_S = 0.0005
 ROUTING_INPUTS = {"topk": ("topk_ids", "topk_weights"), "logits": ("router_logits",), "router": ()}
 GRAPH_MODES = ("topk", "router")
 GRAPH_BACKENDS = ("cuda-sm90",)
+
+
+def _pinned_block(nbytes: int) -> np.ndarray:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+class _Lease(np.ndarray):
+    """A view of a pooled block (see PinnedPool.take)."""
+
+
+class PinnedPool:
+    """Pinned host memory blocks (power-of-two sizes from 64 KiB), reused without a torch call:
+    :meth:`take` hands out a numpy view of a free block (allocating one only when none is free),
+    and the block is free again once that view and everything made from it (memoryviews, tensors)
+    are gone. Taken from the event loop (request bodies) and the device thread (staging)."""
+
+    MIN_BYTES = 64 * 1024
+
+    def __init__(self, allocate=None) -> None:
+        """``allocate(nbytes)``: a new block as a uint8 numpy array (default: pinned host memory)."""
+        self._free: dict[int, list] = {}
+        self._allocate = allocate or _pinned_block
+
+    def take(self, nbytes: int) -> np.ndarray:
+        size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        free = self._free.setdefault(size, [])
+        try:
+            block = free.pop()
+        except IndexError:
+            block = self._allocate(size)
+        # a subclass view: numpy points every view made from it at it (not past it, at the block),
+        # so it lives exactly as long as anything that uses its memory
+        view = block[:nbytes].view(_Lease)
+        weakref.finalize(view, free.append, block)
+        return view
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(size * len(blocks) for size, blocks in self._free.items())
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's memory as numpy (bfloat16, which numpy lacks, as its int16 bit patterns)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def head_dtype(request: ModelRequest, name: str) -> torch.dtype:
+    return getattr(request, name).dtype
+
+
+def _fill_padding_np(name: str, rows: np.ndarray, cfg) -> None:
+    """_fill_padding on a numpy view."""
+    if name == "topk_ids":
+        n = rows.shape[0]
+        rows[...] = (np.arange(n * cfg.top_k).reshape(n, cfg.top_k) % cfg.num_experts).astype(rows.dtype)
+    else:
+        rows.fill(0)
 
 
 def _fill_padding(name: str, rows: torch.Tensor, cfg) -> None:

@@ -141,6 +141,9 @@ def h11_protocol_class(settings: ServiceSettings, state=None) -> type[H11Protoco
 
 #: bytes the transport reads at once into a connection's buffer outside a direct body
 READ_CHUNK = 256 * 1024
+#: a binary infer body this long or longer is read directly into its buffer (a shorter one comes
+#: with its head in a read or two: the parser's way costs less than a buffer of its own)
+DIRECT_BODY_MIN_BYTES = 256 * 1024
 
 
 class _DirectBody:
@@ -170,7 +173,8 @@ def _direct_length(headers, max_body_bytes: int) -> tuple[int, int] | None:
             header_length = int(value)
         elif name in (b"transfer-encoding", b"content-encoding"):
             return None
-    if declared is None or header_length is None or not 0 < declared <= max_body_bytes or header_length > declared:
+    if (declared is None or header_length is None or not DIRECT_BODY_MIN_BYTES <= declared <= max_body_bytes
+            or header_length > declared):
         return None
     return declared, header_length
 
