@@ -248,7 +248,8 @@ def report(args) -> None:
                      "fastapi": version("fastapi"), "uvicorn": version("uvicorn"), "starlette": version("starlette"),
                      "uvloop": version("uvloop"), "httptools": version("httptools"),
                      "perf_analyzer": "2.48.0 (tritonclient 2.48.0 wheel)"},
-        "perf_analyzer": args.perf_analyzer,
+        # the tool by name (where it was installed on the measuring machine says nothing about the product)
+        "perf_analyzer": f"{Path(args.perf_analyzer).name} (scripts/install_perf_analyzer.sh)" if args.perf_analyzer else None,
         "forward_only": forward["forward"],
         "served_output_check": (json.loads((d / "check.json").read_text())["summary"]
                                 if (d / "check.json").exists() else None),

@@ -25,9 +25,11 @@ exits 0. A model that cannot be loaded exits 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
+import weakref
 
 import h11
 import uvicorn
@@ -150,11 +152,17 @@ class _DirectBody:
     """A binary infer body read by the transport straight into its buffer (``recv_into``), past the
     HTTP parser: no bytes objects per chunk, no copies between them, no wake-up of the app per chunk."""
 
-    __slots__ = ("view", "filled", "cycle", "done", "delivered")
+    __slots__ = ("view", "filled", "_cycle", "done", "delivered")
 
     def __init__(self, view: memoryview, cycle):
-        self.view, self.filled, self.cycle = view, 0, cycle
+        # the cycle's receive holds this object: a weak reference back, so that no reference cycle
+        # keeps the body's buffer (a pooled pinned block) alive until the garbage collector runs
+        self.view, self.filled, self._cycle = view, 0, weakref.ref(cycle)
         self.done = self.delivered = False
+
+    @property
+    def cycle(self):
+        return self._cycle()
 
 
 def _direct_length(headers, max_body_bytes: int) -> tuple[int, int] | None:
@@ -179,10 +187,13 @@ def _direct_length(headers, max_body_bytes: int) -> tuple[int, int] | None:
     return declared, header_length
 
 
-async def _direct_receive(cycle, direct: _DirectBody):
+async def _direct_receive(direct: _DirectBody):
     """The ASGI receive of a request whose body is read directly: one message with the whole body
     (a writable memoryview of its buffer), then, like uvicorn's, a disconnect once the response is
     done or the client went away."""
+    cycle = direct.cycle
+    if cycle is None:
+        return {"type": "http.disconnect"}
     if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
         cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         cycle.waiting_for_100_continue = False
@@ -193,7 +204,8 @@ async def _direct_receive(cycle, direct: _DirectBody):
     if cycle.disconnected or cycle.response_complete:
         return {"type": "http.disconnect"}
     direct.delivered = True
-    return {"type": "http.request", "body": direct.view, "more_body": False}
+    view, direct.view = direct.view, None  # the app holds it from here on
+    return {"type": "http.request", "body": view, "more_body": False}
 
 
 def httptools_protocol_class(settings: ServiceSettings, state=None):
@@ -249,6 +261,8 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             direct, self._direct = self._direct, None
             direct.done = True
             cycle = direct.cycle
+            if cycle is None:
+                return
             if cycle.response_complete:
                 # answered before its body was in (401, 404, ...): the connection is idle now
                 if not self.pipeline and self.timeout_keep_alive_task is None and not self.transport.is_closing():
@@ -257,6 +271,10 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             else:
                 cycle.more_body = False
             cycle.message_event.set()
+
+        def connection_lost(self, exc) -> None:
+            self._direct = None  # the buffer of a body that will not complete
+            super().connection_lost(exc)
 
         def on_body(self, body: bytes) -> None:
             direct = self._direct
@@ -303,7 +321,7 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
                 return
             direct = self._direct = _DirectBody(self.state.body_buffer(*lengths), cycle)
             # the cycle's task has not started yet: its receive is the direct body's
-            cycle.receive = lambda: _direct_receive(cycle, direct)
+            cycle.receive = functools.partial(_direct_receive, direct)
 
         def _head_arriving(self) -> bool:
             return self._in_head
@@ -313,7 +331,7 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             cycle = self.cycle
             direct = self._direct
             return self._in_head or (cycle is not None and cycle.response_complete and cycle.more_body) or (
-                direct is not None and direct.cycle.response_complete)
+                direct is not None and getattr(direct.cycle, "response_complete", False))
 
     ServiceHttpToolsProtocol.state = state
     return ServiceHttpToolsProtocol

@@ -10,6 +10,7 @@ import gc
 import json
 import socket
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def output_of(reply: bytes) -> torch.Tensor:
 def test_bodies_however_they_arrive_on_one_connection(local, served_layer, monkeypatch):
     direct = []
     original = server_module._direct_receive
-    monkeypatch.setattr(server_module, "_direct_receive", lambda cycle, body: direct.append(body) or original(cycle, body))
+    monkeypatch.setattr(server_module, "_direct_receive", lambda body: direct.append(body) or original(body))
     requests = [binary_request(served_layer, tokens, seed) for tokens, seed in ((64, 1), (3, 2), (40, 3), (1, 4))]
     with socket.create_connection(("127.0.0.1", local.port), timeout=10) as s:
         # 1: the head with the first 100 body bytes, then the rest dripped in three writes
@@ -154,3 +155,32 @@ def test_a_pooled_block_is_reused_only_once_nothing_uses_it():
     assert len(allocated) == 1 and np.shares_memory(again, allocated[0])
     bigger = pool.take(PinnedPool.MIN_BYTES + 1)  # the next size up: a new block
     assert len(allocated) == 2 and len(allocated[1]) == 2 * PinnedPool.MIN_BYTES and len(bigger) == PinnedPool.MIN_BYTES + 1
+
+
+def test_a_direct_body_is_freed_without_the_garbage_collector(local, served_layer, monkeypatch):
+    # no reference cycle may hold a body's buffer: on a CUDA device it is a pooled pinned block,
+    # and one held until the collector runs makes the pool allocate more pinned memory meanwhile
+    buffers = []
+
+    def body_buffer(declared, header_length):
+        raw = np.full(declared + 64, 0xCD, dtype=np.uint8)
+        buffers.append(weakref.ref(raw))
+        return aligned_body(declared, header_length, raw)
+
+    monkeypatch.setattr(local.state, "body_buffer", body_buffer)
+    requests = [binary_request(served_layer, 8, 20 + i) for i in range(3)]
+    gc.collect()
+    gc.disable()
+    try:
+        with socket.create_connection(("127.0.0.1", local.port), timeout=10) as s:
+            for head, body, expect in requests:
+                s.sendall(head + body)
+                assert torch.equal(output_of(_read_response(s)), expect)
+        deadline = time.monotonic() + 5
+        while any(ref() is not None for ref in buffers[:2]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # the last one may still be the connection's current request; the earlier ones must be gone
+        assert len(buffers) == 3
+        assert all(ref() is None for ref in buffers[:2]), "a direct body outlived its request"
+    finally:
+        gc.enable()
