@@ -82,8 +82,8 @@ struct GemmPlan {
 // multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
 // that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
 // wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
-constexpr int64_t kWgmmaAboveTokensPerExpert = 6;
-constexpr int64_t kWgmma32UpTo = 24;
+constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
+constexpr int64_t kWgmma32UpTo = 28;
 constexpr int64_t kWgmma64UpTo = 32;
 constexpr int64_t kStreamOneTileUpTo = 8;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
