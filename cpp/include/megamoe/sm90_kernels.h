@@ -110,7 +110,6 @@ struct GroupedGemmArgs {
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in operand order instead
-  uint16_t* out_bf16 = nullptr;     // (unused: the bf16-y variant was not kept; its wgmma epilogue branch goes next)
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
