@@ -292,41 +292,41 @@ unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
 
 }  // namespace
 
+namespace {
+
+// One or, above kAlignMultiFrom entries with enough scratch, two multi-block kernels (count; place).
+template <typename Id>
+cudaError_t launch_align_ids(const Id* ids, int64_t entries, int top_k, int num_experts, int32_t* expert_offsets,
+                             int32_t* active_experts, int32_t* num_active, int32_t* row_token, int32_t* entry_row,
+                             int32_t* scratch, int64_t scratch_size, cudaStream_t stream) {
+  const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
+  if (scratch && entries > kAlignMultiFrom && scratch_size >= align_scratch_size(entries, num_experts)) {
+    const unsigned nb = unsigned((entries + kAlignChunk - 1) / kAlignChunk);
+    const size_t csmem = sizeof(int32_t) * size_t(num_experts);
+    const cudaError_t err =
+        pdl_launch(moe_align_count_kernel<Id>, nb, kAlignThreads, csmem, stream, ids, entries, num_experts, scratch);
+    if (err != cudaSuccess) return err;
+    return pdl_launch(moe_align_place_kernel<Id>, nb, kAlignThreads, smem, stream, ids, entries, top_k, num_experts,
+                      static_cast<const int32_t*>(scratch), expert_offsets, active_experts, num_active, row_token,
+                      entry_row);
+  }
+  return pdl_launch(moe_align_kernel<Id>, 1, kAlignThreads, smem, stream, ids, entries, top_k, num_experts,
+                    expert_offsets, active_experts, num_active, row_token, entry_row);
+}
+
+}  // namespace
+
 cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t tokens, int top_k, int num_experts,
                              int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active,
                              int32_t* row_token, int32_t* entry_row, int32_t* scratch, int64_t scratch_size,
                              cudaStream_t stream) {
   if (num_experts <= 0 || top_k <= 0) return cudaErrorInvalidValue;
-  const size_t smem = sizeof(int32_t) * 2 * size_t(num_experts);
   const int64_t entries = tokens * top_k;
-  if (scratch && entries > kAlignMultiFrom && scratch_size >= align_scratch_size(entries, num_experts)) {
-    const unsigned nb = unsigned((entries + kAlignChunk - 1) / kAlignChunk);
-    const size_t csmem = sizeof(int32_t) * size_t(num_experts);
-    cudaError_t err;
-    if (ids_int64) {
-      const int64_t* ids = static_cast<const int64_t*>(topk_ids);
-      err = pdl_launch(moe_align_count_kernel<int64_t>, nb, kAlignThreads, csmem, stream, ids, entries, num_experts,
-                       scratch);
-      if (err != cudaSuccess) return err;
-      return pdl_launch(moe_align_place_kernel<int64_t>, nb, kAlignThreads, smem, stream, ids, entries, top_k,
-                        num_experts, static_cast<const int32_t*>(scratch), expert_offsets, active_experts, num_active,
-                        row_token, entry_row);
-    }
-    const int32_t* ids = static_cast<const int32_t*>(topk_ids);
-    err = pdl_launch(moe_align_count_kernel<int32_t>, nb, kAlignThreads, csmem, stream, ids, entries, num_experts,
-                     scratch);
-    if (err != cudaSuccess) return err;
-    return pdl_launch(moe_align_place_kernel<int32_t>, nb, kAlignThreads, smem, stream, ids, entries, top_k,
-                      num_experts, static_cast<const int32_t*>(scratch), expert_offsets, active_experts, num_active,
-                      row_token, entry_row);
-  }
   if (ids_int64)
-    return pdl_launch(moe_align_kernel<int64_t>, 1, kAlignThreads, smem, stream,
-                      static_cast<const int64_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
-                      active_experts, num_active, row_token, entry_row);
-  return pdl_launch(moe_align_kernel<int32_t>, 1, kAlignThreads, smem, stream,
-                    static_cast<const int32_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
-                    active_experts, num_active, row_token, entry_row);
+    return launch_align_ids(static_cast<const int64_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
+                            active_experts, num_active, row_token, entry_row, scratch, scratch_size, stream);
+  return launch_align_ids(static_cast<const int32_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
+                          active_experts, num_active, row_token, entry_row, scratch, scratch_size, stream);
 }
 
 cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,

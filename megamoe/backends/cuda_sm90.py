@@ -92,17 +92,16 @@ class _Workspace:
                         "a1": ((r, h), torch.bfloat16),
                         "a1_rs": ((r,), torch.float32), "h": ((r, i), torch.float32), "a2_rs": ((r,), torch.float32),
                         "y": ((r, h), torch.float32)}
-        self._bufs: dict[str, torch.Tensor] = {}
 
     def __getattr__(self, name: str) -> torch.Tensor:
+        """First use of a buffer: allocate it and keep it as a plain attribute (later reads do not come here)."""
         shapes = self.__dict__.get("_shapes", {})
         if name not in shapes:
             raise AttributeError(name)
-        buf = self._bufs.get(name)
-        if buf is None:
-            shape, dtype = shapes[name]
-            make = torch.ones if name.endswith("_rs") else torch.empty
-            buf = self._bufs[name] = make(shape, dtype=dtype, device=self.device)
+        shape, dtype = shapes[name]
+        make = torch.ones if name.endswith("_rs") else torch.empty
+        buf = make(shape, dtype=dtype, device=self.device)
+        setattr(self, name, buf)
         return buf
 
 
