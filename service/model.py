@@ -340,9 +340,9 @@ class ServedModel:
                 staged_np = self._pinned.take(rows * width * dtype.itemsize).view(dtype).reshape(rows, width)
                 np.concatenate(parts, out=staged_np[:tokens])
                 if rows > tokens:
-                    _fill_padding_np(name, staged_np[tokens:], self.config)
+                    _fill_padding(name, staged_np[tokens:], self.config)
                 staged_t = torch.from_numpy(staged_np)
-                host[name] = staged_t.view(torch.bfloat16) if head_dtype(head, name) == torch.bfloat16 else staged_t
+                host[name] = staged_t.view(torch.bfloat16) if getattr(head, name).dtype == torch.bfloat16 else staged_t
         staged = time.perf_counter()
         events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
         events[0].record()
@@ -392,9 +392,9 @@ class ServedModel:
         n = rows.shape[0]
         pattern = self._pad_ids.get(n)
         if pattern is None:
-            pattern = torch.empty((n, self.config.top_k), dtype=torch.int32)
+            pattern = np.empty((n, self.config.top_k), dtype=np.int32)
             _fill_padding(name, pattern, self.config)
-            pattern = self._pad_ids[n] = pattern.to(self.device)
+            pattern = self._pad_ids[n] = torch.from_numpy(pattern).to(self.device)
         rows.copy_(pattern)
 
     # --- CUDA graphs for bucketed batch sizes ------------------------------------------
@@ -523,28 +523,14 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
-def head_dtype(request: ModelRequest, name: str) -> torch.dtype:
-    return getattr(request, name).dtype
-
-
-def _fill_padding_np(name: str, rows: np.ndarray, cfg) -> None:
-    """_fill_padding on a numpy view."""
-    if name == "topk_ids":
-        n = rows.shape[0]
-        rows[...] = (np.arange(n * cfg.top_k).reshape(n, cfg.top_k) % cfg.num_experts).astype(rows.dtype)
-    else:
-        rows.fill(0)
-
-
-def _fill_padding(name: str, rows: torch.Tensor, cfg) -> None:
+def _fill_padding(name: str, rows: np.ndarray, cfg) -> None:
     """Padding rows of a graph bucket: contribute nothing to real rows (rows are independent)."""
     if name == "topk_ids":
         # distinct valid experts per row, spread round-robin so no expert gets all the padding
         n = rows.shape[0]
-        base = torch.arange(n * cfg.top_k, dtype=torch.int64).reshape(n, cfg.top_k)
-        rows.copy_((base % cfg.num_experts).to(rows.dtype))
+        rows[...] = (np.arange(n * cfg.top_k).reshape(n, cfg.top_k) % cfg.num_experts).astype(rows.dtype)
     else:
-        rows.zero_()
+        rows.fill(0)
 
 
 @dataclass

@@ -227,7 +227,7 @@ def response_parts(
     outputs: list[tuple[str, torch.Tensor, bool]],
 ) -> tuple[dict, list[tuple[int, str, bytes]], list[memoryview]]:
     """The response header, the JSON outputs packed for :func:`encode_json_response`, the binary blobs
-    (views of the output tensors' bytes: :func:`finish_response` copies them once, into the body)."""
+    (views of the output tensors' bytes, sent from there: see :func:`response_pieces`)."""
     header: dict = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
         header["id"] = request_id
@@ -248,16 +248,6 @@ def response_parts(
             packed.append((index, "q", tensor.reshape(-1).long().numpy().tobytes()))
         header["outputs"].append(entry)
     return header, packed, blobs
-
-
-def finish_response(head: bytes, blobs: list) -> tuple[bytes, dict[str, str]]:
-    if not blobs:
-        return head, {"content-type": "application/json"}
-    # one copy of each blob, straight into the body (bytes: the HTTP layer sends it without another)
-    return b"".join([head, *blobs]), {
-        "content-type": "application/octet-stream",
-        HEADER_LENGTH: str(len(head)),
-    }
 
 
 #: a response body this short is sent as one piece (one write); a longer one as its JSON header and
@@ -285,4 +275,5 @@ def encode_infer_response(
 ) -> tuple[bytes, dict[str, str]]:
     """Encode ``(name, tensor, as_binary)`` outputs; returns the body and the headers it needs."""
     header, packed, blobs = response_parts(model_name, model_version, request_id, outputs)
-    return finish_response(encode_json_response(header, packed), blobs)
+    pieces, headers = response_pieces(encode_json_response(header, packed), blobs)
+    return b"".join(pieces), headers
