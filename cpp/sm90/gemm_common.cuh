@@ -47,6 +47,18 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 // sign from the second. A pair at bits [4,8) / [20,24) uses the multiplier 2^2 + 2^8.
 __device__ __forceinline__ uint32_t nibble_pair_bits(uint32_t q, uint32_t mul) { return (q * mul) & 0x81C081C0u; }
 
+// One pair P_tig of a word for lane tig of a quad (the quad shares the word; tile 128's K-64 stages):
+// pair_pick(tig) once per thread, then dequant_pair(w, pick, s2) = P_tig * scale * 2^-7.
+struct PairPick {
+  uint32_t shift, mask, mul;
+};
+__device__ __forceinline__ PairPick pair_pick(int tig) {
+  return {tig >= 2 ? 8u : 0u, (tig & 1) ? 0x00F000F0u : 0x000F000Fu, (tig & 1) ? 0x0104u : 0x1040u};
+}
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t w, const PairPick& pk, uint32_t s2) {
+  return bf16x2_mul(nibble_pair_bits((w >> pk.shift) & pk.mask, pk.mul), s2);
+}
+
 // w: 8 packed e2m1 codes; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
   const uint32_t u = w >> 8;

@@ -254,9 +254,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
   // Per-lane dequant constants: this lane extracts pair P_tig of each word.
-  const uint32_t pick_shift = tig >= 2 ? 8u : 0u;
-  const uint32_t pick_mask = (tig & 1) ? 0x00F000F0u : 0x000F000Fu;
-  const uint32_t pick_mul = (tig & 1) ? 0x0104u : 0x1040u;
+  const PairPick pick = pair_pick(tig);
   const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
 
 #pragma unroll
@@ -292,10 +290,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
         const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
-        af[ks][0] = bf16x2_mul(nibble_pair_bits((r0[2 * ks] >> pick_shift) & pick_mask, pick_mul), s0);
-        af[ks][1] = bf16x2_mul(nibble_pair_bits((r1[2 * ks] >> pick_shift) & pick_mask, pick_mul), s1);
-        af[ks][2] = bf16x2_mul(nibble_pair_bits((r0[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s0);
-        af[ks][3] = bf16x2_mul(nibble_pair_bits((r1[2 * ks + 1] >> pick_shift) & pick_mask, pick_mul), s1);
+        af[ks][0] = dequant_pair(r0[2 * ks], pick, s0);
+        af[ks][1] = dequant_pair(r1[2 * ks], pick, s1);
+        af[ks][2] = dequant_pair(r0[2 * ks + 1], pick, s0);
+        af[ks][3] = dequant_pair(r1[2 * ks + 1], pick, s1);
       }
     } else {
       // K 128 / 256 per stage, lane-owned K: per K-128 half, lane tig takes K [32 tig, 32 tig + 32) for its rows
