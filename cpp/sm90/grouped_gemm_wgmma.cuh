@@ -47,6 +47,9 @@ namespace megamoe::sm90 {
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
+// Main loop: 2 = the two halves of a stage overlap the previous half's wgmmas across stages (see above);
+// 1 = half 1's decode overlaps half 0's wgmmas, drained per stage; 0 = one drain per stage.
+constexpr int kWgPipe = 2;
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage (two lane-owned K-128 halves),
@@ -60,6 +63,7 @@ struct WgCfg {
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
+  static constexpr int kPipe = kWgPipe;
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
@@ -353,34 +357,54 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     acc_fence(acc);
   };
 
-  // Prologue: tile 0 landed and visible; its half 0 decoded.
-  cp_async_wait<S - 2>();
-  fence_proxy_async_smem();
-  __syncthreads();
-  decode_half(0, 0, af_lo);
-  int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S (= the slot of tile kt - 1)
-  for (int kt = 0; kt + 1 < num_k_tiles; ++kt) {
-    const int next = slot + 1 == S ? 0 : slot + 1;
-    mma_half(slot, 0, af_lo);  // in flight: (kt - 1, half 1), (kt, half 0)
-    wgmma_wait<1>();           // (kt - 1, half 1) done: this warpgroup no longer reads tile kt - 1
+  if constexpr (Cfg::kPipe == 2) {
+    // Prologue: tile 0 landed and visible; its half 0 decoded.
+    cp_async_wait<S - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    decode_half(0, 0, af_lo);
+    int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S (= the slot of tile kt - 1)
+    for (int kt = 0; kt + 1 < num_k_tiles; ++kt) {
+      const int next = slot + 1 == S ? 0 : slot + 1;
+      mma_half(slot, 0, af_lo);  // in flight: (kt - 1, half 1), (kt, half 0)
+      wgmma_wait<1>();           // (kt - 1, half 1) done: this warpgroup no longer reads tile kt - 1
+      decode_half(slot, 1, af_hi);
+      mma_half(slot, 1, af_hi);
+      cp_async_wait<S - 3>();    // tile kt + 1 landed (this thread's copies)
+      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt - 1
+      const int pf = kt + S - 1;
+      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt - 1
+      cp_async_commit();
+      wgmma_wait<1>();  // (kt, half 0) done: af_lo is free
+      decode_half(next, 0, af_lo);
+      slot = next;
+      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+    }
+    // Last tile.
+    mma_half(slot, 0, af_lo);
+    wgmma_wait<1>();
     decode_half(slot, 1, af_hi);
     mma_half(slot, 1, af_hi);
-    cp_async_wait<S - 3>();    // tile kt + 1 landed (this thread's copies)
-    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt - 1
-    const int pf = kt + S - 1;
-    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt - 1
-    cp_async_commit();
-    wgmma_wait<1>();  // (kt, half 0) done: af_lo is free
-    decode_half(next, 0, af_lo);
-    slot = next;
-    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+  } else {
+    int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+      cp_async_wait<S - 2>();    // tile kt landed (this thread's copies)
+      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+      const int pf = kt + S - 1;
+      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
+      cp_async_commit();
+      decode_half(slot, 0, af_lo);
+      if constexpr (Cfg::kPipe == 1) mma_half(slot, 0, af_lo);
+      decode_half(slot, 1, af_hi);
+      if constexpr (Cfg::kPipe == 0) mma_half(slot, 0, af_lo);
+      mma_half(slot, 1, af_hi);
+      wgmma_wait<0>();  // drained before the next stage's decode redefines the A registers
+      slot = slot + 1 == S ? 0 : slot + 1;
+      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+    }
   }
-  // Last tile.
-  mma_half(slot, 0, af_lo);
-  wgmma_wait<1>();
-  decode_half(slot, 1, af_hi);
-  mma_half(slot, 1, af_hi);
   wgmma_wait<0>();
   acc_fence(acc);
   cp_async_wait<0>();
