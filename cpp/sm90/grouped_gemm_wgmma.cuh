@@ -24,18 +24,11 @@
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
 //
-// Pipeline: each stage's A fragment is decoded and issued in two halves (K 256: its two K-128 halves;
-// K 128: k16 steps 0-3 / 4-7; K 64: 0-1 / 2-3), so that a warpgroup's decode of one half overlaps its own
-// wgmmas of the other (wgmma.wait_group 1; the two halves' registers are distinct, so ptxas keeps the
-// wgmmas asynchronous). Per k-tile kt (the loads of a tile are issued kStages - 2 iterations ahead):
-//   wgmma (kt, half 0); commit          in flight: (kt-1, half 1), (kt, half 0)
-//   wait_group 1: (kt-1, half 1) done   this warpgroup no longer reads tile kt-1
-//   dequantize (kt, half 1); wgmma (kt, half 1); commit
-//   wait for tile kt+1's cp.async group; fence.proxy.async; __syncthreads (every warpgroup is past
-//     its (kt-1, half 1): tile kt-1's slot is free)
-//   issue loads of tile kt+kStages-1 into the slot of tile kt-1; commit
-//   wait_group 1: (kt, half 0) done; dequantize (kt+1, half 0) into its registers
-// The k16 steps of every accumulator run in the same order as with one drain per stage.
+// Pipeline per k-tile kt (prefetch distance kStages-1):
+//   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
+//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
+//     warpgroup drained them at the end of iteration kt-1, before the barrier)
+//   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -47,9 +40,6 @@ namespace megamoe::sm90 {
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
-// Main loop: 2 = the two halves of a stage overlap the previous half's wgmmas across stages (see above);
-// 1 = half 1's decode overlaps half 0's wgmmas, drained per stage; 0 = one drain per stage.
-constexpr int kWgPipe = 2;
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage (two lane-owned K-128 halves),
@@ -63,7 +53,6 @@ struct WgCfg {
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
-  static constexpr int kPipe = kWgPipe;
   // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
@@ -274,138 +263,87 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     cp_async_commit();
   }
 
-  // The stage's A fragment in two halves of kH k16 steps (K 256: the two K-128 halves; K 128: k16 steps
-  // 0-3 / 4-7; K 64: 0-1 / 2-3), decoded by decode_half() and issued as one wgmma group each by mma_half().
-  constexpr int kH = 2 * Cfg::kSub;
-  uint32_t af_lo[kH][4], af_hi[kH][4];
-  auto decode_half = [&](int slot, int h, uint32_t(&f)[kH][4]) {
-    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+  uint32_t af[4 * Cfg::kSub][4];
+  const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
+  int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
+    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+    const int pf = kt + S - 1;
+    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
+    cp_async_commit();
+
+    const uint8_t* sa = stages + slot * Cfg::kStageBytes;
+    const uint8_t* sw = sa + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
     if constexpr (kKS == 64) {
-      // quad-shared words: half h = words 4h .. 4h + 3 of rows g and g + 8 (k16 steps 2h, 2h + 1; lane tig
-      // takes pair P_tig of each word), scale bytes 2h, 2h + 1
-      const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16 * h);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16 * h);
-      const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * 4 + 2 * h);
-      const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * 4 + 2 * h);
-      const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
-      const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
+      const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow);
+      const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16);
+      const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow);
+      const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16);
+      const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
+      const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
+      const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
+      const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint32_t s0 = lut[(sc0 >> (8 * kk)) & 0xFFu];
-        const uint32_t s1 = lut[(sc1 >> (8 * kk)) & 0xFFu];
-        f[kk][0] = dequant_pair(r0[2 * kk], pick, s0);
-        f[kk][1] = dequant_pair(r1[2 * kk], pick, s1);
-        f[kk][2] = dequant_pair(r0[2 * kk + 1], pick, s0);
-        f[kk][3] = dequant_pair(r1[2 * kk + 1], pick, s1);
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
+        const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
+        af[ks][0] = dequant_pair(r0[2 * ks], pick, s0);
+        af[ks][1] = dequant_pair(r1[2 * ks], pick, s1);
+        af[ks][2] = dequant_pair(r0[2 * ks + 1], pick, s0);
+        af[ks][3] = dequant_pair(r1[2 * ks + 1], pick, s1);
       }
     } else {
-      // Lane-owned K: per K-128 half of the stage, lane tig takes K [32 tig, 32 tig + 32) for its rows g and
-      // g + 8 (16 bytes each, whole words dequantized, two scale blocks per row). Word q gives pairs p0..p3 =
-      // elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of the row: p0, p1) and 2q + 1
-      // (p2, p3) of that K-128 half; the activations were stored to match (load_stage). K 256: half h is
-      // K-128 half h (words q = 0..3); K 128: half h is words q = 2h, 2h + 1 (one scale block).
-      constexpr int kQ = kKS == 256 ? 4 : 2;  // words per row and half
-      const int wo = kKS == 256 ? 64 * h + 16 * tig : 16 * tig + 8 * h;
-      uint32_t r0[kQ], r1[kQ], s0[kQ / 2], s1[kQ / 2];
-      if constexpr (kKS == 256) {
-        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + wo);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + wo);
-        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * (kKS / 16) + 8 * h + 2 * tig);
-        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * (kKS / 16) + 8 * h + 2 * tig);
-        r0[0] = w0.x, r0[1] = w0.y, r0[2] = w0.z, r0[3] = w0.w;
-        r1[0] = w1.x, r1[1] = w1.y, r1[2] = w1.z, r1[3] = w1.w;
-        s0[0] = lut[sc0 & 0xFFu], s0[1] = lut[sc0 >> 8];
-        s1[0] = lut[sc1 & 0xFFu], s1[1] = lut[sc1 >> 8];
-      } else {
-        const uint2 w0 = *reinterpret_cast<const uint2*>(sw + lr0 * kWRow + wo);
-        const uint2 w1 = *reinterpret_cast<const uint2*>(sw + (lr0 + 8) * kWRow + wo);
-        r0[0] = w0.x, r0[1] = w0.y;
-        r1[0] = w1.x, r1[1] = w1.y;
-        s0[0] = lut[ss[lr0 * (kKS / 16) + 2 * tig + h]];
-        s1[0] = lut[ss[(lr0 + 8) * (kKS / 16) + 2 * tig + h]];
-      }
+      // K 128 / 256 per stage, lane-owned K: per K-128 half, lane tig takes K [32 tig, 32 tig + 32) for its rows
+      // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
+      // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
+      // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
 #pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        uint32_t p[4];
-        uint32_t(&fa)[4] = f[2 * q];
-        uint32_t(&fb)[4] = f[2 * q + 1];
-        dequant_word(r0[q], s0[q >> 1], p);
-        fa[0] = p[0];
-        fa[2] = p[1];
-        fb[0] = p[2];
-        fb[2] = p[3];
-        dequant_word(r1[q], s1[q >> 1], p);
-        fa[1] = p[0];
-        fa[3] = p[1];
-        fb[1] = p[2];
-        fb[3] = p[3];
+      for (int hf = 0; hf < kKS / 128; ++hf) {  // K-128 half: k16 steps 8 hf ..
+        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 64 * hf + 16 * tig);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 64 * hf + 16 * tig);
+        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * (kKS / 16) + 8 * hf + 2 * tig);
+        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * (kKS / 16) + 8 * hf + 2 * tig);
+        const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
+        const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
+        const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
+        const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t p[4];
+          uint32_t(&fa)[4] = af[8 * hf + 2 * q];
+          uint32_t(&fb)[4] = af[8 * hf + 2 * q + 1];
+          dequant_word(r0[q], s0[q >> 1], p);
+          fa[0] = p[0];
+          fa[2] = p[1];
+          fb[0] = p[2];
+          fb[2] = p[3];
+          dequant_word(r1[q], s1[q >> 1], p);
+          fa[1] = p[0];
+          fa[3] = p[1];
+          fb[1] = p[2];
+          fb[3] = p[3];
+        }
       }
     }
-  };
-  const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
-  auto mma_half = [&](int slot, int h, const uint32_t(&f)[kH][4]) {
     acc_fence(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kH; ++kk) {
-      const int ks = h * kH + kk;  // k16 step of the stage
-      Wgmma<N>::mma(acc, f[kk],
+    for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
+      Wgmma<N>::mma(acc, af[ks],
                     sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-    }
     wgmma_commit();
     acc_fence(acc);
-  };
-
-  if constexpr (Cfg::kPipe == 2) {
-    // Prologue: tile 0 landed and visible; its half 0 decoded.
-    cp_async_wait<S - 2>();
-    fence_proxy_async_smem();
-    __syncthreads();
-    decode_half(0, 0, af_lo);
-    int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S (= the slot of tile kt - 1)
-    for (int kt = 0; kt + 1 < num_k_tiles; ++kt) {
-      const int next = slot + 1 == S ? 0 : slot + 1;
-      mma_half(slot, 0, af_lo);  // in flight: (kt - 1, half 1), (kt, half 0)
-      wgmma_wait<1>();           // (kt - 1, half 1) done: this warpgroup no longer reads tile kt - 1
-      decode_half(slot, 1, af_hi);
-      mma_half(slot, 1, af_hi);
-      cp_async_wait<S - 3>();    // tile kt + 1 landed (this thread's copies)
-      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt - 1
-      const int pf = kt + S - 1;
-      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt - 1
-      cp_async_commit();
-      wgmma_wait<1>();  // (kt, half 0) done: af_lo is free
-      decode_half(next, 0, af_lo);
-      slot = next;
-      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
-    }
-    // Last tile.
-    mma_half(slot, 0, af_lo);
-    wgmma_wait<1>();
-    decode_half(slot, 1, af_hi);
-    mma_half(slot, 1, af_hi);
-  } else {
-    int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      cp_async_wait<S - 2>();    // tile kt landed (this thread's copies)
-      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
-      const int pf = kt + S - 1;
-      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
-      cp_async_commit();
-      decode_half(slot, 0, af_lo);
-      if constexpr (Cfg::kPipe == 1) mma_half(slot, 0, af_lo);
-      decode_half(slot, 1, af_hi);
-      if constexpr (Cfg::kPipe == 0) mma_half(slot, 0, af_lo);
-      mma_half(slot, 1, af_hi);
-      wgmma_wait<0>();  // drained before the next stage's decode redefines the A registers
-      slot = slot + 1 == S ? 0 : slot + 1;
-      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
-    }
+    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
+    // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
+    // the decode with this warpgroup's own wgmmas (the fragment in two halves, wait_group 1; ptxas
+    // keeps them asynchronous) was measured no faster (docs/PERFORMANCE.md, rejected variants).
+    wgmma_wait<0>();
+    slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
-  wgmma_wait<0>();
   acc_fence(acc);
   cp_async_wait<0>();
 
