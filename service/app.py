@@ -17,7 +17,9 @@ import functools
 import importlib.metadata
 import logging
 import multiprocessing
+import os
 import secrets
+import socket
 import threading
 import time
 import traceback
@@ -34,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megamoe.backends.base import Backend
 
 from .batching import DynamicBatcher, ShuttingDown
+from .jsoncodec import exit_with_parent
 from .metrics import ServiceMetrics
 from .model import OUTPUT_NAME, ServedModel, load_layer
 from .protocol import (
@@ -86,9 +89,16 @@ else:
 class ServiceState:
     """What the routes read: the model once loaded, and why the server is not ready when it is not."""
 
-    def __init__(self, settings: ServiceSettings, layer=None):
+    def __init__(self, settings: ServiceSettings, layer=None, instance: int | None = None):
         self.settings = settings
-        self.metrics = ServiceMetrics()
+        #: this process's index among ``settings.instances`` serving processes (None: the only one)
+        self.instance = instance
+        self.metrics = ServiceMetrics(multiprocess=instance is not None, instance=instance or 0)
+        #: an instance of several: the Unix socket to the parent (readiness, closed connections)
+        self._parent: socket.socket | None = None
+        self._reported_ready: bool | None = None
+        #: an instance of several names itself in every response (which one answered)
+        self.instance_header = (b"megamoe-instance", str(instance).encode()) if instance is not None else None
         self.model_name = settings.served_model_name()
         # one device thread: forwards and self-test calls never overlap on the device
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megamoe-device")
@@ -131,7 +141,36 @@ class ServiceState:
         return None
 
     def refresh_ready_gauge(self) -> None:
-        self.metrics.ready.set(0.0 if self.not_ready_reason() else 1.0)
+        ready = self.not_ready_reason() is None
+        self.metrics.set_ready(ready)
+        if self._parent is not None and ready != self._reported_ready:
+            self.report_readiness()
+
+    # --- an instance of several (service/instances.py) ----------------------------------------
+
+    def attach_parent(self, channel: socket.socket) -> None:
+        self._parent = channel
+
+    def _tell_parent(self, message: bytes) -> None:
+        try:
+            self._parent.send(message)
+        except (BlockingIOError, InterruptedError):
+            log.warning("the parent process is not reading: a message to it was dropped")
+        except OSError:
+            pass  # the parent is gone: the server notices on its channel and drains
+
+    def report_readiness(self, force: bool = False) -> None:
+        """Tell the parent whether this instance is ready (it hands new connections to ready ones)."""
+        if self._parent is None:
+            return
+        ready = self.not_ready_reason() is None
+        if force or ready != self._reported_ready:
+            self._reported_ready = ready
+            self._tell_parent(b"R" if ready else b"N")
+
+    def connection_closed(self) -> None:
+        if self._parent is not None:
+            self._tell_parent(b"C")
 
     def begin_shutdown(self) -> None:
         """SIGTERM: readiness turns 503, and a body still arriving when the grace period ends is
@@ -164,7 +203,8 @@ class ServiceState:
         with self._decoder_lock:
             if self.decoder is None:
                 # spawn: a fresh interpreter (no copy of this process's threads or torch state)
-                self.decoder = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self.decoder = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                   initializer=exit_with_parent, initargs=(os.getpid(),))
             return self.decoder
 
     async def in_decoder(self, fn, *args):
@@ -393,8 +433,11 @@ class ServiceMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 self.count(scope, status)  # before the client can see the response
-                if state.announce_close:
-                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                if state.announce_close or state.instance_header is not None:
+                    extra = [state.instance_header] if state.instance_header is not None else []
+                    if state.announce_close:
+                        extra.append((b"connection", b"close"))
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:
@@ -414,9 +457,10 @@ class ServiceMiddleware:
             self.state.metrics.failures.labels(path, _REASON_OF_STATUS.get(status, "internal")).inc()
 
 
-def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
-    """The service app; ``layer`` (a MoELayer) skips loading from the settings."""
-    state = ServiceState(settings, layer)
+def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = None) -> FastAPI:
+    """The service app; ``layer`` (a MoELayer) skips loading from the settings; ``instance``: this
+    process's index among several serving processes (service/instances.py)."""
+    state = ServiceState(settings, layer, instance)
     metrics = state.metrics
     token = settings.token_value()
     token_bytes = token.encode("ascii") if token is not None else None
@@ -443,8 +487,8 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
                 on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
                 on_stages=lambda stages: metrics.record_stages(model.name, stages),
             )
+            state.batcher.on_queue = metrics.track_queue(lambda: state.batcher.queued_requests)
             state.batcher.start()
-            metrics.queued.set_function(lambda: state.batcher.queued_requests)
         finally:
             state.loading = False
             state.refresh_ready_gauge()
@@ -568,7 +612,7 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             return refused
         if state.model is None:
             return _error(503, state.not_ready_reason() or "model not loaded")
-        return state.model.triton_config(settings.queue_delay_ms, settings.max_batch_tokens)
+        return state.model.triton_config(settings.queue_delay_ms, settings.max_batch_tokens, settings.instances)
 
     @app.get("/v2/models/{model_name}/ready")
     @app.get("/v2/models/{model_name}/versions/{model_version}/ready")
@@ -690,6 +734,8 @@ def create_app(settings: ServiceSettings, *, layer=None) -> FastAPI:
             result = await state.batcher.submit(model_request)
         except ShuttingDown as exc:
             return _error(503, str(exc))
+        except ProtocolError as exc:  # the caller's input, found on the device (non-finite hidden_states)
+            return _error(exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - a device failure, not the caller's input
             if state.first_report_of(exc):
                 log.error("forward failed: %s: %s", type(exc).__name__, exc)

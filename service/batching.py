@@ -75,6 +75,8 @@ class DynamicBatcher:
         self.max_batch_tokens = max_batch_tokens
         self.queue_delay_s = queue_delay_s
         self._on_batch = on_batch
+        #: called with the number of queued requests when it changes (None: nobody listens)
+        self.on_queue: Callable[[int], None] | None = None
         self._waiting: deque[_Waiting] = deque()
         self._arrived = asyncio.Event()
         self._stopping = False
@@ -104,6 +106,8 @@ class DynamicBatcher:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(request, future, time.perf_counter()))
         self._arrived.set()
+        if self.on_queue is not None:
+            self.on_queue(len(self._waiting))
         return await future
 
     def _ready_tokens(self, key) -> int:
@@ -121,6 +125,8 @@ class DynamicBatcher:
             else:
                 kept.append(waiting)
         self._waiting = kept
+        if self.on_queue is not None:
+            self.on_queue(len(kept))
         return batch
 
     async def _loop(self) -> None:
@@ -196,7 +202,11 @@ class DynamicBatcher:
     def _deliver(self, batch, requests, outputs, started: float, compute_s: float, stages: dict | None) -> None:
         tokens = sum(r.tokens for r in requests)
         for waiting, output in zip(batch, outputs):
-            if not waiting.future.done():
+            if waiting.future.done():
+                continue
+            if isinstance(output, BaseException):  # this request only (a 400 found on the device)
+                waiting.future.set_exception(output)
+            else:
                 waiting.future.set_result(
                     BatchResult(output, started - waiting.enqueued_s, compute_s, len(batch), tokens)
                 )

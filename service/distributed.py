@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     from .settings import parse_settings
 
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    if settings.instances > 1:
+        # before any rendezvous: every rank refuses alike, none waits for the others
+        print(f"megamoe.service.distributed: --instances {settings.instances} is not supported with torchrun: "
+              "expert-parallel serving runs one serving process per rank (rank 0 serves HTTP); leave "
+              "--instances (MEGAMOE_INSTANCES) at 1", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s rank {os.environ.get('RANK', '?')} %(name)s: %(message)s")
     rank, world, _ = init_distributed(timeout_s=600)

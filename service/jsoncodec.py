@@ -47,6 +47,21 @@ class ProtocolError(Exception):
         return (ProtocolError, (self.message, self.status, self.close))
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """Initializer of the JSON decoder process: it exits once the serving process that started it is
+    gone (one that was killed has nobody left to stop its decoder)."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="megamoe-parent-watch", daemon=True).start()
+
+
 def _brief(value, limit: int = 60) -> str:
     """A short description of a client's value for an error message (never raises)."""
     if isinstance(value, (list, dict)) and len(value) > 8:

@@ -1,6 +1,17 @@
-"""Prometheus metrics of one service instance (its own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one service instance (its own registry, so several apps can live in one process).
+
+Several serving processes (``--instances N``, service/instances.py) share prometheus_client's
+multiprocess mode: each process writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR`` (set
+by the parent before they start) and ``/metrics`` reports all of them, whichever process answers:
+counters and histograms summed, each gauge by its ``multiprocess_mode`` (queued requests summed
+over the live processes; ``megamoe_ready`` 1 when any instance is ready, which is what the
+readiness endpoint answers then; self-test results the worst and the latest over the instances;
+``megamoe_instance_ready`` one sample per instance, with its process id).
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -16,8 +27,18 @@ CHECK_STATUS_VALUE = {"pass": 1.0, "fail": 0.0, "skip": -1.0}
 class ServiceMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, *, multiprocess: bool = False, instance: int = 0) -> None:
+        """``multiprocess``: one of several serving processes (prometheus_client's multiprocess mode,
+        its directory in the environment); ``instance``: this process's index."""
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
+        self.instance = str(instance)
+        self._render_registry = self.registry
+        if multiprocess:
+            from prometheus_client import multiprocess as mp
+
+            self._render_registry = CollectorRegistry()
+            mp.MultiProcessCollector(self._render_registry)
         r = self.registry
         self.requests = Counter(
             "megamoe_requests", "HTTP requests answered, by route and status code",
@@ -50,20 +71,39 @@ class ServiceMetrics:
             "megamoe_tokens_processed", "tokens (rows) run through the MoE layer",
             ["model"], registry=r)
         self.queued = Gauge(
-            "megamoe_batcher_queued_requests", "infer requests waiting for a batch", registry=r)
-        self.ready = Gauge("megamoe_ready", "1 when the server reports ready", registry=r)
+            "megamoe_batcher_queued_requests", "infer requests waiting for a batch (summed over the instances)",
+            registry=r, multiprocess_mode="livesum")
+        self.ready = Gauge("megamoe_ready", "1 when the server reports ready (any instance ready)", registry=r,
+                           multiprocess_mode="livemax")
+        self.instance_ready = Gauge(
+            "megamoe_instance_ready", "1 when this serving process (model instance) is ready",
+            ["instance"], registry=r, multiprocess_mode="liveall")
         self.selftest_runs = Counter(
             "megamoe_selftest_runs", "kernel self-test runs, by level and outcome",
             ["level", "status"], registry=r)
         self.selftest_check = Gauge(
-            "megamoe_selftest_check_status", "last result of each self-test check (1 pass, 0 fail, -1 skip)",
-            ["level", "check"], registry=r)
+            "megamoe_selftest_check_status", "last result of each self-test check (1 pass, 0 fail, -1 skip; "
+            "the worst over the instances)", ["level", "check"], registry=r, multiprocess_mode="livemin")
         self.selftest_metric = Gauge(
-            "megamoe_selftest_check_metric", "last metric of each self-test check (see its threshold in the report)",
-            ["level", "check"], registry=r)
+            "megamoe_selftest_check_metric", "last metric of each self-test check (see its threshold in the report; "
+            "the largest over the instances)", ["level", "check"], registry=r, multiprocess_mode="livemax")
         self.selftest_timestamp = Gauge(
-            "megamoe_selftest_last_run_timestamp_seconds", "when each self-test level last ran",
-            ["level"], registry=r)
+            "megamoe_selftest_last_run_timestamp_seconds", "when each self-test level last ran (the latest "
+            "over the instances)", ["level"], registry=r, multiprocess_mode="livemax")
+
+    def set_ready(self, ready: bool) -> None:
+        value = 1.0 if ready else 0.0
+        self.ready.set(value)
+        self.instance_ready.labels(self.instance).set(value)
+
+    def track_queue(self, queued: Callable[[], int]) -> Callable[[int], None] | None:
+        """The batcher's queue length as the queued gauge: read when /metrics renders (one process),
+        or the returned callback, which the batcher calls when it changes (several: the other
+        processes cannot call into this one)."""
+        if not self.multiprocess:
+            self.queued.set_function(queued)
+            return None
+        return self.queued.set
 
     def record_batch(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
         self.batch_requests.labels(model).observe(requests)
@@ -89,4 +129,4 @@ class ServiceMetrics:
                 self.selftest_metric.labels(level, name).set(float(metric))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)

@@ -48,6 +48,8 @@ class ModelRequest:
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     router_logits: torch.Tensor | None = None
+    #: hidden_states is checked for NaN/Inf on the device after its copy there (see launch_batch)
+    finite_on_device: bool = False
 
     @property
     def tokens(self) -> int:
@@ -181,7 +183,7 @@ class ServedModel:
             },
         }
 
-    def triton_config(self, queue_delay_ms: float, max_batch_tokens: int) -> dict:
+    def triton_config(self, queue_delay_ms: float, max_batch_tokens: int, instances: int = 1) -> dict:
         """The model configuration in Triton's JSON form (model-configuration extension,
         ``GET /v2/models/{m}/config``), which Triton's tools (perf_analyzer, model_analyzer) read
         after the metadata. ``max_batch_size`` 0: the token dimension T is part of each tensor's
@@ -207,7 +209,8 @@ class ServedModel:
             "max_batch_size": 0,
             "input": [tensor(n, d, w, opt) for n, d, _, w, opt in inputs],
             "output": [tensor(output[0], output[1], output[3])],
-            "instance_group": [{"name": f"{self.name}_0", "kind": "KIND_GPU" if cuda else "KIND_CPU", "count": 1,
+            # --instances: that many serving processes, each with its own copy of the layer
+            "instance_group": [{"name": f"{self.name}_0", "kind": "KIND_GPU" if cuda else "KIND_CPU", "count": instances,
                                 "gpus": [self.device.index or 0] if cuda else []}],
             # Triton's parameters map: every value is {"string_value": ...}
             "parameters": {key: {"string_value": str(value)} for key, value in {
@@ -239,7 +242,11 @@ class ServedModel:
             raise ProtocolError("hidden_states has no rows (T = 0)")
         if tokens > self.max_tokens_per_request:
             raise ProtocolError(f"hidden_states has {tokens} rows; this server takes at most {self.max_tokens_per_request} per request")
-        _expect_finite("hidden_states", hidden)
+        # a large request on a CUDA device is checked there, after its copy (a pass over its rows here
+        # costs the event loop ~1.3 ms for T=512, H=4096); the others here (a few microseconds)
+        on_device = self.device.type == "cuda" and tokens >= DEVICE_FINITE_MIN_ROWS
+        if not on_device:
+            _expect_finite("hidden_states", hidden)
 
         # Routing, all inputs optional: topk_ids + topk_weights if given, else router_logits if
         # given, else the layer's router. Every input sent is checked, also one that routing then
@@ -269,12 +276,13 @@ class ServedModel:
                 bad = low if low < 0 else high
                 raise ProtocolError(f"topk_ids out of range: {bad} (experts are 0..{cfg.num_experts - 1})")
             _expect_finite("topk_weights", weights)
-            return ModelRequest(hidden, "topk", topk_ids=ids.to(torch.int32), topk_weights=weights.float())
+            return ModelRequest(hidden, "topk", topk_ids=ids.to(torch.int32), topk_weights=weights.float(),
+                                finite_on_device=on_device)
         if has_logits:
-            return ModelRequest(hidden, "logits", router_logits=logits.float())
+            return ModelRequest(hidden, "logits", router_logits=logits.float(), finite_on_device=on_device)
         if not self.has_router:
             raise ProtocolError("this model has no router: send topk_ids and topk_weights, or router_logits")
-        return ModelRequest(hidden, "router")
+        return ModelRequest(hidden, "router", finite_on_device=on_device)
 
     # --- the batched forward -------------------------------------------------------
     #
@@ -298,16 +306,25 @@ class ServedModel:
             return _Launched(out, sizes, None, {"compute": done - started})
         return self._launch_cuda(requests, sizes, started)
 
-    def finish_batch(self, launched: "_Launched") -> tuple[list[torch.Tensor], dict[str, float]]:
+    def finish_batch(self, launched: "_Launched") -> tuple[list, dict[str, float]]:
+        """Each request's output rows, or the ProtocolError (400) of a request whose hidden_states the
+        device found non-finite (its rows ran with the others: rows are independent, docs/FIELD_BUGS.md
+        row 6, so the other requests' results are what they would be without it)."""
         stages = dict(launched.stages)
+        errors = {}
         if launched.events is not None:
             start, h2d, compute, d2h = launched.events
             d2h.synchronize()
+            if launched.finite is not None:
+                errors = nonfinite_errors(launched.keep[0], launched.sizes, launched.finite)
             launched.keep = None  # the device has read the inputs: their buffers may be reused
             stages.update(h2d=start.elapsed_time(h2d) / 1e3, compute=h2d.elapsed_time(compute) / 1e3,
                           d2h=compute.elapsed_time(d2h) / 1e3)
         out = launched.output[: sum(launched.sizes)]
-        return list(out.split(launched.sizes)), stages
+        outputs = list(out.split(launched.sizes))
+        for index, error in errors.items():
+            outputs[index] = error
+        return outputs, stages
 
     def _stacked(self, requests: list[ModelRequest]):
         def stacked(attr):
@@ -370,6 +387,12 @@ class ServedModel:
                 for name, buf in host.items():
                     graph.inputs[name].copy_(buf, non_blocking=True)
             events[1].record()
+            finite = None
+            if any(r.finite_on_device for r in requests):
+                # one flag per row, in the stream after the copy; read back with the output
+                rows_ok = torch.isfinite(dev["hidden_states"][:tokens]).all(dim=1)
+                finite = torch.empty(tokens, dtype=torch.bool, pin_memory=True)
+                finite.copy_(rows_ok, non_blocking=True)
             if graph is not None:
                 graph.graph.replay()
                 out_dev = graph.output
@@ -382,7 +405,7 @@ class ServedModel:
             out.copy_(out_dev[:tokens], non_blocking=True)
             events[3].record()
         # the requests' bodies (and the staging buffers) stay alive until the device has read them
-        return _Launched(out, sizes, events, {"stage": staged - started}, keep=(requests, host))
+        return _Launched(out, sizes, events, {"stage": staged - started}, keep=(requests, host), finite=finite)
 
     def _pad_on_device(self, name: str, rows: torch.Tensor) -> None:
         """The padding rows of a graph bucket, filled on the device (as _fill_padding does on the host)."""
@@ -471,6 +494,9 @@ class ServedModel:
 
 #: a CUDA batch of this many tokens or more copies each request's rows to the device from its body
 DIRECT_COPY_ROWS = 64
+#: on a CUDA device, a request of this many rows or more has its hidden_states checked for NaN/Inf
+#: there (ServedModel.validate, launch_batch), smaller ones on the host
+DEVICE_FINITE_MIN_ROWS = 32
 #: interpreter switch interval while serving on a CUDA device (see ServedModel.__init__)
 SWITCH_INTERVAL_S = 0.0005
 #: inputs staged per routing mode (besides hidden_states)
@@ -540,6 +566,7 @@ class _Launched:
     events: tuple | None          # CUDA: start, after h2d, after compute, after d2h
     stages: dict[str, float]
     keep: object = None           # CUDA: what the device reads from until the batch is done
+    finite: torch.Tensor | None = None  # CUDA: per row, hidden_states finite (host, valid after d2h)
 
 
 @dataclass
@@ -565,6 +592,23 @@ def _all_finite(tensor: torch.Tensor) -> bool:
         if tensor.dtype in (torch.float16, torch.float32, torch.float64):
             return bool(np.isfinite(tensor.numpy()).all())
     return bool(torch.isfinite(tensor).all())
+
+
+def nonfinite_errors(requests: list[ModelRequest], sizes: list[int], rows_finite: torch.Tensor) -> dict:
+    """{index: ProtocolError} of the requests checked on the device (``finite_on_device``) whose rows
+    ``rows_finite`` (one flag per row of the batch, host) flags as holding NaN or Inf; the error
+    names the first such element, found on the host in that request's own tensor (rare)."""
+    errors, offset = {}, 0
+    for index, (request, n) in enumerate(zip(requests, sizes)):
+        if request.finite_on_device and not bool(rows_finite[offset:offset + n].all()):
+            try:
+                _expect_finite("hidden_states", request.hidden_states)
+                errors[index] = ProtocolError("hidden_states contains NaN or Inf (found on the device); this "
+                                              "server rejects non-finite inputs")
+            except ProtocolError as exc:
+                errors[index] = exc
+        offset += n
+    return errors
 
 
 def _expect_finite(name: str, tensor: torch.Tensor) -> None:

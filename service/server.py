@@ -25,10 +25,12 @@ exits 0. A model that cannot be loaded exits 1.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import signal
+import socket
 import weakref
 
 import h11
@@ -37,6 +39,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
 from .settings import ServiceSettings
+
+log = logging.getLogger("megamoe.service.server")
 
 #: how long an idle connection stays open once shutdown began
 SHUTDOWN_LINGER_S = 1.0
@@ -101,6 +105,8 @@ class _ServiceProtocol:
             self._head_timer.cancel()
             self._head_timer = None
         super().connection_lost(exc)
+        if self.state is not None:
+            self.state.connection_closed()  # an instance of several tells the parent (instances.py)
 
     def send_400_response(self, msg: str) -> None:
         # a request the parser cannot read: the error in JSON like every other, and counted
@@ -347,11 +353,57 @@ def protocol_class(settings: ServiceSettings, state=None):
 
 class ServiceServer(uvicorn.Server):
     """uvicorn's server; SIGTERM/SIGINT start the service's shutdown and end in exit status 0
-    (the signal is not re-raised after the drain)."""
+    (the signal is not re-raised after the drain).
 
-    def __init__(self, config: uvicorn.Config, state):
+    ``channel``: an instance of several (service/instances.py) serves the connections the parent
+    process hands it over this Unix socket (file descriptors), not a listening socket of its own;
+    it tells the parent its readiness and each connection that closed."""
+
+    def __init__(self, config: uvicorn.Config, state, channel: socket.socket | None = None):
         super().__init__(config)
         self.service_state = state
+        self.channel = channel
+        self._connecting: set[asyncio.Task] = set()
+        self._loop = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[] if self.channel is not None else sockets)
+        if self.channel is None or not self.started:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._protocol = functools.partial(self.config.http_protocol_class, config=self.config,
+                                           server_state=self.server_state, app_state=self.lifespan.state)
+        self.channel.setblocking(False)
+        self._loop.add_reader(self.channel.fileno(), self._take_connections)
+        self.service_state.report_readiness(force=True)  # serving: the parent may hand us connections
+
+    def _take_connections(self) -> None:
+        """Connections from the parent: each becomes a connection of this server, as if accepted here."""
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.channel, 64, 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, fds = b"", []
+            for fd in fds:
+                sock = socket.socket(fileno=fd)
+                sock.setblocking(False)
+                task = self._loop.create_task(self._loop.connect_accepted_socket(self._protocol, sock))
+                self._connecting.add(task)
+                task.add_done_callback(self._connected)
+            if not data:  # the parent is gone: nobody hands out connections any more
+                self._loop.remove_reader(self.channel.fileno())
+                if not self.should_exit:
+                    log.error("the parent process is gone: this instance drains and exits")
+                    self.handle_exit(signal.SIGTERM, None)
+                return
+
+    def _connected(self, task: asyncio.Task) -> None:
+        self._connecting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a connection from the parent could not be served: %s", task.exception())
+            self.service_state.connection_closed()
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -366,13 +418,21 @@ class ServiceServer(uvicorn.Server):
         # closing the socket resets (the request is lost); told now, its reconnect is refused.
         for server in self.servers:
             server.close()
+        if self.channel is not None and self._loop is not None:
+            # the parent has closed the listening socket before signalling: take what it handed out
+            self._take_connections()
+            self._loop.remove_reader(self.channel.fileno())
+            if self._connecting:
+                await asyncio.gather(*self._connecting, return_exceptions=True)
         self.service_state.announce_close = True
         await super().shutdown(sockets)
 
 
-def build_server(settings: ServiceSettings, *, layer=None) -> ServiceServer:
-    """The uvicorn server of the app (``layer``: a loaded MoELayer, as create_app takes)."""
-    app = create_app(settings, layer=layer)
+def build_server(settings: ServiceSettings, *, layer=None, instance: tuple[int, socket.socket] | None = None
+                 ) -> ServiceServer:
+    """The uvicorn server of the app (``layer``: a loaded MoELayer, as create_app takes; ``instance``:
+    (index, channel) of an instance of several, see service/instances.py)."""
+    app = create_app(settings, layer=layer, instance=instance[0] if instance is not None else None)
     state = app.state.megamoe
     config = uvicorn.Config(
         app,
@@ -385,7 +445,10 @@ def build_server(settings: ServiceSettings, *, layer=None) -> ServiceServer:
         timeout_graceful_shutdown=settings.graceful_shutdown_s + _CANCEL_AFTER_GRACE_S,
         lifespan="on",
     )
-    server = ServiceServer(config, state)
+    channel = instance[1] if instance is not None else None
+    server = ServiceServer(config, state, channel)
+    if channel is not None:
+        state.attach_parent(channel)
 
     def stop_for_failure() -> None:
         server.should_exit = True
@@ -394,10 +457,17 @@ def build_server(settings: ServiceSettings, *, layer=None) -> ServiceServer:
     return server
 
 
-def serve(settings: ServiceSettings) -> int:
-    """Serve until SIGTERM/SIGINT (0) or a failed model load (1)."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = build_server(settings)
+def serve(settings: ServiceSettings, *, instance: tuple[int, socket.socket] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (0) or a failed model load (1). With ``settings.instances`` > 1 this
+    process supervises that many instance processes (service/instances.py); ``instance``: this is one."""
+    where = f"[instance {instance[0]}] " if instance is not None else ""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
+    if settings.instances > 1 and instance is None:
+        from .instances import serve_instances
+
+        return serve_instances(settings)
+    server = build_server(settings, instance=instance)
     server.run()
     # drained: uvicorn has put back the default handlers, and a second SIGTERM from an impatient
     # supervisor would now end the exit with status 143; the drain is done, so let it go by

@@ -50,6 +50,14 @@ class ServiceSettings(BaseSettings):
         description="torch intra-op CPU threads (0: torch's choice, one per core). On a CPU shared with other "
         "busy processes, fewer threads avoid stalls at torch's spinning barriers (see bench/results/serve_cpu*.json)",
     )
+    instances: int = Field(
+        1, ge=1, le=64,
+        description="serving processes (model instances, Triton's instance_group count) behind the one port: each "
+        "loads its own copy of the layer onto the device (memory: the weights N times) and runs its own event "
+        "loop, batcher and CUDA graphs; new connections go to the ready instance with the fewest open ones. An "
+        "instance that exits unexpectedly stops the server (exit status 1); SIGTERM drains every instance. Not with "
+        "torchrun (expert-parallel serving is one process per rank)",
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     token: SecretStr | None = Field(

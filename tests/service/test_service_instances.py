@@ -1,0 +1,204 @@
+"""``--instances N``: several serving processes behind one port (service/instances.py). Both
+instances answer (their index in the ``megamoe-instance`` header, their process ids in
+``/metrics``), ``/metrics`` sums over both, the model configuration reports the count, SIGTERM
+drains every instance with the requests in flight answered and exits 0, an instance that dies
+makes the server exit non-zero, torchrun serving refuses the option."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from service_testkit import HERE, PRESET, REPO, TOKEN, ServerProcess, random_inputs
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+INFER = f"/v2/models/{PRESET}/infer"
+INSTANCES = 2
+
+
+def samples(server, name: str) -> list:
+    _, text = server.get("/metrics")
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def infer_body(layer, tokens: int, seed: int):
+    hidden, ids, weights = random_inputs(layer, tokens, seed)
+    body = {"inputs": [
+        {"name": "hidden_states", "datatype": "FP32", "shape": list(hidden.shape), "data": hidden.flatten().tolist()},
+        {"name": "topk_ids", "datatype": "INT32", "shape": list(ids.shape), "data": ids.flatten().tolist()},
+        {"name": "topk_weights", "datatype": "FP32", "shape": list(weights.shape), "data": weights.flatten().tolist()},
+    ]}
+    return body, layer.forward(hidden, topk_ids=ids, topk_weights=weights)
+
+
+def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
+    assert reply.status_code == 200, reply.text[:500]
+    out = reply.json()["outputs"][0]
+    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"]).to(like.dtype)
+
+
+def start(tmp_path: Path, name: str, *args: str) -> ServerProcess:
+    srv = ServerProcess(tmp_path / f"{name}.log", env={"MEGAMOE_TOKEN": TOKEN},
+                        args=["--backend", "torch", "--instances", str(INSTANCES), "--log-level", "info", *args])
+    srv.wait_for("/v2/health/ready")
+    # readiness answers once one instance is ready: wait for every one of them
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        ready = samples(srv, "megamoe_instance_ready")
+        if len(ready) == INSTANCES and all(s.value == 1.0 for s in ready):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"not every instance became ready: {ready}\n{srv.log()}")
+    time.sleep(0.5)  # the probes' connections are closed and counted by the parent
+    return srv
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    srv = start(tmp_path_factory.mktemp("instances"), "server", "--queue-delay-ms", "300")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def log_of(server: ServerProcess) -> str:
+    """The server's log, also after stop() (which closes the testkit's handle)."""
+    return server.log_path.read_text(errors="replace")
+
+
+def instance_pids(server) -> dict[str, str]:
+    return {s.labels["instance"]: s.labels["pid"] for s in samples(server, "megamoe_instance_ready")}
+
+
+def test_both_instances_answer_and_metrics_sum_over_them(multi, layer):
+    pids = instance_pids(multi)
+    assert sorted(pids) == [str(i) for i in range(INSTANCES)] and len(set(pids.values())) == INSTANCES, pids
+    assert multi.proc.pid not in {int(p) for p in pids.values()}  # the parent serves nothing itself
+    status, config = multi.get(f"/v2/models/{PRESET}/config")
+    assert status == 200 and config["instance_group"][0]["count"] == INSTANCES, config
+
+    def count(code: str) -> float:
+        return sum(s.value for s in samples(multi, "megamoe_requests_total")
+                   if s.labels == {"route": "/v2/models/{model_name}/infer", "code": code})
+
+    before = count("200")
+    time.sleep(0.3)  # that connection's close has reached the parent's count
+    # one keep-alive connection per client, opened at the same time: the parent spreads them
+    clients = [httpx.Client(base_url=multi.url, headers=AUTH, timeout=30) for _ in range(INSTANCES)]
+    answered: dict[int, set[str]] = {}
+    errors = []
+
+    def run(k: int, client: httpx.Client) -> None:
+        try:
+            for j in range(3):
+                body, expected = infer_body(layer, tokens=3 + k, seed=100 * k + j)
+                reply = client.post(INFER, json=body)
+                torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+                answered.setdefault(k, set()).add(reply.headers["megamoe-instance"])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k, c)) for k, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in clients:
+        c.close()
+    assert not errors, errors
+    # a connection stays with its instance; the two connections went to different ones
+    assert all(len(v) == 1 for v in answered.values()), answered
+    assert set().union(*answered.values()) == {str(i) for i in range(INSTANCES)}, answered
+    # /metrics, whichever instance answers it, counts the requests of both
+    assert count("200") - before == 3 * INSTANCES
+    tokens = sum(s.value for s in samples(multi, "megamoe_tokens_processed_total"))
+    assert tokens >= 3 * (3 + 4)
+
+
+def test_perf_analyzer_against_two_instances(multi, layer, tmp_path):
+    pa = Path(sys.prefix) / "bin" / "perf_analyzer"
+    if not pa.exists():
+        pytest.skip("perf_analyzer is not installed (scripts/install_perf_analyzer.sh)")
+    from test_perf_analyzer import WINDOWS, write_data_file
+
+    data = write_data_file(tmp_path / "data.json", layer, 4, streams=2, seed=5)
+    report = tmp_path / "pa.csv"
+    out = subprocess.run([str(pa), "-m", PRESET, "-u", multi.url.removeprefix("http://"), "-i", "http",
+                          "-H", f"Authorization: Bearer {TOKEN}", "-f", str(report), *WINDOWS,
+                          "--concurrency-range", "4:4", "--input-data", str(data)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    row = next(csv.DictReader(report.open()))
+    assert float(row["Inferences/Second"]) > 0, row
+
+
+def test_sigterm_drains_every_instance_and_exits_0(multi, layer):
+    """Runs last on the module's server: requests in flight on both instances are answered."""
+    # the batcher holds a request 300 ms: SIGTERM arrives while both are queued
+    time.sleep(0.3)  # earlier connections' closes have reached the parent's count
+    clients = [httpx.Client(base_url=multi.url, headers=AUTH, timeout=30) for _ in range(INSTANCES)]
+    for c in clients:
+        assert c.get("/v2/health/live").status_code == 200  # open the connections first
+    replies: dict[int, tuple] = {}
+
+    def run(k: int) -> None:
+        body, expected = infer_body(layer, tokens=2, seed=900 + k)
+        try:
+            replies[k] = (clients[k].post(INFER, json=body), expected)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            replies[k] = (exc, expected)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(INSTANCES)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    multi.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.close()
+    code = multi.stop()
+    assert code == 0, log_of(multi)
+    seen = set()
+    for k, (reply, expected) in replies.items():
+        assert isinstance(reply, httpx.Response), (reply, log_of(multi))
+        torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+        seen.add(reply.headers["megamoe-instance"])
+    assert seen == {str(i) for i in range(INSTANCES)}, seen
+    assert "drained and exited" in log_of(multi)
+
+
+def test_a_killed_instance_stops_the_server_nonzero(tmp_path):
+    srv = start(tmp_path, "killed", "--queue-delay-ms", "1")
+    try:
+        victim = int(instance_pids(srv)["1"])
+        os.kill(victim, signal.SIGKILL)
+        srv.proc.wait(60)
+        assert srv.proc.returncode not in (0, None), log_of(srv)
+        log = log_of(srv)
+        assert f"instance 1 (pid {victim}) exited with status -9" in log, log
+        assert "drained and exited" in log, log  # the other one was stopped, not left behind
+    finally:
+        srv.stop()
+
+
+def test_torchrun_serving_refuses_instances():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "megamoe.service.distributed", "--preset", PRESET, "--backend", "torch",
+                          "--instances", "2"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--instances 2 is not supported with torchrun" in out.stderr, out.stderr
