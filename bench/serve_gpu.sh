@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The service at GPU speed, measured with NVIDIA's perf_analyzer: `megamoe serve --backend cuda-sm90
-# --preset v4-flash` on 127.0.0.1, binary tensors, T=512 per request (concurrency 4) and T=1 per request
+# --preset v4-flash` on 127.0.0.1, binary tensors, T=512 per request (concurrency 4 and 8) and T=1 per request
 # (concurrency 1 and 16), against the forward-only tokens/s of the same layer measured in the same run
-# (CUDA events, no HTTP). Writes OUT_DIR/serve_h200.json (copy it to bench/results/) and the logs.
+# (CUDA events, no HTTP), for each instance count in INSTANCES. Writes OUT_DIR/serve_h200.json (copy it to bench/results/) and the logs.
 #
 #   bench/serve_gpu.sh [OUT_DIR]          default ./serve_gpu_out
 #
@@ -12,6 +12,10 @@
 # x86-64 Linux). The extension is built here (CMake, sm_90a) unless megamoe/_C has the sm90 kernels.
 # Server flags: --queue-delay-ms 0 (the batcher never waits while the device is idle; requests that
 # arrive while it is busy join the next batch), --selftest-level quick.
+# INSTANCES (default "1 4"): the server is started once per count (--instances N, each instance its own
+# copy of the layer on the GPU) and every case runs against each, in this one run. Besides
+# perf_analyzer's figures each case records the CPU time of perf_analyzer itself and of the server
+# (the parent and its instance processes) over the case, as a share of one core.
 # GIT_COMMIT names the commit that runs (default: git rev-parse HEAD; a copied tree may have none).
 # PYTHON (default python3) runs everything; PRESET / BACKEND (default v4-flash / cuda-sm90) change the layer, e.g. for a CPU smoke run of this
 # script: PYTHON=.venv/bin/python PRESET=small BACKEND=torch WINDOW_MS=500 bench/serve_gpu.sh /tmp/x
@@ -64,39 +68,56 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$
   --expect "$work/expect.pt" --out "$LOG_DIR/forward.json" >"$LOG_DIR/forward.log" 2>&1 || { tail -20 "$LOG_DIR/forward.log"; echo "forward timing failed"; exit 1; }
 echo "forward-only timed at $(el): $(tail -1 "$LOG_DIR/forward.log")"
 
-# 5. the server
-port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-(cd "$work" && exec "$PY" -m megamoe.cli serve --backend "$BACKEND" --preset "$PRESET" --host 127.0.0.1 --port "$port" \
-  --queue-delay-ms 0 --selftest-level quick --log-level info) >"$LOG_DIR/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null 2>&1 && break
-  kill -0 "$server_pid" 2>/dev/null || { tail -30 "$LOG_DIR/server.log"; echo "server exited"; exit 1; }
-  sleep 0.5
-done
-curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server.log"; echo "server never ready"; exit 1; }
-echo "server ready at $(el)"
-# the served outputs against the layer's own forward (single, batched, stacked and padded requests)
-"$PY" bench/serve_gpu_forward.py --check "127.0.0.1:$port" --model "$PRESET" --expect "$work/expect.pt" \
-  --out "$LOG_DIR/check.json" >"$LOG_DIR/check.log" 2>&1
-echo "served-output check rc=$? at $(el): $(tail -1 "$LOG_DIR/check.log")"
-
-# 6. perf_analyzer cases: name tokens concurrency
-pa_case() {
-  local name=$1 tokens=$2 conc=$3
-  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${name}_before.txt"
-  "$PA" -m "$PRESET" -u "127.0.0.1:$port" -i http --input-data "$work/data_T$tokens.json" \
-    --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" --stability-percentage 40 \
-    --max-trials 8 -f "$LOG_DIR/pa_$name.csv" >"$LOG_DIR/pa_$name.log" 2>&1
-  echo "perf_analyzer $name rc=$? at $(el)"
-  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${name}_after.txt"
+# 5. the server, once per instance count; the served-output check and the perf_analyzer cases against each
+cpu_ticks() {  # user+system clock ticks of the server process and its children (the instances)
+  local total=0 p
+  for p in "$server_pid" $(pgrep -P "$server_pid" 2>/dev/null); do
+    [ -r "/proc/$p/stat" ] && total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+  done
+  echo "$total"
 }
-pa_case T512_c4 512 4
-pa_case T1_c1 1 1
-pa_case T1_c16 1 16
-kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null; server_pid=
+pa_case() {  # name tokens concurrency
+  local name=$1 tokens=$2 conc=$3 ticks0 ticks1 pa_times
+  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${tag}${name}_before.txt"
+  ticks0=$(cpu_ticks)
+  # bash's time: wall, user and system seconds of perf_analyzer (and its children)
+  pa_times=$( { TIMEFORMAT='%R %U %S'; time "$PA" -m "$PRESET" -u "127.0.0.1:$port" -i http \
+    --input-data "$work/data_T$tokens.json" --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" \
+    --stability-percentage 40 --max-trials 8 -f "$LOG_DIR/pa_${tag}$name.csv" >"$LOG_DIR/pa_${tag}$name.log" 2>&1; } 2>&1 )
+  local rc=$?
+  ticks1=$(cpu_ticks)
+  echo "$pa_times $(( ticks1 - ticks0 )) $(getconf CLK_TCK)" >"$LOG_DIR/cpu_${tag}$name.txt"
+  echo "perf_analyzer ${tag}$name rc=$rc at $(el) (perf_analyzer wall/user/sys s, server ticks: $(cat "$LOG_DIR/cpu_${tag}$name.txt"))"
+  curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${tag}${name}_after.txt"
+}
+for n in ${INSTANCES:-1 4}; do
+  tag="i${n}_"
+  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  (cd "$work" && exec "$PY" -m megamoe.cli serve --backend "$BACKEND" --preset "$PRESET" --host 127.0.0.1 --port "$port" \
+    --queue-delay-ms 0 --selftest-level quick --log-level info --instances "$n") >"$LOG_DIR/server_i$n.log" 2>&1 &
+  server_pid=$!
+  # ready: every instance (megamoe_instance_ready is 1 for each of them)
+  for _ in $(seq 1 600); do
+    [ "$(curl -sf "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -c '^megamoe_instance_ready{.*} 1.0$')" -ge "$n" ] && break
+    kill -0 "$server_pid" 2>/dev/null || { tail -30 "$LOG_DIR/server_i$n.log"; echo "server exited"; exit 1; }
+    sleep 0.5
+  done
+  curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server_i$n.log"; echo "server never ready"; exit 1; }
+  echo "server with $n instance(s) ready at $(el)"
+  # the served outputs against the layer's own forward (single, batched, stacked and padded requests)
+  "$PY" bench/serve_gpu_forward.py --check "127.0.0.1:$port" --model "$PRESET" --expect "$work/expect.pt" \
+    --out "$LOG_DIR/check_i$n.json" >"$LOG_DIR/check_i$n.log" 2>&1
+  echo "served-output check rc=$? at $(el): $(tail -1 "$LOG_DIR/check_i$n.log")"
+  for case in ${CASES:-T512_c4:512:4 T512_c8:512:8 T1_c1:1:1 T1_c16:1:16}; do
+    IFS=: read -r cname ctokens cconc <<<"$case"
+    pa_case "$cname" "$ctokens" "$cconc"
+  done
+  kill -TERM "$server_pid"; wait "$server_pid"; echo "server with $n instance(s) exited with status $? at $(el)"
+  server_pid=
+done
 
-"$PY" bench/serve_gpu_forward.py --report "$LOG_DIR" --command "PRESET=$PRESET BACKEND=$BACKEND bench/serve_gpu.sh" --perf-analyzer "$PA" \
+"$PY" bench/serve_gpu_forward.py --report "$LOG_DIR" --instances ${INSTANCES:-1 4} \
+  --command "PRESET=$PRESET BACKEND=$BACKEND INSTANCES=\"${INSTANCES:-1 4}\" bench/serve_gpu.sh" --perf-analyzer "$PA" \
   ${GIT_COMMIT:+--commit "$GIT_COMMIT"} \
   --out "$LOG_DIR/serve_h200.json" || exit 1
 echo "done at $(el)"
