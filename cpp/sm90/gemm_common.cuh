@@ -2,17 +2,34 @@
 // registers, the bf16 tensor-core MMA, the epilogue.
 //
 // Operand order. A 32-bit word of packed weights holds 8 consecutive elements
-// n0..n7 (n0 in the low nibble). dequant_word() turns it into four bf16x2 registers
-// P0..P3 with Pj = (n_j, n_{j+4}) -- the pairs that fall out of cheap bit arithmetic.
-// A dot product does not care about the order of its terms as long as both operands use
-// the same one, so activations are stored with each 8-element group in the order
-// 0,4,1,5,2,6,3,7: their 32-bit words are then exactly the partners of P0..P3.
+// n0..n7 (NVFP4: n0 in the low nibble). dequant_word() turns it into four bf16x2 registers
+// P0..P3 with Pj = (n_j, n_{j+4}). A dot product does not care about the order of its
+// terms as long as both operands use the same one, so activations are stored with each
+// 8-element group in the order 0,4,1,5,2,6,3,7: their 32-bit words are then exactly the
+// partners of P0..P3.
 //
-// Exactness. Pj holds sign and magnitude bits at bf16 positions such that its value is
-// e2m1 * 2^-126 (the 0.5 code is a bf16 subnormal). Multiplying by the bf16 value
-// scale * 2^119 (exact: 4 significant bits, within range for every e4m3 scale) gives
-// e2m1 * scale * 2^-7, exact in bf16 (at most 6 significant bits, >= 2^-17). The 2^7 goes
-// into the epilogue alpha (kDequantAlpha).
+// Exactness. Pj holds each code's magnitude bits at bf16 bits 6..8 and its sign at bit 15 of
+// its half (all other bits 0), so its value is e2m1 * 2^-126 (the 0.5 code is a bf16
+// subnormal). Multiplying by the bf16 value scale * 2^119 (exact: 4 significant bits, within
+// range for every e4m3 scale) gives e2m1 * scale * 2^-7, exact in bf16 (at most 6 significant
+// bits, >= 2^-17). The 2^7 goes into the epilogue alpha (kDequantAlpha).
+//
+// Weight bit layout (sm90 word layout). prepare_weights permutes the bits inside every 32-bit
+// word once (megamoe/backends/cuda_sm90.py sm90_word_layout; same bytes, still 4.5 bits per
+// weight) so that the pairs fall out of few instructions. Slots: the bf16x2 bits a pair needs,
+// kPairSlots = bits 6,7,8,15 (n_j: magnitude bits 0..2, sign) and 22,23,24,31 (n_{j+4}).
+// Slot s of pair j is stored at word bit
+//   P0: s            -> P0 = w & kPairSlots
+//   P1: (s + 3) % 32 -> P1 = rotr(w, 3) & kPairSlots
+//   P2: (s + 6) % 32 -> P2 = rotr(w, 6) & kPairSlots
+//   P3: 6<-3, 7<-4, 8<-0, 15<-1, 22<-19, 23<-20, 24<-16, 31<-17
+//                    -> P3 = ((w & 0x001B001B) * (2^3 + 2^8 + 2^14)) & kPairSlots
+// (P3: the three shifted copies of the 8 masked bits do not overlap, so the product is their
+// OR and has no carries.) Per word 8 integer instructions (2 rotates, 5 LOP3, 1 IMAD) and 4
+// bf16x2 multiplies; the natural nibble order took 13 (a shift, then mask, multiply-place,
+// mask per pair). No layout gives every pair one rotate and one mask (no four rotated copies of
+// kPairSlots tile the 32 bits), and none decodes in 7 with rotates and byte permutes (exhaustive
+// searches).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,31 +58,32 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
-// Nibble pair at bits [0,4) and [16,20) of q -> bf16x2 bits e2m1 * 2^-126 (sign to bit 15,
-// magnitude to bits 6..8 of each half): q*(2^6 + 2^12) puts a copy of the nibble at bits
-// 6..9 and one at 12..15 without overlap; the mask keeps magnitude from the first and
-// sign from the second. A pair at bits [4,8) / [20,24) uses the multiplier 2^2 + 2^8.
-__device__ __forceinline__ uint32_t nibble_pair_bits(uint32_t q, uint32_t mul) { return (q * mul) & 0x81C081C0u; }
+// The bf16x2 bits of a pair (see "Weight bit layout" above).
+constexpr uint32_t kPairSlots = 0x81C081C0u;
+constexpr uint32_t kP3Mask = 0x001B001Bu;
+constexpr uint32_t kP3Mul = (1u << 3) | (1u << 8) | (1u << 14);
+
+__device__ __forceinline__ uint32_t rotr(uint32_t w, uint32_t n) { return __funnelshift_r(w, w, n); }
 
 // One pair P_tig of a word for lane tig of a quad (the quad shares the word; tile 128's K-64 stages):
-// pair_pick(tig) once per thread, then dequant_pair(w, pick, s2) = P_tig * scale * 2^-7.
+// pair_pick(tig) once per thread, then dequant_pair(w, pick, s2) = P_tig * scale * 2^-7. The same
+// instructions for every lane (rotate, mask, multiply, mask): P0..P2 multiply by 1 with an all-ones mask.
 struct PairPick {
-  uint32_t shift, mask, mul;
+  uint32_t rot, mask, mul;
 };
 __device__ __forceinline__ PairPick pair_pick(int tig) {
-  return {tig >= 2 ? 8u : 0u, (tig & 1) ? 0x00F000F0u : 0x000F000Fu, (tig & 1) ? 0x0104u : 0x1040u};
+  return {tig == 3 ? 0u : 3u * uint32_t(tig), tig == 3 ? kP3Mask : 0xFFFFFFFFu, tig == 3 ? kP3Mul : 1u};
 }
 __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, const PairPick& pk, uint32_t s2) {
-  return bf16x2_mul(nibble_pair_bits((w >> pk.shift) & pk.mask, pk.mul), s2);
+  return bf16x2_mul(((rotr(w, pk.rot) & pk.mask) * pk.mul) & kPairSlots, s2);
 }
 
-// w: 8 packed e2m1 codes; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
+// w: 8 e2m1 codes in the sm90 word layout; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
-  const uint32_t u = w >> 8;
-  p[0] = bf16x2_mul(nibble_pair_bits(w & 0x000F000Fu, 0x1040u), s2);
-  p[1] = bf16x2_mul(nibble_pair_bits(w & 0x00F000F0u, 0x0104u), s2);
-  p[2] = bf16x2_mul(nibble_pair_bits(u & 0x000F000Fu, 0x1040u), s2);
-  p[3] = bf16x2_mul(nibble_pair_bits(u & 0x00F000F0u, 0x0104u), s2);
+  p[0] = bf16x2_mul(w & kPairSlots, s2);
+  p[1] = bf16x2_mul(rotr(w, 3) & kPairSlots, s2);
+  p[2] = bf16x2_mul(rotr(w, 6) & kPairSlots, s2);
+  p[3] = bf16x2_mul(((w & kP3Mask) * kP3Mul) & kPairSlots, s2);
 }
 
 // D += A * B, m16n8k16, bf16 inputs, fp32 accumulators.

@@ -40,7 +40,7 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
                                           current_stream)
 
-__all__ = ["CudaSm90Backend", "PreparedSm90"]
+__all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_word_layout", "sm90_word_layout_inverse"]
 
 
 
@@ -55,18 +55,88 @@ def gemm_kernel(name) -> object:
         raise ValueError(f"unknown sm90 GEMM kernel {name!r}; one of {list(kinds.__members__)}") from None
 
 
+# ---------------------------------------------------------------- weight bit layout
+# The sm90 word layout of the packed weights (cpp/sm90/gemm_common.cuh, "Weight bit layout"):
+# the bits of every 32-bit word (8 e2m1 codes, n0 in the low nibble) permuted so that the kernels'
+# dequant_word builds the bf16x2 pairs (n_j, n_{j+4}) with 8 integer instructions. Pair j's code
+# bits (magnitude bits 0..2, sign) go to its slots 6, 7, 8, 15 (n_j) and 22, 23, 24, 31 (n_{j+4});
+# slot s of pair j is stored at word bit _PAIR_SOURCE[j](s), the bit that the pair's decode moves to s.
+_PAIR_SLOTS = (6, 7, 8, 15, 22, 23, 24, 31)
+_P3_SOURCE = {6: 3, 7: 4, 8: 0, 15: 1, 22: 19, 23: 20, 24: 16, 31: 17}  # ((w & 0x001B001B) * 0x4108) & slots
+_PAIR_SOURCE = (lambda s: s, lambda s: (s + 3) % 32, lambda s: (s + 6) % 32, lambda s: _P3_SOURCE[s])
+
+
+def _stored_bits() -> tuple[int, ...]:
+    """``[b]``: the stored word bit that holds bit b of the NVFP4 word (code b // 4, code bit b % 4)."""
+    stored = [0] * 32
+    for j in range(4):
+        for half, code in ((0, j), (1, j + 4)):
+            for bit in range(4):
+                stored[4 * code + bit] = _PAIR_SOURCE[j](_PAIR_SLOTS[4 * half + bit])
+    assert sorted(stored) == list(range(32)), "the sm90 word layout must be a bit permutation"
+    return tuple(stored)
+
+
+SM90_STORED_BITS = _stored_bits()
+
+
+def _shift_groups(dest: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(mask, shift) per distinct move of the bit permutation ``dest`` (bit b -> bit dest[b])."""
+    groups: dict[int, int] = {}
+    for b, d in enumerate(dest):
+        groups[d - b] = groups.get(d - b, 0) | (1 << b)
+    return tuple((mask, shift) for shift, mask in sorted(groups.items()))
+
+
+_TO_SM90 = _shift_groups(SM90_STORED_BITS)
+_FROM_SM90 = _shift_groups(tuple(SM90_STORED_BITS.index(b) for b in range(32)))
+_LAYOUT_CHUNK_WORDS = 1 << 24
+
+
+def _permute_word_bits(data: torch.Tensor, groups, name: str) -> torch.Tensor:
+    """A new uint8 tensor like ``data`` with the bits of every little-endian 32-bit word moved by ``groups``."""
+    if data.dtype != torch.uint8:
+        raise ValueError(f"{name}: packed NVFP4 data must be uint8, got {data.dtype}")
+    if data.dim() == 0 or data.shape[-1] % 4:
+        raise ValueError(f"{name}: the last dimension of the packed data ({tuple(data.shape)}) must be a "
+                         f"multiple of 4 bytes (K a multiple of 8)")
+    src = data.contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(src)
+    for i in range(0, src.numel(), _LAYOUT_CHUNK_WORDS):
+        w = src[i:i + _LAYOUT_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        acc = torch.zeros_like(w)
+        for mask, shift in groups:
+            part = w & mask
+            acc |= (part << shift) if shift >= 0 else (part >> -shift)
+        out[i:i + _LAYOUT_CHUNK_WORDS] = ((acc ^ 0x80000000) - 0x80000000).to(torch.int32)  # same 32 bits, signed
+    return out.view(torch.uint8).reshape(data.shape)
+
+
+def sm90_word_layout(data: torch.Tensor) -> torch.Tensor:
+    """Packed NVFP4 weight bytes (uint8, ``[..., K/2]``, K % 8 == 0) -> a new tensor in the sm90 word
+    layout the cuda-sm90 kernels read (same shape and bytes per row; ``data`` is not modified)."""
+    return _permute_word_bits(data, _TO_SM90, "sm90_word_layout")
+
+
+def sm90_word_layout_inverse(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`sm90_word_layout` (back to the NVFP4 nibble order)."""
+    return _permute_word_bits(data, _FROM_SM90, "sm90_word_layout_inverse")
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 @dataclass
 class PreparedSm90:
-    """Device-resident NVFP4 weights as the sm90 kernels read them (no copies made)."""
+    """Device-resident NVFP4 weights as the sm90 kernels read them: the packed data in the sm90 word
+    layout (:func:`sm90_word_layout`, made once by ``prepare_weights`` into new tensors: the caller's
+    weights are not modified), the scales and global scales as given."""
 
-    w13_data: torch.Tensor   # u8 [E, 2I, H/2]
+    w13_data: torch.Tensor   # u8 [E, 2I, H/2], sm90 word layout
     w13_scale: torch.Tensor  # u8 (e4m3) [E, 2I, H/16]
     w13_gs: torch.Tensor     # f32 [E, 2] (gate, up)
-    w2_data: torch.Tensor    # u8 [E, H, I/2]
+    w2_data: torch.Tensor    # u8 [E, H, I/2], sm90 word layout
     w2_scale: torch.Tensor   # u8 [E, H, I/16]
     w2_gs: torch.Tensor      # f32 [E]
     w13_input_scale: torch.Tensor | None
@@ -216,7 +286,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             sl = slice(p * rows, (p + 1) * rows)
             part_out = out if parts == 1 else torch.empty((m, rows), dtype=torch.float32, device=self.device)
             _ext.ext.sm90_grouped_gemm(act=op, expert_offsets=offsets, grid_experts=1,
-                                       w_data=b.data[sl].contiguous().unsqueeze(0),
+                                       w_data=sm90_word_layout(b.data[sl]).unsqueeze(0),
                                        w_scale=_u8(b.scale[sl]).contiguous().unsqueeze(0), w_global_scale=w_gs,
                                        a_global_scale=a_gs, a_row_scale=a_rs, epilogue=_ext.ext.Sm90Epilogue.store,
                                        out=part_out, max_total_rows=m, plan=plan, stream=stream)
@@ -231,10 +301,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         dev = self.device
         w = weights
         return PreparedSm90(
-            w13_data=w.w13.data.to(dev).contiguous(),
+            w13_data=sm90_word_layout(w.w13.data.to(dev)),
             w13_scale=_u8(w.w13.scale.to(dev)).contiguous(),
             w13_gs=w.w13.global_scale.to(dev, torch.float32).reshape(-1, 2).contiguous(),
-            w2_data=w.w2.data.to(dev).contiguous(),
+            w2_data=sm90_word_layout(w.w2.data.to(dev)),
             w2_scale=_u8(w.w2.scale.to(dev)).contiguous(),
             w2_gs=w.w2.global_scale.to(dev, torch.float32).reshape(-1).contiguous(),
             w13_input_scale=None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous(),
