@@ -117,7 +117,7 @@ for n in ${INSTANCES:-1 4}; do
 done
 
 "$PY" bench/serve_gpu_forward.py --report "$LOG_DIR" --instances ${INSTANCES:-1 4} \
-  --command "PRESET=$PRESET BACKEND=$BACKEND INSTANCES=\"${INSTANCES:-1 4}\" bench/serve_gpu.sh" --perf-analyzer "$PA" \
+  --command "PRESET=$PRESET BACKEND=$BACKEND INSTANCES=\"${INSTANCES:-1 4}\" WINDOW_MS=${WINDOW_MS:-2000} bench/serve_gpu.sh" --perf-analyzer "$PA" \
   ${GIT_COMMIT:+--commit "$GIT_COMMIT"} \
   --out "$LOG_DIR/serve_h200.json" || exit 1
 echo "done at $(el)"

@@ -6,12 +6,21 @@ batches, cuda-sm90), and those rows match the layer's forward of each request al
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from _helpers import SEED, cosine, sm90_and_torch_layers
 
 pytest.importorskip("fastapi", reason="the service's packages are not installed")
+try:
+    import megamoe.service  # noqa: F401 - the installed layout (wheel or editable install)
+except ModuleNotFoundError:
+    # a source tree on sys.path (scripts/gpu_check.sh): the repository's service/ folder is megamoe.service
+    import megamoe
+
+    megamoe.__path__.append(str(Path(__file__).resolve().parents[2]))
 
 TYPES = {"hidden_states": "FP32", "topk_ids": "INT32", "topk_weights": "FP32"}
 
