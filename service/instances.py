@@ -83,10 +83,7 @@ def _instance_main(settings: ServiceSettings, index: int, channel: socket.socket
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(5)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 def serve_instances(settings: ServiceSettings) -> int:
