@@ -40,19 +40,6 @@ namespace megamoe::sm90 {
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
-// Measurement constants (weight/scale loads only; results are bit-identical either way):
-//  kWgWeightRing: 1: tile 128 loads weights and scales K 256 at a time (full 128-byte lines per row) into a
-//   ring of 2 slots, one copy every 4 K-64 stages, instead of 32 bytes per row with every stage;
-//   2: tile 64 too (one copy every 2 K-128 stages);
-//  kWgL2Prefetch: 0, 128 or 256: the L2 prefetch size qualifier on the weight/scale cp.async (tiles 64, 128).
-#ifndef MEGAMOE_WG_RING
-#define MEGAMOE_WG_RING 2
-#endif
-#ifndef MEGAMOE_WG_L2PF
-#define MEGAMOE_WG_L2PF 0
-#endif
-constexpr int kWgWeightRing = MEGAMOE_WG_RING;
-constexpr int kWgL2Prefetch = MEGAMOE_WG_L2PF;
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage (two lane-owned K-128 halves),
@@ -70,19 +57,11 @@ struct WgCfg {
   // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
   // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
   static constexpr int kWRowBytes = kKS >= 128 ? kKS / 2 : kKS / 2 + 16;
-  // Weight ring (tile 128): per slot K 256 of every row (128 bytes, rows padded to 144: the 8 rows a
-  // warp reads per 16-byte load fall in distinct bank groups) and its 16 scale bytes per row.
-  static constexpr bool kRing = (kWgWeightRing >= 1 && kKS == 64) || (kWgWeightRing >= 2 && kKS == 128);
-  static constexpr int kRingK = 256, kGroup = kRingK / kKS, kRingSlots = 2;
-  static constexpr int kRingRowBytes = kRingK / 2 + 16;
-  static constexpr int kRingWBytes = kRows * kRingRowBytes;
-  static constexpr int kRingSlotBytes = kRing ? (kRingWBytes + kRows * (kRingK / 16) + 1023) / 1024 * 1024 : 0;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kWBytes = kRing ? 0 : kRows * kWRowBytes;
-  static constexpr int kRaw = kABytes + kWBytes + (kRing ? 0 : kRows * (kKS / 16));
+  static constexpr int kWBytes = kRows * kWRowBytes;
+  static constexpr int kRaw = kABytes + kWBytes + kRows * (kKS / 16);
   static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
-  static constexpr int kRingBytes = kRingSlotBytes * kRingSlots;
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kRingBytes + 256 * 4 + (1024 + 32) * 4;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -108,31 +87,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 }
 
 // cp.async of kBytes (16, 8 or 4) to a shared address; only the first bytes_valid are read, the rest zero-filled.
-// kPf (0, 128, 256): L2 prefetch size of the access (the whole 128- or 256-byte block is brought into L2).
-template <int kBytes, int kPf = 0>
+template <int kBytes>
 __device__ __forceinline__ void cp_async_s(uint32_t smem, const void* gmem, int bytes_valid) {
-  if constexpr (kPf == 128) {
-    if constexpr (kBytes == 16)
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else if constexpr (kBytes == 8)
-      asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else
-      asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-  } else if constexpr (kPf == 256) {
-    if constexpr (kBytes == 16)
-      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else if constexpr (kBytes == 8)
-      asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else
-      asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-  } else {
-    if constexpr (kBytes == 16)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else if constexpr (kBytes == 8)
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-    else
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-  }
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
+  else if constexpr (kBytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
 }
 
 template <int kMaxN>
@@ -224,28 +186,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     return valid ? n : 0;
   };
   constexpr int kKS = Cfg::kKS, kWRow = Cfg::kWRowBytes;
-  constexpr int kPf = kMaxN == kWgTiny ? 0 : kWgL2Prefetch;
   const int w_lr = tid >> 1, w_half = tid & 1;  // 2 threads per weight row, kKS / 4 bytes each
   bool w_valid;
   const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * (kKS / 4);
   bool s_valid = false;
   const uint8_t* s_src = ws;
   if (tid < Cfg::kRows) s_src = ws + weight_row(tid, s_valid) * Kb;
-  // Weight ring copies: 8 threads per row (16-byte chunk r_ch of the row's 128 bytes), rows r_lr + 32 q,
-  // q < 4 (one warp instruction = 4 rows x 128 bytes = 4 whole lines). Row r_lr + 32 q is the global row
-  // of r_lr plus 32 q (plus 16 q with kSiluMul: 2 more 8-column groups); rows past the end stay past it.
-  const int r_lr = tid >> 3, r_ch = tid & 7;
-  int r_rows = 0;  // rows r_lr + 32 q inside the weight (q < r_rows)
-  const uint8_t* r_src;
-  {
-    bool v;
-    r_src = wd + weight_row(r_lr, v) * row_bytes + 16 * r_ch;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      weight_row(r_lr + 32 * q, v);
-      r_rows += v;
-    }
-  }
 
   const int num_k_tiles = int(K / kKS);
   // Activation copies of this thread, fixed for the whole tile: kAR source rows (token r of the tile ->
@@ -285,14 +231,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const uint32_t sw = sa + Cfg::kABytes;
     const uint32_t ss = sw + Cfg::kWBytes;
     const int64_t ko = int64_t(kt) * kKS;
-    if constexpr (!Cfg::kRing) {
-#pragma unroll
-      for (int q = 0; q < kKS / 64; ++q)
-        cp_async_s<16, kPf>(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
-                            w_valid ? 16 : 0);
-      if (tid < Cfg::kRows)
-        cp_async_s<kKS / 16, kPf>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
-    }
 #pragma unroll
     for (int j = 0; j < kAR; ++j) {
       if constexpr (kLane) {
@@ -304,27 +242,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
         if (a_thread) cp_async_s<16>(sa + a_dst + (kT / 8) * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
       }
     }
-  };
-  // Weights and scales of K [256 grp, 256 grp + 256) into ring slot rslot (chunks past K: zero-filled, not read).
-  const uint32_t ring_s = stages_s + uint32_t(S) * Cfg::kStageBytes;
-  auto load_ring = [&](int rslot, int grp) {
-    const uint32_t rw = ring_s + uint32_t(rslot) * Cfg::kRingSlotBytes;
-    const uint32_t rs = rw + Cfg::kRingWBytes;
-    const int64_t gb = int64_t(grp) * (Cfg::kRingK / 2);  // byte offset in a weight row
-    const bool c_ok = gb + 16 * r_ch < row_bytes;
-    const uint8_t* src = r_src + (c_ok ? gb : 0);
-    const int64_t step = (silu_mul ? 16 : 32) * row_bytes;
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-      cp_async_s<16, kPf>(rw + (r_lr + 32 * q) * Cfg::kRingRowBytes + 16 * r_ch, src + q * step,
-                          q < r_rows && c_ok ? 16 : 0);
-    if (tid < Cfg::kRows) {
-      const int64_t sb = int64_t(grp) * (Cfg::kRingK / 16);
-      const int n = Kb - sb < 16 ? int(Kb - sb) : 16;
-      cp_async_s<16, kPf>(rs + tid * (Cfg::kRingK / 16), s_src + sb, s_valid ? n : 0);
-    }
+    for (int q = 0; q < kKS / 64; ++q)
+      cp_async_s<16>(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
+                     w_valid ? 16 : 0);
+    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
   };
-  const int num_groups = int((K + Cfg::kRingK - 1) / Cfg::kRingK);
 
   float acc[N / 2];
 #pragma unroll
@@ -334,7 +257,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const PairPick pick = pair_pick(tig);
   const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
 
-  if constexpr (Cfg::kRing) load_ring(0, 0);
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
@@ -345,19 +267,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
   for (int kt = 0; kt < num_k_tiles; ++kt) {
-    // tile kt landed (this thread's copies); a ring group of 2 stages (tile 64) was issued only 2
-    // iterations before its first stage: wait for one group more there
-    if (Cfg::kRing && Cfg::kGroup < S - 1 && kt % Cfg::kGroup == 0)
-      cp_async_wait<(Cfg::kGroup < S - 1 ? S - 1 - Cfg::kGroup : S - 2)>();
-    else
-      cp_async_wait<S - 2>();
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
     __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
-    if constexpr (Cfg::kRing) {
-      // The group after the current one, into the slot of the one before (its last stage, kt - 1, is drained).
-      const int grp = kt / Cfg::kGroup + 1;
-      if (kt % Cfg::kGroup == 0 && grp < num_groups) load_ring(grp & 1, grp);
-    }
     const int pf = kt + S - 1;
     if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
     cp_async_commit();
@@ -366,19 +278,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const uint8_t* sw = sa + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
     if constexpr (kKS == 64) {
-      constexpr int kWR = Cfg::kRing ? Cfg::kRingRowBytes : kWRow;  // weight and scale row strides
-      constexpr int kSR = Cfg::kRing ? Cfg::kRingK / 16 : 4;
-      if constexpr (Cfg::kRing) {
-        const uint8_t* rb = stages + S * Cfg::kStageBytes + ((kt / Cfg::kGroup) & 1) * Cfg::kRingSlotBytes;
-        sw = rb + (kt % Cfg::kGroup) * (kKS / 2);
-        ss = rb + Cfg::kRingWBytes + (kt % Cfg::kGroup) * (kKS / 16);
-      }
-      const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWR);
-      const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWR + 16);
-      const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWR);
-      const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWR + 16);
-      const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * kSR);
-      const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * kSR);
+      const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow);
+      const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16);
+      const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow);
+      const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16);
+      const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
+      const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
       const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
       const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
 #pragma unroll
@@ -395,19 +300,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
       // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
       // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
-      constexpr int kWR = Cfg::kRing ? Cfg::kRingRowBytes : kWRow;  // weight and scale row strides
-      constexpr int kSR = Cfg::kRing ? Cfg::kRingK / 16 : kKS / 16;
-      if constexpr (Cfg::kRing) {
-        const uint8_t* rb = stages + S * Cfg::kStageBytes + ((kt / Cfg::kGroup) & 1) * Cfg::kRingSlotBytes;
-        sw = rb + (kt % Cfg::kGroup) * (kKS / 2);
-        ss = rb + Cfg::kRingWBytes + (kt % Cfg::kGroup) * (kKS / 16);
-      }
 #pragma unroll
       for (int hf = 0; hf < kKS / 128; ++hf) {  // K-128 half: k16 steps 8 hf ..
-        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWR + 64 * hf + 16 * tig);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWR + 64 * hf + 16 * tig);
-        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * kSR + 8 * hf + 2 * tig);
-        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * kSR + 8 * hf + 2 * tig);
+        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 64 * hf + 16 * tig);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 64 * hf + 16 * tig);
+        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * (kKS / 16) + 8 * hf + 2 * tig);
+        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * (kKS / 16) + 8 * hf + 2 * tig);
         const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
         const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
         const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
@@ -460,7 +358,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
-  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages + Cfg::kRingBytes);
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
   int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
   int32_t* warp_sums = tile_scan + 1024;
 
