@@ -101,7 +101,11 @@ def test_odd_shapes_every_column(h, i, e, k, mode, gen):
         print(f"odd shape H={h} I={i} E={e} k={k} {mode} T={t}: cosine {c:.7f}")
         assert torch.isfinite(out).all() and c >= 0.9999, (t, c)
         if t >= 127:
-            check_every_column(out, exp, 0.999)
+            # W4A4 quantizes h again for L2: an fp32 sum in another order can land h on the other side of
+            # an e2m1 rounding point or move a block's e4m3 scale, so a column over ~128 tokens may differ
+            # by a code step of a few tokens (worst seen 0.9988, seed-dependent). A column the kernel
+            # skips or misplaces (the field bug) reads ~0.
+            check_every_column(out, exp, 0.999 if mode == "w4a16" else 0.99)
 
 
 # ------------------------------------------------------------------------------------------
