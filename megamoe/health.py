@@ -198,7 +198,7 @@ def check_moe_vs_reference(be: Backend, gen: torch.Generator, full: bool):
         layer.config = layer.config.with_(act_mode=mode)
         ids_w = layer.route(x)
         out = layer.backend.moe_forward(layer._prepared, layer.config, x, ids_w[1], ids_w[0]).float()
-        ref = ref_be.moe_forward(layer.weights, layer.config, x, ids_w[1], ids_w[0]).float()
+        ref = ref_be.moe_forward(layer.weights.to(be.device), layer.config, x, ids_w[1], ids_w[0]).float()
         c = cosine(out, ref)
         worst = min(worst, c)
         parts.append(f"{mode} cosine {c:.6f} rel err {rel_err(out, ref):.2e}")

@@ -30,7 +30,11 @@ class MoELayer:
         self.config = config
         self.backend = get_backend(backend, device=device)
         self.device = self.backend.device
-        self.weights = weights.to(self.device)
+        # A backend that re-lays out the routed experts makes its own device copy of them; the layer's
+        # NVFP4 copy of those experts (read only by the reference paths) then stays in host memory, so
+        # the device holds each weight once.
+        host_routed = self.backend.copies_routed_weights and self.device.type != "cpu"
+        self.weights = weights.to(self.device, routed_device="cpu" if host_routed else None)
         self._prepared = self.backend.prepare_weights(self._routed_weights())
 
     def _check_weights(self, weights: MoEWeights, config: MoEConfig) -> None:
@@ -161,9 +165,9 @@ class MoELayer:
         x = hidden_states.to(self.device).float()
         topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
 
-        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e]), nvfp4.dequantize(w.w2[e]), cfg,
-                                        quantize_activations=False)
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # (the experts may sit in host memory)
+            return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e].to(self.device)),
+                                        nvfp4.dequantize(w.w2[e].to(self.device)), cfg, quantize_activations=False)
 
         out = reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)
         if cfg.n_shared_experts:

@@ -45,11 +45,14 @@ class MoEWeights:
     shared_gate_up_input_scale: torch.Tensor | None = None
     shared_down_input_scale: torch.Tensor | None = None
 
-    def to(self, device) -> "MoEWeights":
+    def to(self, device, routed_device=None) -> "MoEWeights":
+        """Every tensor on ``device``; the routed experts (``w13``, ``w2``) on ``routed_device``
+        when given. Tensors already there are kept, not copied."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if v is not None else None
+            dev = routed_device if routed_device is not None and f.name in ("w13", "w2") else device
+            kw[f.name] = v.to(dev) if v is not None else None
         return MoEWeights(**kw)
 
     @property

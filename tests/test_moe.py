@@ -306,3 +306,38 @@ def test_repeated_expert_in_one_token_adds_in_a_fixed_order():
                 if int(ids[tok, j]) == i:
                     want[tok] += expert(i, x[tok:tok + 1])[0] * w[tok, j]
     assert torch.equal(out, want)
+
+
+class _CopyingBackend:
+    """A backend on another device whose prepare_weights makes its own copy of the routed experts
+    (as cuda-sm90's re-layout does): only the layer's bookkeeping is exercised, on the meta device."""
+
+    name = "copying"
+    copies_routed_weights = True
+    device = torch.device("meta")
+
+    def __init__(self):
+        self.prepared_from = None
+
+    def prepare_weights(self, weights):
+        self.prepared_from = weights
+        return weights.to(self.device)
+
+
+def test_layer_keeps_routed_experts_in_host_memory_when_the_backend_copies_them(monkeypatch):
+    """The device holds the routed experts once: the backend's copy; the layer's NVFP4 copy (for its
+    reference paths) stays in host memory, and the other weights go to the device as before."""
+    import megamoe.moe as moe_mod
+
+    cfg = get_preset("tiny")
+    w = synthetic_weights(cfg, seed=3)
+    be = _CopyingBackend()
+    monkeypatch.setattr(moe_mod, "get_backend", lambda backend, device=None: backend)
+    layer = MoELayer(w, cfg, backend=be)
+    for t in (layer.weights.w13.data, layer.weights.w13.scale, layer.weights.w2.data, layer.weights.w2.global_scale):
+        assert t.device.type == "cpu"
+    assert layer.weights.w13.data is w.w13.data  # host tensors are kept, not copied
+    assert layer.weights.router_weight.device.type == "meta"
+    assert be.prepared_from.w13.data.device.type == "cpu"  # prepared from the host copy: no device copy first
+    # a backend that hands back the given tensors (the default) gets everything on its device
+    assert not moe_mod.Backend.copies_routed_weights

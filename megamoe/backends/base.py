@@ -16,6 +16,10 @@ class Backend:
     """Base class; see docs/ARCHITECTURE.md for the contract."""
 
     name = "base"
+    #: prepare_weights makes device tensors of its own for the routed experts' packed data (a
+    #: re-layout), rather than handing back the given tensors: MoELayer then keeps its NVFP4 copy of
+    #: those experts in host memory, so that the device holds them once.
+    copies_routed_weights = False
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -54,7 +58,8 @@ class Backend:
 
     # ---- MoE ---------------------------------------------------------------------
     def prepare_weights(self, weights):
-        """Once per layer: move/convert the weights for this backend (e.g. swizzle scales)."""
+        """Once per layer: move/convert the weights for this backend (e.g. swizzle scales); the given
+        weights are not modified (see :attr:`copies_routed_weights`)."""
         return weights
 
     def moe_forward(self, prepared, cfg, x: torch.Tensor, topk_ids: torch.Tensor,

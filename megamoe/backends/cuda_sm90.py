@@ -181,6 +181,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
     """NVFP4 MoE on compute capability 9.x (see module doc)."""
 
     name = "cuda-sm90"
+    copies_routed_weights = True  # the packed data in the sm90 word layout (prepare_weights)
 
     def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0) -> None:
         """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's)."""

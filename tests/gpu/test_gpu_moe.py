@@ -197,3 +197,37 @@ def test_moe_v4_flash_switch_pocket(t, gen):
     x, ids, w = _route(gpu, t // 4, gen)
     c = cosine(gpu.forward(x, ids, w).float(), ref.forward(x, ids, w).float())
     assert c >= 0.9999, (t, c)
+
+
+def test_device_holds_the_routed_experts_once(gen):
+    """cuda-sm90 re-lays out the routed experts into its own device tensors; the layer's NVFP4 copy of
+    them (for reference_bf16) stays in host memory, so building a layer from host weights grows device
+    memory by the weights once, and the reference path still runs (on host-held experts)."""
+    from megamoe.checkpoint import synthetic_weights
+    from megamoe.health import THRESHOLDS
+    from megamoe.moe import MoELayer
+    from megamoe.presets import get_preset
+
+    from _helpers import backend_or_skip
+
+    backend_or_skip("cuda-sm90")
+    cfg = get_preset("small").with_(act_mode="w4a16")
+    w = synthetic_weights(cfg, seed=5)  # host memory
+    routed = w.w13.nbytes() + w.w2.nbytes()
+    def nbytes(t):
+        parts = (t.data, t.scale, t.global_scale) if hasattr(t, "global_scale") else (t,)
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    other = sum(nbytes(getattr(w, f)) for f in ("w13_input_scale", "w2_input_scale", "router_weight", "router_bias",
+                                                 "shared_gate_up", "shared_down") if getattr(w, f) is not None)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    layer = MoELayer(w, cfg, backend="cuda-sm90")
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    print(f"routed {routed / 2**20:.1f} MiB, other {other / 2**20:.1f} MiB, device grew {grown / 2**20:.1f} MiB")
+    assert layer.weights.w13.data.device.type == "cpu" and layer.weights.w2.data.device.type == "cpu"
+    assert routed <= grown < routed * 1.2 + other + (16 << 20), (grown, routed, other)
+    x = torch.randn((37, cfg.hidden_size), generator=gen).to(torch.bfloat16).cuda()
+    c = cosine(layer(x), layer.reference_bf16(x))
+    assert c >= THRESHOLDS["moe_cosine_w4a16"], c
