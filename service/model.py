@@ -1,12 +1,18 @@
 """The served MoE model: loading, v2 metadata, and validation of one request's tensors.
 
 Validation happens here, before a request joins a batch, so a bad request is
-answered 400 and never reaches the device or anyone else's batch.
+answered 400 and never reaches the device or anyone else's batch; the one exception is
+below.
 
-NaN/Inf policy: rejected with 400. Callers share a batch, and so the kernels'
-buffers: a NaN that reaches a shared scale or padding row corrupts other callers'
-rows (docs/FIELD_BUGS.md row 6). Even where the math is row-local today, a batching server must
-not let one caller's bad value near another's result; the 400 names where it is.
+NaN/Inf policy: rejected with 400, the error naming where. Callers share a batch, and so the
+kernels' buffers: a NaN that reached a shared scale or padding row would corrupt other callers'
+rows (docs/FIELD_BUGS.md row 6). The exception: on a CUDA device the hidden_states of a request of
+DEVICE_FINITE_MIN_ROWS rows or more are checked on the device, one flag per row in the batch's
+stream after the copy there (a host pass over them cost the event loop ~1.3 ms per T=512
+request). Such a request's rows do run with its batch; the kernels keep rows independent (per-row
+activation scales, padding rows that leave real rows bit-identical: docs/FIELD_BUGS.md row 6,
+tests/gpu/test_gpu_moe.py::test_nan_padding_rows_do_not_leak), so the other callers get exactly
+the rows they would get without it, and that request gets its 400 (finish_batch).
 """
 
 from __future__ import annotations
