@@ -72,3 +72,23 @@ class SlowDeviceCallsBackend(TorchBackend):
     def verify_sf_roundtrip(self, scale):
         time.sleep(self.DELAY_S)
         return super().verify_sf_roundtrip(scale)
+
+
+class FirstLoadsBackend(TorchBackend):
+    """The torch backend of which only the first process to load goes ahead: every later one waits
+    (at most 120 s) until ``$MEGAMOE_TEST_GATE`` exists. Several instances of one server: one is
+    ready while the others are still loading."""
+
+    def prepare_weights(self, weights):
+        gate = os.environ["MEGAMOE_TEST_GATE"]
+        claim = gate + ".first"  # holds the process id of the first one (the self-test loads again)
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        except FileExistsError:
+            deadline = time.monotonic() + 120
+            while (not os.path.exists(gate) and time.monotonic() < deadline
+                   and open(claim).read().strip() != str(os.getpid())):
+                time.sleep(0.05)
+        return super().prepare_weights(weights)

@@ -181,6 +181,51 @@ def test_sigterm_drains_every_instance_and_exits_0(multi, layer):
     assert "drained and exited" in log_of(multi)
 
 
+def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
+    """While one instance is ready and the other still loads, every new connection goes to the
+    ready one; once both are ready, the next connection goes to the one with fewer open."""
+    gate = tmp_path / "gate"
+    srv = ServerProcess(tmp_path / "gated.log", env={"MEGAMOE_TOKEN": TOKEN, "MEGAMOE_TEST_GATE": str(gate)},
+                        args=["--backend", "megamoe_test_backends:FirstLoadsBackend", "--instances", str(INSTANCES),
+                              "--queue-delay-ms", "1", "--log-level", "info"])
+    clients = []
+    try:
+        srv.wait_for("/v2/health/ready")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the loading one has reported its (not ready) gauge too
+            ready = {s.labels["instance"]: s.value for s in samples(srv, "megamoe_instance_ready")}
+            if len(ready) == INSTANCES:
+                break
+            time.sleep(0.1)
+        assert sorted(ready.values()) == [0.0, 1.0], ready
+        first = next(k for k, v in ready.items() if v == 1.0)
+        for k in range(3):  # connections kept open: still every one to the ready instance
+            client = httpx.Client(base_url=srv.url, headers=AUTH, timeout=30)
+            clients.append(client)
+            body, expected = infer_body(layer, tokens=2, seed=300 + k)
+            reply = client.post(INFER, json=body)
+            torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+            assert reply.headers["megamoe-instance"] == first, (k, reply.headers)
+        gate.touch()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            ready = {s.labels["instance"]: s.value for s in samples(srv, "megamoe_instance_ready")}
+            if list(ready.values()) == [1.0] * INSTANCES:
+                break
+            time.sleep(0.2)
+        assert list(ready.values()) == [1.0] * INSTANCES, (ready, log_of(srv))
+        time.sleep(0.3)  # the probes' connections are closed and counted
+        late = httpx.Client(base_url=srv.url, headers=AUTH, timeout=30)
+        clients.append(late)
+        reply = late.get("/v2/health/ready")
+        assert reply.status_code == 200 and reply.headers["megamoe-instance"] != first, reply.headers
+    finally:
+        for c in clients:
+            c.close()
+        code = srv.stop()
+    assert code == 0, log_of(srv)
+
+
 def test_a_killed_instance_stops_the_server_nonzero(tmp_path):
     srv = start(tmp_path, "killed", "--queue-delay-ms", "1")
     try:
