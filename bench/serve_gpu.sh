@@ -12,8 +12,9 @@
 # x86-64 Linux). The extension is built here (CMake, sm_90a) unless megamoe/_C has the sm90 kernels.
 # Server flags: --queue-delay-ms 0 (the batcher never waits while the device is idle; requests that
 # arrive while it is busy join the next batch), --selftest-level quick.
-# INSTANCES (default "1 4"): the server is started once per count (--instances N, each instance its own
-# copy of the layer on the GPU) and every case runs against each, in this one run. Besides
+# INSTANCES (default "1 4"): the server is started once per entry (--instances N, each instance its own
+# copy of the layer on the GPU; an entry N:BF16 also sets --hidden-datatype BF16, so that perf_analyzer
+# sends and receives BF16 hidden states, half the bytes of FP32) and every case runs against each, in this one run. Besides
 # perf_analyzer's figures each case records the CPU time of perf_analyzer itself and of the server
 # (the parent and its instance processes) over the case, as a share of one core.
 # GIT_COMMIT names the commit that runs (default: git rev-parse HEAD; a copied tree may have none).
@@ -82,7 +83,7 @@ pa_case() {  # name tokens concurrency
   ticks0=$(cpu_ticks)
   # bash's time: wall, user and system seconds of perf_analyzer (and its children)
   pa_times=$( { TIMEFORMAT='%R %U %S'; time "$PA" -m "$PRESET" -u "127.0.0.1:$port" -i http \
-    --input-data "$work/data_T$tokens.json" --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" \
+    --input-data "$work/data_T$tokens$dsuffix.json" --concurrency-range "$conc:$conc" --measurement-interval "${WINDOW_MS:-2000}" \
     --stability-percentage 40 --max-trials 8 -f "$LOG_DIR/pa_${tag}$name.csv" >"$LOG_DIR/pa_${tag}$name.log" 2>&1; } 2>&1 )
   local rc=$?
   ticks1=$(cpu_ticks)
@@ -90,24 +91,26 @@ pa_case() {  # name tokens concurrency
   echo "perf_analyzer ${tag}$name rc=$rc at $(el) (perf_analyzer wall/user/sys s, server ticks: $(cat "$LOG_DIR/cpu_${tag}$name.txt"))"
   curl -sf "http://127.0.0.1:$port/metrics" >"$LOG_DIR/metrics_${tag}${name}_after.txt"
 }
-for n in ${INSTANCES:-1 4}; do
-  tag="i${n}_"
+for spec in ${INSTANCES:-1 4}; do
+  n=${spec%%:*} dtype=FP32 dsuffix= tag="i${spec%%:*}_"
+  if [[ $spec == *:* ]]; then dtype=${spec#*:}; dtype=${dtype^^}; dsuffix=_${dtype,,}; tag="i${n}${dtype,,}_"; fi
   port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   (cd "$work" && exec "$PY" -m megamoe.cli serve --backend "$BACKEND" --preset "$PRESET" --host 127.0.0.1 --port "$port" \
-    --queue-delay-ms 0 --selftest-level quick --log-level info --instances "$n") >"$LOG_DIR/server_i$n.log" 2>&1 &
+    --queue-delay-ms 0 --selftest-level quick --log-level info --instances "$n" --hidden-datatype "$dtype") \
+    >"$LOG_DIR/server_${tag%_}.log" 2>&1 &
   server_pid=$!
   # ready: every instance (megamoe_instance_ready is 1 for each of them)
   for _ in $(seq 1 600); do
     [ "$(curl -sf "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -c '^megamoe_instance_ready{.*} 1.0$')" -ge "$n" ] && break
-    kill -0 "$server_pid" 2>/dev/null || { tail -30 "$LOG_DIR/server_i$n.log"; echo "server exited"; exit 1; }
+    kill -0 "$server_pid" 2>/dev/null || { tail -30 "$LOG_DIR/server_${tag%_}.log"; echo "server exited"; exit 1; }
     sleep 0.5
   done
-  curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server_i$n.log"; echo "server never ready"; exit 1; }
-  echo "server with $n instance(s) ready at $(el)"
+  curl -sf "http://127.0.0.1:$port/v2/health/ready" >/dev/null || { tail -30 "$LOG_DIR/server_${tag%_}.log"; echo "server never ready"; exit 1; }
+  echo "server with $n instance(s), $dtype hidden states, ready at $(el)"
   # the served outputs against the layer's own forward (single, batched, stacked and padded requests)
   "$PY" bench/serve_gpu_forward.py --check "127.0.0.1:$port" --model "$PRESET" --expect "$work/expect.pt" \
-    --out "$LOG_DIR/check_i$n.json" >"$LOG_DIR/check_i$n.log" 2>&1
-  echo "served-output check rc=$? at $(el): $(tail -1 "$LOG_DIR/check_i$n.log")"
+    --out "$LOG_DIR/check_${tag%_}.json" >"$LOG_DIR/check_${tag%_}.log" 2>&1
+  echo "served-output check rc=$? at $(el): $(tail -1 "$LOG_DIR/check_${tag%_}.log")"
   for case in ${CASES:-T512_c4:512:4 T512_c8:512:8 T1_c1:1:1 T1_c16:1:16}; do
     IFS=: read -r cname ctokens cconc <<<"$case"
     pa_case "$cname" "$ctokens" "$cconc"

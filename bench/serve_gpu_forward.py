@@ -47,9 +47,10 @@ def time_forward(args) -> None:
         def entry(t):
             return {"b64": base64.b64encode(t.contiguous().numpy().tobytes()).decode(), "shape": list(t.shape)}
 
-        doc = {"data": [{"hidden_states": entry(h), "topk_ids": entry(i), "topk_weights": entry(w)}
-                        for h, i, w in streams]}
-        (out_dir / f"data_T{tokens}.json").write_text(json.dumps(doc))
+        for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):  # for --hidden-datatype FP32 / BF16
+            doc = {"data": [{"hidden_states": entry(h.to(dtype).view(torch.int16) if dtype == torch.bfloat16 else h),
+                             "topk_ids": entry(i), "topk_weights": entry(w)} for h, i, w in streams]}
+            (out_dir / f"data_T{tokens}{suffix}.json").write_text(json.dumps(doc))
 
         hidden, ids, weights = (t.to(layer.device) for t in streams[0])
         iters = (50 if tokens > 64 else 200) if cuda else 5
@@ -232,15 +233,19 @@ def report(args) -> None:
     forward = json.loads((d / "forward.json").read_text())
     fwd = {r["tokens"]: r for r in forward["forward"]}
     results, checks, served = [], {}, {}
-    for n in args.instances:
-        tag = f"i{n}_"
+    for spec in args.instances:
+        n, _, datatype = spec.partition(":")
+        n, datatype = int(n), datatype.upper() or "FP32"
+        tag = f"i{n}_" if datatype == "FP32" else f"i{n}{datatype.lower()}_"
+        key = f"instances_{n}" if datatype == "FP32" else f"instances_{n}_{datatype.lower()}"
         rows = []
         for name, (tokens, conc) in CASES.items():
             path = d / f"pa_{tag}{name}.csv"
             log = d / f"pa_{tag}{name}.log"
             if not path.exists() and not log.exists():
                 continue  # a case this run did not have
-            row = {"instances": n, "case": name, "tokens_per_request": tokens, "concurrency": conc}
+            row = {"instances": n, "hidden_datatype": datatype, "case": name, "tokens_per_request": tokens,
+                   "concurrency": conc}
             if path.exists() and path.stat().st_size:
                 pa = next(csv.DictReader(path.open()))
                 rps = float(pa["Inferences/Second"])
@@ -257,9 +262,9 @@ def report(args) -> None:
                 row["server_stages"] = _stages(d / f"metrics_{tag}{name}_before.txt", d / f"metrics_{tag}{name}_after.txt")
             rows.append(row)
         results += rows
-        checks[f"instances_{n}"] = _targets({r["case"]: r for r in rows}, fwd)
-        check = d / f"check_i{n}.json"
-        served[f"instances_{n}"] = json.loads(check.read_text())["summary"] if check.exists() else None
+        checks[key] = _targets({r["case"]: r for r in rows}, fwd)
+        check = d / f"check_{tag[:-1]}.json"
+        served[key] = json.loads(check.read_text())["summary"] if check.exists() else None
 
     def version(name):
         try:
@@ -274,7 +279,8 @@ def report(args) -> None:
     record = {
         "command": args.command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "what": "perf_analyzer (binary tensors, FP32 hidden states as advertised, INT32 ids, FP32 weights, "
+        "what": "perf_analyzer (binary tensors, hidden states in the advertised datatype: FP32, or BF16 for "
+                "servers N:BF16 run with --hidden-datatype BF16; INT32 ids, FP32 weights, "
                 f"random inputs from a data file) against megamoe serve --backend {forward['backend']} --preset "
                 f"{forward['preset']} --queue-delay-ms 0 --instances N on 127.0.0.1 (perf_analyzer's and the server's CPU time per "
                 "case from /proc and bash's time); forward-only: the same layer's forward "
@@ -295,10 +301,10 @@ def report(args) -> None:
         "targets": checks,
     }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{'inst':>4} {'case':8} {'req/s':>9} {'tok/s':>9} {'%fwd':>5} {'p50 ms':>7} {'pa cores':>8} {'srv cores':>9}")
+    print(f"{'inst':>4} {'hidden':6} {'case':8} {'req/s':>9} {'tok/s':>9} {'%fwd':>5} {'p50 ms':>7} {'pa cores':>8} {'srv cores':>9}")
     for r in results:
         cpu = r.get("cpu") or {}
-        print(f"{r['instances']:>4} {r['case']:8} {r.get('requests_per_s', float('nan')):>9.1f} "
+        print(f"{r['instances']:>4} {r['hidden_datatype']:6} {r['case']:8} {r.get('requests_per_s', float('nan')):>9.1f} "
               f"{r.get('tokens_per_s', float('nan')):>9.1f} {100 * r.get('fraction_of_forward', float('nan')):>5.1f} "
               f"{r.get('latency_ms', {}).get('p50', float('nan')):>7.2f} {cpu.get('perf_analyzer_cores') or float('nan'):>8.2f} "
               f"{cpu.get('server_cores') or float('nan'):>9.2f}")
@@ -315,7 +321,8 @@ def main() -> int:
     p.add_argument("--report")
     p.add_argument("--command", default="bench/serve_gpu.sh")
     p.add_argument("--perf-analyzer")
-    p.add_argument("--instances", type=int, nargs="+", default=[1], help="with --report: the instance counts run")
+    p.add_argument("--instances", nargs="+", default=["1"],
+                   help="with --report: the servers run, each an instance count N or N:BF16 (--hidden-datatype BF16)")
     p.add_argument("--commit", help="the commit that ran (default: git rev-parse HEAD)")
     p.add_argument("--expect", help="with --tokens: also save the check's inputs and the layer's outputs here; "
                                     "with --check: read them")

@@ -300,7 +300,8 @@ class ServiceState:
 
     def load_and_selftest(self) -> None:
         layer = self.preloaded_layer if self.preloaded_layer is not None else load_layer(self.settings)
-        self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request)
+        self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request,
+                                 self.settings.hidden_datatype)
         if self.settings.torch_threads:
             # set here, on the device thread that runs every forward (the setting is per thread)
             torch.set_num_threads(self.settings.torch_threads)

@@ -38,7 +38,8 @@ FLOAT_TYPES = ("BF16", "FP16", "FP32")
 INT_TYPES = ("INT32", "INT64")
 #: the datatype each input and the output is advertised with: one that every standard client
 #: sends in every tensor format (perf_analyzer and tritonclient refuse BF16 in JSON); the server
-#: accepts all of ``parameters.datatypes`` regardless, and answers in the dtype of hidden_states
+#: accepts all of ``parameters.datatypes`` regardless, and answers in the dtype of hidden_states.
+#: hidden_states and output follow the hidden_datatype setting (FP32 here, or BF16).
 ADVERTISED = {"hidden_states": "FP32", "topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32",
               "output": "FP32"}
 INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits")
@@ -109,8 +110,11 @@ class ServedModel:
 
     version = "1"
 
-    def __init__(self, name: str, layer, max_tokens_per_request: int):
+    def __init__(self, name: str, layer, max_tokens_per_request: int, hidden_datatype: str = "FP32"):
+        if hidden_datatype not in FLOAT_TYPES:
+            raise ValueError(f"hidden_datatype {hidden_datatype!r}: one of {', '.join(FLOAT_TYPES)}")
         self.name = name
+        self.hidden_datatype = hidden_datatype
         self.layer = layer
         self.config = layer.config
         self.device = layer_device(layer)
@@ -151,13 +155,13 @@ class ServedModel:
         """(name, advertised datatype, accepted datatypes, row width, optional) of the inputs, and of the output."""
         cfg = self.config
         inputs = [
-            ("hidden_states", ADVERTISED["hidden_states"], FLOAT_TYPES, cfg.hidden_size, False),
+            ("hidden_states", self.hidden_datatype, FLOAT_TYPES, cfg.hidden_size, False),
             # routing: topk_ids + topk_weights, or router_logits, or neither (the layer's router)
             ("topk_ids", ADVERTISED["topk_ids"], INT_TYPES, cfg.top_k, True),
             ("topk_weights", ADVERTISED["topk_weights"], FLOAT_TYPES, cfg.top_k, True),
             ("router_logits", ADVERTISED["router_logits"], FLOAT_TYPES, cfg.num_experts, True),
         ]
-        return inputs, (OUTPUT_NAME, ADVERTISED["output"], FLOAT_TYPES, cfg.hidden_size, False)
+        return inputs, (OUTPUT_NAME, self.hidden_datatype, FLOAT_TYPES, cfg.hidden_size, False)
 
     def metadata(self) -> dict:
         cfg = self.config

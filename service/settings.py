@@ -58,6 +58,14 @@ class ServiceSettings(BaseSettings):
         "instance that exits unexpectedly stops the server (exit status 1); SIGTERM drains every instance. Not with "
         "torchrun (expert-parallel serving is one process per rank)",
     )
+    hidden_datatype: str = Field(
+        "FP32", pattern="^(FP32|BF16)$",
+        description="datatype of hidden_states and output in the model metadata and config (FP32 or BF16). Every "
+        "request may send BF16, FP16 or FP32 regardless and is answered in its own hidden_states datatype; the "
+        "advertised one is what clients that follow the metadata send (perf_analyzer). BF16 halves the bytes of "
+        "both tensors (the kernels read bf16 activations); perf_analyzer's and tritonclient's JSON formats "
+        "refuse BF16, so JSON clients need FP32",
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     token: SecretStr | None = Field(

@@ -152,3 +152,37 @@ def test_random_data_gets_a_clear_400(perf_analyzer, server, layer, tmp_path):
     assert rc != 0, output[-3000:]
     # random FP32 bit patterns hold NaN/Inf (or random ids out of range): perf_analyzer shows the server's reason
     assert "NaN or Inf" in output or "topk_ids out of range" in output, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def bf16_server(tmp_path_factory):
+    """A server that advertises BF16 for hidden_states and output (``--hidden-datatype BF16``)."""
+    from service_testkit import ServerProcess
+
+    srv = ServerProcess(tmp_path_factory.mktemp("bf16") / "server.log", env={"MEGAMOE_TOKEN": TOKEN},
+                        args=["--backend", "torch", "--hidden-datatype", "BF16", "--max-tokens-per-request", "64"])
+    try:
+        srv.wait_for("/v2/health/ready")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_bf16_hidden_datatype_is_advertised_and_sent_by_perf_analyzer(perf_analyzer, bf16_server, layer, tmp_path):
+    """--hidden-datatype BF16: metadata and config advertise BF16 for hidden_states and output (the
+    routing inputs keep theirs), and perf_analyzer's binary format sends BF16 tensors that the server
+    runs: half the bytes of FP32 each way."""
+    _, metadata = bf16_server.get(f"/v2/models/{PRESET}")
+    types = {i["name"]: i["datatype"] for i in metadata["inputs"]}
+    assert types == {"hidden_states": "BF16", "topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32"}
+    assert metadata["outputs"][0]["datatype"] == "BF16"
+    _, config = bf16_server.get(f"/v2/models/{PRESET}/config")
+    assert {i["name"]: i["data_type"] for i in config["input"]}["hidden_states"] == "TYPE_BF16"
+    assert config["output"][0]["data_type"] == "TYPE_BF16"
+    tokens = 5
+    before = tokens_processed(bf16_server)
+    rc, output, rows = run_pa(perf_analyzer, bf16_server, tmp_path, "--concurrency-range", "2",
+                              "--input-data", "zero", *zero_shapes(layer, tokens))
+    assert rc == 0, output[-3000:]
+    assert sorted(rows) == [2] and float(rows[2]["Inferences/Second"]) > 0, output[-3000:]
+    assert tokens_processed(bf16_server) - before >= 3 * 12 * tokens
