@@ -106,3 +106,14 @@ def random_inputs(layer, tokens: int, seed: int, dtype=torch.float32):
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
     weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
     return hidden.to(dtype), ids, weights / weights.sum(-1, keepdim=True)
+
+
+def infer_body(layer, tokens: int, seed: int):
+    """A JSON infer request of random inputs (FP32 hidden states, routing given) and ``layer``'s output for it."""
+    hidden, ids, weights = random_inputs(layer, tokens, seed)
+    body = {"inputs": [
+        {"name": "hidden_states", "datatype": "FP32", "shape": list(hidden.shape), "data": hidden.flatten().tolist()},
+        {"name": "topk_ids", "datatype": "INT32", "shape": list(ids.shape), "data": ids.flatten().tolist()},
+        {"name": "topk_weights", "datatype": "FP32", "shape": list(weights.shape), "data": weights.flatten().tolist()},
+    ]}
+    return body, layer.forward(hidden, topk_ids=ids, topk_weights=weights)

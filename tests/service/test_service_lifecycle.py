@@ -13,20 +13,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_testkit import PRESET, TOKEN, ServerProcess, random_inputs
+from service_testkit import PRESET, TOKEN, ServerProcess, infer_body
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = f"/v2/models/{PRESET}/infer"
-
-
-def infer_body(layer, tokens: int, seed: int):
-    hidden, ids, weights = random_inputs(layer, tokens, seed)
-    body = {"inputs": [
-        {"name": "hidden_states", "datatype": "FP32", "shape": list(hidden.shape), "data": hidden.flatten().tolist()},
-        {"name": "topk_ids", "datatype": "INT32", "shape": list(ids.shape), "data": ids.flatten().tolist()},
-        {"name": "topk_weights", "datatype": "FP32", "shape": list(weights.shape), "data": weights.flatten().tolist()},
-    ]}
-    return body, layer.forward(hidden, topk_ids=ids, topk_weights=weights)
 
 
 def metric(server, name: str, **labels) -> float | None:
