@@ -80,8 +80,11 @@ def test_quantize_error_bound_vs_float64(gen, shape, gs):
     bound = scale * 1.0 + 1e-12
     sat = d.abs() >= 6 * scale * (1 - 1e-12)
     assert bool(((err <= bound) | sat).all())
-    # and the format's typical accuracy on Gaussian data holds
-    assert (d - x).norm() / x.norm() < 0.12
+    # and the format's typical accuracy on Gaussian data holds, where there are enough blocks for a
+    # typical value (relative error 0.095 on average; over 3000 seeds at most 0.110 for 7 x 48 elements,
+    # while a single block of 16 reaches 0.147: there the per-element bound above is the check)
+    if x.numel() >= 256:
+        assert (d - x).norm() / x.norm() < 0.12
 
 
 def test_quantize_follows_spec_steps(gen):
