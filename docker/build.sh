@@ -23,8 +23,8 @@ python="${PYTHON:-python3}"
 log() { printf '[docker/build.sh %s] %s\n' "$mode" "$*" >&2; }
 
 build_wheel() {
-  local src="$1" out="$2"
-  mkdir -p "$out"
+  local src="$1" wheel_dir="$2"
+  mkdir -p "$wheel_dir"
   local tools
   tools="$(mktemp -d)"
   "$python" -m venv "$tools/venv"
@@ -33,17 +33,17 @@ build_wheel() {
     # No CUDA compile on CPU machines (it would also take hours on two cores): an
     # empty CUDA compiler makes CMake build the torch-backend-only extension.
     log "building the wheel without CUDA"
-    "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$out" \
+    "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$wheel_dir" \
       --config-settings=build-dir="$tools/build" \
       --config-settings=cmake.define.CMAKE_CUDA_COMPILER= \
       --config-settings=cmake.define.MEGAMOE_REQUIRE_CUDA=OFF "$src"
   else
     log "building the wheel for CUDA archs ${MEGAMOE_CUDA_ARCHS:-90a;100a}"
     MEGAMOE_REQUIRE_CUDA=ON MEGAMOE_CUDA_ARCHS="${MEGAMOE_CUDA_ARCHS:-90a;100a}" \
-      "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$out" --config-settings=build-dir="$tools/build" "$src"
+      "$tools/venv/bin/pip" wheel --no-deps --wheel-dir "$wheel_dir" --config-settings=build-dir="$tools/build" "$src"
   fi
   rm -rf "$tools"
-  ls -l "$out"/megamoe-*.whl >&2
+  ls -l "$wheel_dir"/megamoe-*.whl >&2
 }
 
 install_wheel() {
