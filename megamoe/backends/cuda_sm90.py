@@ -2,7 +2,8 @@
 
 Weights stay NVFP4 in device memory (4.5 bits per weight: the linear e4m3 scales as given,
 the packed codes with the bits of every 32-bit word permuted once by ``prepare_weights`` into
-the sm90 word layout, :func:`sm90_word_layout`, a copy next to the layer's own weights); the
+the sm90 word layout, :func:`sm90_word_layout`, the device's only copy of them: MoELayer keeps
+its standard-layout copy in host memory, ``copies_routed_weights``); the
 grouped GEMMs dequantize them in registers, exactly, to bf16 and run bf16 tensor-core MMAs with
 fp32 accumulation (cpp/sm90). Pipeline of one forward,
 all on the current stream with no host synchronisation (CUDA-graph capturable for a
