@@ -16,6 +16,7 @@ from megamoe.presets import get_preset
 
 M32 = 0xFFFFFFFF
 SLOTS = 0x81C081C0  # kPairSlots
+P3_MASK, P3_MUL = 0x001B001B, (1 << 3) | (1 << 8) | (1 << 14)  # kP3Mask, kP3Mul
 
 
 # ---- the device arithmetic of gemm_common.cuh, on uint32 numpy arrays
@@ -31,11 +32,11 @@ def mul_lo(a: np.ndarray, b: int) -> np.ndarray:
 def dequant_word_bits(w: np.ndarray) -> list[np.ndarray]:
     """dequant_word's four pairs before the scale multiply."""
     return [w & np.uint32(SLOTS), rotr(w, 3) & np.uint32(SLOTS), rotr(w, 6) & np.uint32(SLOTS),
-            mul_lo(w & np.uint32(0x001B001B), (1 << 3) | (1 << 8) | (1 << 14)) & np.uint32(SLOTS)]
+            mul_lo(w & np.uint32(P3_MASK), P3_MUL) & np.uint32(SLOTS)]
 
 
 def pair_pick(tig: int) -> tuple[int, int, int]:
-    return (0 if tig == 3 else 3 * tig, 0x001B001B if tig == 3 else M32, 0x4108 if tig == 3 else 1)
+    return (0 if tig == 3 else 3 * tig, P3_MASK if tig == 3 else M32, P3_MUL if tig == 3 else 1)
 
 
 def dequant_pair_bits(w: np.ndarray, tig: int) -> np.ndarray:
@@ -52,11 +53,6 @@ def bf16_halves(p: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def words_of(data: torch.Tensor) -> np.ndarray:
     return data.contiguous().view(torch.int32).reshape(-1).numpy().view(np.uint32)
-
-
-def codes_of(words_nvfp4: np.ndarray) -> np.ndarray:
-    """[n, 8] codes n0..n7 of NVFP4 words (n0 in the low nibble)."""
-    return np.stack([(words_nvfp4 >> np.uint32(4 * i)) & np.uint32(15) for i in range(8)], axis=1).astype(np.uint8)
 
 
 def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -107,7 +103,7 @@ def _check_decode(nvfp4_words: np.ndarray):
     """The device decode of the re-laid-out words gives the reference value of every code."""
     data = torch.from_numpy(nvfp4_words.astype(np.uint32).view(np.uint8).copy()).reshape(-1, 4)
     laid = words_of(cuda_sm90.sm90_word_layout(data))
-    ref = nvfp4.e2m1_decode(torch.from_numpy(codes_of(nvfp4_words)))  # [n, 8]
+    ref = nvfp4.e2m1_decode(nvfp4.unpack_codes(data))  # [n, 8]: n0..n7 of each word
     pairs = dequant_word_bits(laid)
     for j in range(4):
         lo, hi = bf16_halves(pairs[j])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 
-from _helpers import capture_graph, cosine, rel_err
+from _helpers import backend_or_skip, capture_graph, cosine, rel_err
 from _helpers import sm90_and_torch_layers as _layers
 
 pytestmark = pytest.mark.gpu
@@ -203,23 +203,19 @@ def test_device_holds_the_routed_experts_once(gen):
     """cuda-sm90 re-lays out the routed experts into its own device tensors; the layer's NVFP4 copy of
     them (for reference_bf16) stays in host memory, so building a layer from host weights grows device
     memory by the weights once, and the reference path still runs (on host-held experts)."""
+    from megamoe import nvfp4
     from megamoe.checkpoint import synthetic_weights
     from megamoe.health import THRESHOLDS
     from megamoe.moe import MoELayer
     from megamoe.presets import get_preset
 
-    from _helpers import backend_or_skip
-
     backend_or_skip("cuda-sm90")
     cfg = get_preset("small").with_(act_mode="w4a16")
     w = synthetic_weights(cfg, seed=5)  # host memory
     routed = w.w13.nbytes() + w.w2.nbytes()
-    def nbytes(t):
-        parts = (t.data, t.scale, t.global_scale) if hasattr(t, "global_scale") else (t,)
-        return sum(p.numel() * p.element_size() for p in parts)
-
-    other = sum(nbytes(getattr(w, f)) for f in ("w13_input_scale", "w2_input_scale", "router_weight", "router_bias",
-                                                 "shared_gate_up", "shared_down") if getattr(w, f) is not None)
+    names = ("w13_input_scale", "w2_input_scale", "router_weight", "router_bias", "shared_gate_up", "shared_down")
+    other = sum(t.nbytes() if isinstance(t, nvfp4.NVFP4Tensor) else t.nbytes
+                for t in (getattr(w, f) for f in names) if t is not None)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     layer = MoELayer(w, cfg, backend="cuda-sm90")
