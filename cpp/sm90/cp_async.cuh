@@ -4,15 +4,16 @@
 
 namespace megamoe::sm90 {
 
-// Copies `size` (16, 8 or 4) bytes; only the first bytes_valid are read, the rest are zero-filled.
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes_valid, int size) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if (size == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
-  else if (size == 8)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
+// cp.async of kBytes (16, 8 or 4) to a shared-memory address (__cvta_generic_to_shared); only the
+// first bytes_valid are read, the rest zero-filled.
+template <int kBytes>
+__device__ __forceinline__ void cp_async_s(uint32_t smem, const void* gmem, int bytes_valid) {
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
+  else if constexpr (kBytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
   else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(bytes_valid));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

@@ -86,17 +86,6 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
-// cp.async of kBytes (16, 8 or 4) to a shared address; only the first bytes_valid are read, the rest zero-filled.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_s(uint32_t smem, const void* gmem, int bytes_valid) {
-  if constexpr (kBytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-  else if constexpr (kBytes == 8)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
-}
-
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
   return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts;
