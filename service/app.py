@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megamoe.backends.base import Backend
 
 from .batching import DynamicBatcher, ShuttingDown
+from .instances import MSG_CLOSED, MSG_NOT_READY, MSG_READY
 from .jsoncodec import exit_with_parent
 from .metrics import ServiceMetrics
 from .model import OUTPUT_NAME, ServedModel, load_layer
@@ -143,8 +144,7 @@ class ServiceState:
     def refresh_ready_gauge(self) -> None:
         ready = self.not_ready_reason() is None
         self.metrics.set_ready(ready)
-        if self._parent is not None and ready != self._reported_ready:
-            self.report_readiness()
+        self.report_readiness(ready)
 
     # --- an instance of several (service/instances.py) ----------------------------------------
 
@@ -159,18 +159,20 @@ class ServiceState:
         except OSError:
             pass  # the parent is gone: the server notices on its channel and drains
 
-    def report_readiness(self, force: bool = False) -> None:
-        """Tell the parent whether this instance is ready (it hands new connections to ready ones)."""
+    def report_readiness(self, ready: bool | None = None, force: bool = False) -> None:
+        """Tell the parent whether this instance is ready (it hands new connections to ready ones), when
+        that changed or with ``force``; ``ready``: already known to the caller (else worked out here)."""
         if self._parent is None:
             return
-        ready = self.not_ready_reason() is None
+        if ready is None:
+            ready = self.not_ready_reason() is None
         if force or ready != self._reported_ready:
             self._reported_ready = ready
-            self._tell_parent(b"R" if ready else b"N")
+            self._tell_parent(bytes([MSG_READY if ready else MSG_NOT_READY]))
 
     def connection_closed(self) -> None:
         if self._parent is not None:
-            self._tell_parent(b"C")
+            self._tell_parent(bytes([MSG_CLOSED]))
 
     def begin_shutdown(self) -> None:
         """SIGTERM: readiness turns 503, and a body still arriving when the grace period ends is
@@ -488,7 +490,7 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
                 on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
                 on_stages=lambda stages: metrics.record_stages(model.name, stages),
             )
-            state.batcher.on_queue = metrics.track_queue(lambda: state.batcher.queued_requests)
+            state.batcher.on_queue = metrics.queued.set  # called whenever the queue changes
             state.batcher.start()
         finally:
             state.loading = False

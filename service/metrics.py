@@ -11,7 +11,6 @@ readiness endpoint answers then; self-test results the worst and the latest over
 
 from __future__ import annotations
 
-from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -31,7 +30,6 @@ class ServiceMetrics:
         """``multiprocess``: one of several serving processes (prometheus_client's multiprocess mode,
         its directory in the environment); ``instance``: this process's index."""
         self.registry = CollectorRegistry()
-        self.multiprocess = multiprocess
         self.instance = str(instance)
         self._render_registry = self.registry
         if multiprocess:
@@ -95,15 +93,6 @@ class ServiceMetrics:
         value = 1.0 if ready else 0.0
         self.ready.set(value)
         self.instance_ready.labels(self.instance).set(value)
-
-    def track_queue(self, queued: Callable[[], int]) -> Callable[[int], None] | None:
-        """The batcher's queue length as the queued gauge: read when /metrics renders (one process),
-        or the returned callback, which the batcher calls when it changes (several: the other
-        processes cannot call into this one)."""
-        if not self.multiprocess:
-            self.queued.set_function(queued)
-            return None
-        return self.queued.set
 
     def record_batch(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
         self.batch_requests.labels(model).observe(requests)

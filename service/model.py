@@ -30,18 +30,17 @@ import numpy as np
 import torch
 
 from .protocol import BODY_ALIGN, ProtocolError, aligned_body
-from .settings import ServiceSettings
+from .settings import HIDDEN_DATATYPES, ServiceSettings
 
 log = logging.getLogger("megamoe.service.model")
 
 FLOAT_TYPES = ("BF16", "FP16", "FP32")
 INT_TYPES = ("INT32", "INT64")
-#: the datatype each input and the output is advertised with: one that every standard client
-#: sends in every tensor format (perf_analyzer and tritonclient refuse BF16 in JSON); the server
-#: accepts all of ``parameters.datatypes`` regardless, and answers in the dtype of hidden_states.
-#: hidden_states and output follow the hidden_datatype setting (FP32 here, or BF16).
-ADVERTISED = {"hidden_states": "FP32", "topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32",
-              "output": "FP32"}
+#: the datatype the routing inputs are advertised with: one that every standard client sends in
+#: every tensor format (perf_analyzer and tritonclient refuse BF16 in JSON); the server accepts all
+#: of ``parameters.datatypes`` regardless. hidden_states and output are advertised with the
+#: hidden_datatype setting (FP32, or BF16), and every answer is in the dtype of hidden_states.
+ADVERTISED = {"topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32"}
 INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits")
 OUTPUT_NAME = "output"
 
@@ -111,8 +110,8 @@ class ServedModel:
     version = "1"
 
     def __init__(self, name: str, layer, max_tokens_per_request: int, hidden_datatype: str = "FP32"):
-        if hidden_datatype not in FLOAT_TYPES:
-            raise ValueError(f"hidden_datatype {hidden_datatype!r}: one of {', '.join(FLOAT_TYPES)}")
+        if hidden_datatype not in HIDDEN_DATATYPES:
+            raise ValueError(f"hidden_datatype {hidden_datatype!r}: one of {', '.join(HIDDEN_DATATYPES)}")
         self.name = name
         self.hidden_datatype = hidden_datatype
         self.layer = layer
@@ -330,8 +329,7 @@ class ServedModel:
             launched.keep = None  # the device has read the inputs: their buffers may be reused
             stages.update(h2d=start.elapsed_time(h2d) / 1e3, compute=h2d.elapsed_time(compute) / 1e3,
                           d2h=compute.elapsed_time(d2h) / 1e3)
-        out = launched.output[: sum(launched.sizes)]
-        outputs = list(out.split(launched.sizes))
+        outputs = list(launched.output.split(launched.sizes))
         for index, error in errors.items():
             outputs[index] = error
         return outputs, stages
@@ -383,14 +381,10 @@ class ServedModel:
                 dev = {name: buf.to(self.device, non_blocking=True) for name, buf in host.items()}
             if direct:
                 for name in names:
-                    target = dev[name]
-                    if len(requests) == 1:
-                        target[:tokens].copy_(getattr(head, name), non_blocking=True)
-                    else:
-                        offset = 0
-                        for request, n in zip(requests, sizes):
-                            target[offset:offset + n].copy_(getattr(request, name), non_blocking=True)
-                            offset += n
+                    target, offset = dev[name], 0
+                    for request, n in zip(requests, sizes):
+                        target[offset:offset + n].copy_(getattr(request, name), non_blocking=True)
+                        offset += n
                     if rows > tokens:
                         self._pad_on_device(name, target[tokens:])
             elif graph is not None:
@@ -571,7 +565,7 @@ def _fill_padding(name: str, rows: np.ndarray, cfg) -> None:
 
 @dataclass
 class _Launched:
-    output: torch.Tensor          # [rows, H] on the host (pinned on CUDA), rows >= sum(sizes)
+    output: torch.Tensor          # [sum(sizes), H] on the host (pinned on CUDA)
     sizes: list[int]
     events: tuple | None          # CUDA: start, after h2d, after compute, after d2h
     stages: dict[str, float]

@@ -222,8 +222,6 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
     of a binary infer request with a declared length goes straight into the buffer that its tensors
     will live in (``ServiceState.body_buffer``: pinned host memory on a CUDA device), past the parser,
     which is replaced by a fresh one for the next request on the connection."""
-    import asyncio
-
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 

@@ -12,6 +12,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+#: datatypes the metadata may advertise for hidden_states and output (--hidden-datatype)
+HIDDEN_DATATYPES = ("FP32", "BF16")
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -59,7 +62,7 @@ class ServiceSettings(BaseSettings):
         "torchrun (expert-parallel serving is one process per rank)",
     )
     hidden_datatype: str = Field(
-        "FP32", pattern="^(FP32|BF16)$",
+        "FP32", pattern=f"^({'|'.join(HIDDEN_DATATYPES)})$",
         description="datatype of hidden_states and output in the model metadata and config (FP32 or BF16). Every "
         "request may send BF16, FP16 or FP32 regardless and is answered in its own hidden_states datatype; the "
         "advertised one is what clients that follow the metadata send (perf_analyzer). BF16 halves the bytes of "
