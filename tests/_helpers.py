@@ -7,6 +7,8 @@ Import as ``from _helpers import ...`` (tests/ is on sys.path through tests/conf
 * ``random_scales``, ``random_nvfp4``: random e4m3 block scales and random NVFP4 matrices.
 * ``backend_or_skip``: a GPU backend, or a pytest skip that says why it is not here.
 * ``capture_graph``: capture a callable in a CUDA graph (after a warm-up on the capture stream).
+* ``routed_inputs``: random x on the GPU routed by the layer's router from random logits.
+* ``random_inputs``: random host hidden states (a few large rows) and routing for a layer.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from megamoe.health import cosine, rel_err
 from megamoe.health import random_nvfp4 as _health_random_nvfp4
 from megamoe.health import random_scales as _health_random_scales
 
-__all__ = ["SEED", "cosine", "rel_err", "random_scales", "random_nvfp4", "backend_or_skip", "capture_graph"]
+__all__ = ["SEED", "cosine", "rel_err", "random_scales", "random_nvfp4", "backend_or_skip", "capture_graph",
+           "routed_inputs", "random_inputs"]
 
 # Fresh random data each run, but reproducible when a test fails: the seed is printed.
 SEED = int(os.environ.get("MEGAMOE_TEST_SEED", torch.seed() % 2**31))
@@ -84,3 +87,24 @@ def capture_graph(fn, *args, **kwargs):
     with torch.cuda.graph(graph):
         out = fn(*args, **kwargs)
     return graph, out
+
+
+def routed_inputs(layer, t: int, gen: torch.Generator, dtype=torch.bfloat16):
+    """``(x, topk_ids, topk_weights)`` on the GPU: x ``[t, H]`` random (times 2) in ``dtype``, routed by
+    the layer's router from random logits."""
+    cfg = layer.config
+    x = (torch.randn((t, cfg.hidden_size), generator=gen) * 2).to(dtype).cuda()
+    logits = torch.randn((t, cfg.num_experts), generator=gen).cuda()
+    w, ids = layer.route(x, logits)
+    return x, ids, w
+
+
+def random_inputs(layer, tokens: int, seed: int, dtype=torch.float32):
+    """Random hidden states (with a few large values) and routing for ``layer`` (host tensors):
+    ``(hidden [T, H], topk_ids [T, k] int32, topk_weights [T, k] summing to 1)``."""
+    cfg = layer.config
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, cfg.hidden_size, generator=gen) * (1 + 4 * torch.rand(tokens, 1, generator=gen))
+    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
+    return hidden.to(dtype), ids, weights / weights.sum(-1, keepdim=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import backend_or_skip, cosine
+from _helpers import backend_or_skip, cosine, routed_inputs
 from _helpers import sm90_and_torch_layers as _layers
 
 pytestmark = pytest.mark.gpu
@@ -66,8 +66,7 @@ def test_forward_same_bits_with_one_block_align(gen, monkeypatch):
 
     gpu, ref = _layers("tiny", act_mode="w4a16", num_experts=16, top_k=3)
     t = 3000
-    x = (torch.randn((t, gpu.config.hidden_size), generator=gen) * 2).to(torch.bfloat16).cuda()
-    w, ids = gpu.route(x, torch.randn((t, gpu.config.num_experts), generator=gen).cuda())
+    x, ids, w = routed_inputs(gpu, t, gen)
     multi = gpu.forward(x, ids, w).clone()
     real = _ext.ext.sm90_moe_align
 

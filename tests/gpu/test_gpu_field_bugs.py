@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _helpers import backend_or_skip, capture_graph, cosine
+from _helpers import routed_inputs as _inputs
 from _helpers import sm90_and_torch_layers as _pair
 from test_field_bugs import SHAPES as CPU_SHAPES
 from test_field_bugs import check_every_column
@@ -21,14 +22,6 @@ pytestmark = pytest.mark.gpu
 def _fwd(layer, x, ids, w):
     """The backend's routed experts alone (no id validation: masked ids reach the backend)."""
     return layer.backend.moe_forward(layer._prepared, layer.config, x, ids, w).float()
-
-
-def _inputs(layer, t, gen, dtype=torch.bfloat16):
-    cfg = layer.config
-    x = (torch.randn((t, cfg.hidden_size), generator=gen) * 2).to(dtype).cuda()
-    logits = torch.randn((t, cfg.num_experts), generator=gen).cuda()
-    w, ids = layer.route(x, logits)
-    return x, ids, w
 
 
 def _mask(ids, e, gen, frac=0.35):

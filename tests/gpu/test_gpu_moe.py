@@ -7,16 +7,10 @@ import torch
 
 
 from _helpers import backend_or_skip, capture_graph, cosine, rel_err
+from _helpers import routed_inputs as _route
 from _helpers import sm90_and_torch_layers as _layers
 
 pytestmark = pytest.mark.gpu
-
-
-def _route(layer, t, gen):
-    x = (torch.randn((t, layer.config.hidden_size), generator=gen) * 2).to(torch.bfloat16).cuda()
-    logits = torch.randn((t, layer.config.num_experts), generator=gen).cuda()
-    w, ids = layer.route(x, logits)
-    return x, ids, w
 
 
 def _forward_vs_torch(gpu, ref, t, gen, label):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import SEED, cosine, sm90_and_torch_layers
+from _helpers import SEED, backend_or_skip, cosine, random_inputs
 
 pytest.importorskip("fastapi", reason="the service's packages are not installed")
 try:
@@ -25,23 +25,18 @@ except ModuleNotFoundError:
 TYPES = {"hidden_states": "FP32", "topk_ids": "INT32", "topk_weights": "FP32"}
 
 
-def _inputs(cfg, tokens: int, gen: torch.Generator):
-    hidden = torch.randn(tokens, cfg.hidden_size, generator=gen) * (1 + 3 * torch.rand(tokens, 1, generator=gen))
-    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
-    return {"hidden_states": hidden, "topk_ids": ids, "topk_weights": weights / weights.sum(-1, keepdim=True)}
-
-
 # (rows per request, index of the bad one): stacked into a graph bucket (35 rows), copied per request
 # into a graph bucket (91), copied per request, eager (305)
 @pytest.mark.parametrize("sizes, bad", [((32, 3), 0), ((40, 48, 3), 1), ((100, 200, 5), 1)])
 def test_nonfinite_request_is_refused_the_others_unaffected(sizes, bad):
-    gpu, _ = sm90_and_torch_layers("small", seed=SEED % 997)
+    backend_or_skip("cuda-sm90")
+    from megamoe.moe import MoELayer
     from megamoe.service.model import ServedModel
 
+    gpu = MoELayer.from_preset("small", seed=SEED % 997, backend="cuda-sm90")
     model = ServedModel("m", gpu, 4096)
-    gen = torch.Generator().manual_seed(SEED)
-    clean = [_inputs(gpu.config, n, gen) for n in sizes]
+    names = ("hidden_states", "topk_ids", "topk_weights")
+    clean = [dict(zip(names, random_inputs(gpu, n, seed=SEED + k))) for k, n in enumerate(sizes)]
     dirty = [dict(x) for x in clean]
     poisoned = clean[bad]["hidden_states"].clone()
     row, col = sizes[bad] // 2, (SEED % gpu.config.hidden_size)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from _helpers import random_inputs  # noqa: F401 - one copy for every test folder; the service tests import it from here
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 if str(REPO) not in sys.path:  # the service and megamoe packages, when not installed
@@ -98,14 +100,6 @@ def _decode(raw: bytes, content_type: str):
     return raw.decode(errors="replace")
 
 
-def random_inputs(layer, tokens: int, seed: int, dtype=torch.float32):
-    """Random hidden states (with a few large values) and routing for ``layer``."""
-    cfg = layer.config
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, cfg.hidden_size, generator=gen) * (1 + 4 * torch.rand(tokens, 1, generator=gen))
-    ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
-    return hidden.to(dtype), ids, weights / weights.sum(-1, keepdim=True)
 
 
 def infer_body(layer, tokens: int, seed: int):
