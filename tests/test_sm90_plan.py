@@ -40,10 +40,10 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(28).kernel, plan(28).token_tile) == (kind("wgmma32"), 32)
     assert (plan(29).kernel, plan(29).token_tile) == (kind("wgmma64"), 64)
     assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
-    # tile 32 steps K by 256, tile 64 by 128: a K that is a multiple of 128 only runs tile 64 in tile 32's
-    # range, one that is a multiple of 64 only runs tile 128 in both ranges
-    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma64"), 64)
-    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma64")
+    # tiles 32 and 64 step K by 128, tile 128 by 64: a K that is a multiple of 64 only runs tile 128 in both
+    # ranges
+    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma32"), 32)
+    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma32")
     assert (plan(7, k_l2=2112).kernel, plan(30, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
     assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
     assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
@@ -53,7 +53,11 @@ def test_switch_to_wgmma_and_its_tiles():
         p = plan(tpe)
         # W4A16: L1 gathers the rows of x staged once ([T, H]) through row_token
         assert p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
+        # the wgmma kernels read lane-order activations, the streaming kernels operand order
+        assert p.lane_order and plan(tpe, w4a16=False).lane_order, p
         assert not plan(tpe, w4a16=False).h_operand and not plan(tpe, w4a16=False).gather_x
+    assert not any(plan(tpe).lane_order for tpe in range(5))
+    assert not plan(100, k_l1=1040).lane_order
 
 
 @pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])

@@ -57,7 +57,7 @@ void register_common(nb::module_& m) {
       "quantize_nvfp4",
       [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
-         OptArray row_scale_out, uintptr_t stream) {
+         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order) {
         if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
         QuantizeArgs a;
         a.src = src.data();
@@ -86,27 +86,33 @@ void register_common(nb::module_& m) {
         a.scale_swz = opt_ptr<uint8_t>(scale_swz, "scale_swz", 1);
         a.sf_rows = sf_rows;
         a.dequant = opt_ptr<uint16_t>(dequant, "dequant", 2);
+        a.dequant_lane_order = dequant_lane_order;
+        if (a.dequant && dequant_lane_order && a.cols % 64 != 0)
+          throw std::invalid_argument("quantize_nvfp4: a lane-order dequant needs cols % 64 == 0, got " +
+                                      std::to_string(a.cols));
         a.row_scale_out = opt_ptr<float>(row_scale_out, "row_scale_out", 4);
         check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
       },
       nb::arg("src"), nb::arg("global_scale").none(), nb::arg("gs_mode"), nb::arg("src_rows").none(),
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
-      nb::arg("row_scale_out").none(), nb::arg("stream"),
+      nb::arg("row_scale_out").none(), nb::arg("stream"), nb::arg("dequant_lane_order") = false,
       "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h).");
 
   m.def(
       "nvfp4_to_operand",
-      [](const Array& data, const Array& scale, const Array& out, uintptr_t stream) {
+      [](const Array& data, const Array& scale, const Array& out, uintptr_t stream, bool lane_order) {
         if (out.ndim() != 2) throw std::invalid_argument("nvfp4_to_operand: out must be [rows, cols]");
         const int64_t rows = int64_t(out.shape(0)), cols = int64_t(out.shape(1));
         if (numel(data) != rows * cols / 2 || numel(scale) != rows * cols / 16)
           throw std::invalid_argument("nvfp4_to_operand: data/scale do not match out [rows, cols]");
+        if (lane_order && cols % 64 != 0)
+          throw std::invalid_argument("nvfp4_to_operand: lane order needs cols % 64 == 0, got " + std::to_string(cols));
         check(launch_nvfp4_to_operand(ptr<const uint8_t>(data, "data", 1), ptr<const uint8_t>(scale, "scale", 1), rows,
-                                      cols, ptr<uint16_t>(out, "out", 2), stream_of(stream)),
+                                      cols, ptr<uint16_t>(out, "out", 2), lane_order, stream_of(stream)),
               "nvfp4_to_operand");
       },
-      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"));
+      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("stream"), nb::arg("lane_order") = false);
 
   m.def(
       "dynamic_global_scale",

@@ -67,6 +67,33 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
+// Block kb (16 elements: e2m1 codes, their e4m3 scale value) of a bf16 operand row: e2m1 * scale
+// (exact) in operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
+__device__ __forceinline__ void store_operand_block(const uint32_t (&code)[16], float scale, uint16_t* row, int64_t kb,
+                                                    bool lane_order) {
+  uint32_t w[8];  // operand-order pairs of the block
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+#pragma unroll
+    for (int p = 0; p < 8; p += 2) {
+      const float v0 = e2m1_to_float(code[g * 8 + operand_order(p)]) * scale;  // exact
+      const float v1 = e2m1_to_float(code[g * 8 + operand_order(p + 1)]) * scale;
+      __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+      w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
+    }
+  }
+  if (lane_order) {
+    uint16_t* blk = row + (kb >> 2) * 64;
+    const int p0 = int(kb & 3) * 16;  // operand position of the first pair within the 64-block
+#pragma unroll
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(blk + lane_order_position(p0 + 2 * i)) = w[i];
+  } else {
+    uint4* dst = reinterpret_cast<uint4*>(row + kb * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
 // Quantizes block kb of a row already placed; docs/SPEC.md §1 in the reference's fp32 operation order.
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
                                                int64_t kb) {
@@ -93,22 +120,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
   }
   if (a.scale) a.scale[dst_row * blocks_per_row + kb] = scale_byte;
   if (a.scale_swz) a.scale_swz[sf_offset(dst_row, kb, (blocks_per_row + 3) / 4)] = scale_byte;
-  if (a.dequant) {
-    uint32_t w[8];
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-#pragma unroll
-      for (int p = 0; p < 8; p += 2) {
-        const float v0 = e2m1_to_float(code[g * 8 + operand_order(p)]) * scale;  // exact
-        const float v1 = e2m1_to_float(code[g * 8 + operand_order(p + 1)]) * scale;
-        __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
-        w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
-      }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(a.dequant + dst_row * a.cols + kb * 16);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  }
+  if (a.dequant) store_operand_block(code, scale, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
 }
 
 // One thread per 16-element block (global scale known up front).
@@ -168,30 +180,18 @@ __global__ void __launch_bounds__(kRowThreads) quantize_nvfp4_rowwise_kernel(Qua
   }
 }
 
-// Exact decode of existing NVFP4 rows to bf16 e2m1 * scale in operand order.
+// Exact decode of existing NVFP4 rows to bf16 e2m1 * scale in operand (or lane) order.
 __global__ void nvfp4_to_operand_kernel(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
-                                        uint16_t* dst) {
+                                        uint16_t* dst, bool lane_order) {
   const int64_t blocks_per_row = cols / 16;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * blocks_per_row) return;
   const int64_t r = idx / blocks_per_row, kb = idx - r * blocks_per_row;
   const uint2 packed = *reinterpret_cast<const uint2*>(data + r * (cols / 2) + kb * 8);
-  const float sc = e4m3_to_float(scale[r * blocks_per_row + kb]);
-  uint32_t w[8];
+  uint32_t code[16];
 #pragma unroll
-  for (int g = 0; g < 2; ++g) {
-    const uint32_t word = g ? packed.y : packed.x;
-#pragma unroll
-    for (int p = 0; p < 8; p += 2) {
-      const float v0 = e2m1_to_float((word >> (4 * operand_order(p))) & 0xFu) * sc;
-      const float v1 = e2m1_to_float((word >> (4 * operand_order(p + 1))) & 0xFu) * sc;
-      __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
-      w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
-    }
-  }
-  uint4* out = reinterpret_cast<uint4*>(dst + r * cols + kb * 16);
-  out[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  for (int i = 0; i < 16; ++i) code[i] = ((i < 8 ? packed.x : packed.y) >> (4 * (i & 7))) & 0xFu;
+  store_operand_block(code, e4m3_to_float(scale[r * blocks_per_row + kb]), dst + r * cols, kb, lane_order);
 }
 
 template <ElemType T>
@@ -238,6 +238,7 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   if (args.cols % 16 != 0 || args.rows < 0 || !args.src || (!rowwise && !args.global_scale))
     return cudaErrorInvalidValue;
   if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
+  if (args.dequant && args.dequant_lane_order && args.cols % 64 != 0) return cudaErrorInvalidValue;
   if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
   const int64_t total = args.rows * (args.cols / 16);
   if (total == 0) return cudaSuccess;
@@ -257,11 +258,11 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
 }
 
 cudaError_t launch_nvfp4_to_operand(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
-                                    uint16_t* dst, cudaStream_t stream) {
-  if (cols % 16 != 0) return cudaErrorInvalidValue;
+                                    uint16_t* dst, bool lane_order, cudaStream_t stream) {
+  if (cols % (lane_order ? 64 : 16) != 0) return cudaErrorInvalidValue;
   const int64_t n = rows * (cols / 16);
   if (n == 0) return cudaSuccess;
-  nvfp4_to_operand_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(data, scale, rows, cols, dst);
+  nvfp4_to_operand_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(data, scale, rows, cols, dst, lane_order);
   return cudaGetLastError();
 }
 

@@ -45,16 +45,19 @@ void register_sm90(nb::module_& m) {
 
   m.def(
       "sm90_stage_bf16",
-      [](const Array& src, OptArray src_rows, OptArray num_rows, const Array& dst, uintptr_t stream) {
+      [](const Array& src, OptArray src_rows, OptArray num_rows, const Array& dst, uintptr_t stream, bool lane_order) {
         if (src.ndim() != 2 || src.stride(1) != 1 || dst.ndim() != 2) throw std::invalid_argument("stage_bf16: 2-D arrays");
         if (dst.shape(1) != src.shape(1)) throw std::invalid_argument("stage_bf16: column mismatch");
         check(sm90::launch_stage_bf16(src.data(), elem_type(src, "src"), src.stride(0),
                                       opt_ptr<const int32_t>(src_rows, "src_rows", 4),
                                       opt_ptr<const int32_t>(num_rows, "num_rows", 4), int64_t(dst.shape(0)),
-                                      int64_t(dst.shape(1)), ptr<uint16_t>(dst, "dst", 2), stream_of(stream)),
+                                      int64_t(dst.shape(1)), ptr<uint16_t>(dst, "dst", 2), lane_order,
+                                      stream_of(stream)),
               "stage_bf16");
       },
-      nb::arg("src"), nb::arg("src_rows").none(), nb::arg("num_rows").none(), nb::arg("dst"), nb::arg("stream"));
+      nb::arg("src"), nb::arg("src_rows").none(), nb::arg("num_rows").none(), nb::arg("dst"), nb::arg("stream"),
+      nb::arg("lane_order") = false,
+      "dst = bf16 rows of src in operand order (lane_order: the wgmma kernels' lane order; cols % 64 == 0).");
 
   nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
       .value("auto", sm90::GemmKernel::kAuto)
@@ -71,12 +74,13 @@ void register_sm90(nb::module_& m) {
       .def_ro("tokens_per_pass", &sm90::GemmPlan::tokens_per_pass)
       .def_ro("gather_x", &sm90::GemmPlan::gather_x)
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
+      .def_ro("lane_order", &sm90::GemmPlan::lane_order)
       .def("__repr__", [](const sm90::GemmPlan& p) {
         static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
                ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +
-               ")";
+               ", lane_order=" + (p.lane_order ? "True" : "False") + ")";
       });
   m.def(
       "sm90_plan",

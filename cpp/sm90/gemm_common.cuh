@@ -37,6 +37,7 @@
 
 #include <cstdint>
 
+#include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
 
 namespace megamoe::sm90 {
@@ -125,12 +126,13 @@ __device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int ex
   alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
 }
 
-// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order),
-// rounded once, as staging would.
+// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
+// lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
-                                                   float hv) {
+                                                   float hv, bool lane_order) {
   const __nv_bfloat16 b = __float2bfloat16_rn(hv);
-  out_operand[out_row * I + (col & ~int64_t(7)) + operand_position(int(col & 7))] =
+  const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
+  out_operand[out_row * I + (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op)] =
       *reinterpret_cast<const uint16_t*>(&b);
 }
 

@@ -229,7 +229,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
           const int64_t col = int64_t(rb) * 16 + g + 8 * hh;
           if (kOperandOut && a.out_operand) {
-            store_operand_bf16(a.out_operand, out_row, I, col, hv);
+            store_operand_bf16(a.out_operand, out_row, I, col, hv, false);
           } else {
             a.out[out_row * I + col] = hv;
           }

@@ -2,33 +2,40 @@
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
 // Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
-// one expert x one token tile of up to kMaxN tokens of that expert; K in steps of 64.
-// All 256 threads load (cp.async, kStages-deep ring of shared-memory stages) and compute:
-//  - activations (bf16, operand order, K-major) land in a 128-byte-swizzled tile, rows of
-//    128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7) (the SW128 K-major layout a
-//    wgmma descriptor reads);
-//  - packed NVFP4 weights (32 bytes per row per stage) and their e4m3 scales land as raw bytes;
-//    each warp dequantizes exactly its own 16 rows into the A register fragment (every
-//    weight element is decoded once per block), then wgmma m64nNk16 with A in registers.
+// one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64 or 128).
+//  - Activations (bf16, lane order: see below) are copied with 16-byte cp.async into a ring of
+//    kStages shared-memory stages, 128-byte swizzled K-major (16-byte chunk c of row r at
+//    c ^ (r & 7): the SW128 layout a wgmma descriptor reads), one 64-element sub-tile per 64 of K.
+//  - Weights never pass through shared memory: every thread loads the packed NVFP4 words and the
+//    e4m3 scales of exactly its own two A-fragment rows (g and g + 8 of its warp's 16) straight
+//    into registers, kWSets stages ahead (a ring of register sets, the loop unrolled by kWSets),
+//    dequantizes whole words into the A fragment and issues wgmma m64nNk16 with A in registers.
 // N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
 // instantiated widths, so a tile of 12 tokens runs n16 and one of 48 runs n64.
 //
-// Operand order: A's k-pair (2tig, 2tig+1) of an 8-element group is weight pair P_tig =
-// (n_tig, n_tig+4) (gemm_common.cuh), and activations are stored in the order 0,4,1,5,..
-// so that stored position 2j, 2j+1 holds elements j, j+4: both operands agree.
-// K 128 or 256 per stage (token tiles 64 and 32) permutes K within each K-128 half of the stage
-// instead: lane tig owns K [32 tig, 32 tig + 32) of the half for its two rows (one 16-byte shared
-// load per row, every nibble of it used, whole words dequantized), and the activation tile is
-// stored in the matching order by 4-byte copies (load_stage).
-// Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of operand-order rows,
+// Lane-owned K. The weight words are in their natural order (the sm90 word layout of
+// gemm_common.cuh: word w of a row holds elements 8w..8w+7, dequant_word gives pairs
+// (n_j, n_{j+4})). In every 64-element block, MMA lane tig owns elements [16 tig, 16 tig + 16) of
+// its rows, i.e. the two words at byte 8 tig of the block's 32 (one 8-byte load per row) and one
+// scale byte (byte tig of the block's 4). For that to be a dot product, the activations must put
+// the partners of those elements at the k-positions lane tig holds in the A fragment (a0: k 2tig,
+// 2tig+1; a2: k 2tig+8, 2tig+9 of every k16 step): the lane order (megamoe/nvfp4_device.cuh,
+// lane_order_position) stores operand unit u = 8 tig + v of a block at unit 4v + tig, so word q of
+// the lane (units v = 4q..4q+3) feeds k16 steps 2q and 2q + 1 of the block: pair j of it is
+// register 0 (j even; rows g: 0, g + 8: 1) or 2 (j odd; 1 -> 3) of step 2q + j / 2. The
+// activation producers write lane order for these kernels (stage_bf16, the W4A4 quantizer's
+// decode, nvfp4_to_operand, this kernel's own kSiluMul epilogue writing h as the L2 operand);
+// the streaming kernels read operand order.
+// Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of lane-order rows,
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
 //
-// Pipeline per k-tile kt (prefetch distance kStages-1):
+// Pipeline per k-tile kt (activation prefetch distance kStages - 1, weights kWSets):
 //   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
-//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
-//     warpgroup drained them at the end of iteration kt-1, before the barrier)
-//   dequantize tile kt into the A registers; wgmma.fence; 4 wgmma (k16 steps); commit; drain.
+//   issue activation copies of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished:
+//     every warpgroup drained them at the end of iteration kt-1, before the barrier)
+//   dequantize register set kt % kWSets into the A registers; load tile kt+kWSets's weights into it;
+//   wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -42,27 +49,40 @@ constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of Gemm
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
-// dequantization with the other's MMAs). kMaxN 32: K 256 per stage (two lane-owned K-128 halves),
-// 3 stages (the memory-bound middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait,
-// drain, copies' addressing -- per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
+// dequantization with the other's MMAs). Shared memory holds the activation stages only.
+// kMaxN 32 (the memory-bound middle): K 128 per stage; 64: K 128; 128: K 64.
+#ifndef MEGAMOE_WG32_KS
+#define MEGAMOE_WG32_KS 128
+#endif
+#ifndef MEGAMOE_WG32_SETS
+#define MEGAMOE_WG32_SETS 4
+#endif
+#ifndef MEGAMOE_WG128_SETS
+#define MEGAMOE_WG128_SETS 3
+#endif
+#ifndef MEGAMOE_WG128_STAGES
+#define MEGAMOE_WG128_STAGES 5
+#endif
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
-  static constexpr int kSub = kKS / kWgK;                   // SW128 activation sub-tiles per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
+  static constexpr int kKS = kMaxN == kWgTiny ? MEGAMOE_WG32_KS : kMaxN == kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kSub = kKS / kWgK;      // 64-element blocks (SW128 activation sub-tiles) per stage
+  static constexpr int kStages = kMaxN == kWgTiny ? 6 : kMaxN == kWgSmall ? 4 : MEGAMOE_WG128_STAGES;
+  static constexpr int kWSets = kMaxN == kWgTiny ? MEGAMOE_WG32_SETS : kMaxN == kWgSmall ? 3 : MEGAMOE_WG128_SETS;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
-  // packed weights per row and stage (kKS / 2 bytes); K 64: padded by 16 (16-aligned, conflict-free
-  // reads of one row's words by the 4 lanes of a quad); K 128: unpadded (each lane reads its own
-  // 16 bytes, a warp 16 consecutive rows: 512 consecutive bytes)
-  static constexpr int kWRowBytes = kKS >= 128 ? kKS / 2 : kKS / 2 + 16;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kWBytes = kRows * kWRowBytes;
-  static constexpr int kRaw = kABytes + kWBytes + kRows * (kKS / 16);
-  static constexpr int kStageBytes = (kRaw + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
+  static constexpr int kStageBytes = (kABytes + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
 };
+
+// 8 bytes of weights, not kept in L1 (each is read by one thread of the block).
+__device__ __forceinline__ uint2 ldg_w8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -129,7 +149,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
         const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
                                 a.swiglu_limit);
         if (a.out_operand) {
-          store_operand_bf16(a.out_operand, out_row, I, col, hv);
+          store_operand_bf16(a.out_operand, out_row, I, col, hv, true);
         } else {
           a.out[out_row * I + col] = hv;
         }
@@ -152,7 +172,7 @@ template <int N, int kMaxN>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
                                         int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
-  constexpr int S = Cfg::kStages;
+  constexpr int S = Cfg::kStages, kD = Cfg::kWSets, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
@@ -163,175 +183,148 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
   // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output
   // columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
-  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens.
-  auto weight_row = [&](int lr, bool& valid) -> int64_t {
+  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens. A row past the end
+  // reads row 0 (its accumulators are never stored).
+  auto weight_row = [&](int lr) -> int64_t {
     if (silu_mul) {
       const int64_t col = int64_t(blockIdx.x) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
-      valid = col < I;
-      return valid ? (((lr >> 3) & 1) ? I + col : col) : 0;
+      return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
     }
     const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
-    valid = n < Nw;
-    return valid ? n : 0;
+    return n < Nw ? n : 0;
   };
-  constexpr int kKS = Cfg::kKS, kWRow = Cfg::kWRowBytes;
-  const int w_lr = tid >> 1, w_half = tid & 1;  // 2 threads per weight row, kKS / 4 bytes each
-  bool w_valid;
-  const uint8_t* w_src = wd + weight_row(w_lr, w_valid) * row_bytes + w_half * (kKS / 4);
-  bool s_valid = false;
-  const uint8_t* s_src = ws;
-  if (tid < Cfg::kRows) s_src = ws + weight_row(tid, s_valid) * Kb;
+  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
+  const int64_t row0 = weight_row(lr0), row1 = weight_row(lr0 + 8);
+  const uint8_t* w_src[2] = {wd + row0 * row_bytes + 8 * tig, wd + row1 * row_bytes + 8 * tig};
+  const uint8_t* s_src[2] = {ws + row0 * Kb, ws + row1 * Kb};
 
   const int num_k_tiles = int(K / kKS);
-  // Activation copies of this thread, fixed for the whole tile: kAR source rows (token r of the tile ->
-  // grouped row row_begin + m0 + r, or act row act_rows[that] with a gather), each a pointer advanced by
-  // kKS elements per stage, and its shared-memory destination relative to the stage.
-  //  K 128: lane-owned K ranges (see the main loop). Stored column c = 8u + 2t + e (u = 16-byte chunk
-  //   of the stage row, t = slot in it, e = 0, 1) holds operand position 32t + 2u + e of the stage's
-  //   128: 4-byte copies; one warp instruction = one token row's 128-byte sub-tile (lane: slot
-  //   t = lane >> 3, chunk ch = lane & 7); thread rows 8j + warp, j < N / 8, both sub-tiles.
-  //  K 64: 16-byte copies, thread rows tid / 8 + 32 j (j < N / 32), chunk tid & 7.
+  // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = tid + kT j of the
+  // stage's kB * N * 8 (sub-tile c / (N * 8), token row (c / 8) % N, chunk c % 8 of its 128 bytes);
+  // source row: token r of the tile -> grouped row row_begin + m0 + r, or act row act_rows[that] with
+  // a gather; a pointer advanced by kKS elements per stage.
   constexpr int kT = Cfg::kThreads;
-  constexpr bool kLane = kKS >= 128;  // lane-owned K (K-128 halves)
-  constexpr int kAR = kLane ? N / 8 : (N * 8 + kT - 1) / kT;
-  const bool a_thread = kLane || N * 8 >= kT || tid < N * 8;
+  constexpr int kChunks = kB * N * 8;
+  constexpr int kAR = (kChunks + kT - 1) / kT;
   const uint16_t* a_src[kAR];
   bool a_valid[kAR];
-  uint32_t a_dst;  // byte offset of this thread's first copy in a stage (row of j = 0)
+  uint32_t a_dst[kAR];  // byte offset of the copy in a stage
   {
-    const int ct = lane >> 3, ch = lane & 7;
-    const int r0 = kLane ? warp : tid >> 3;
-    const int col = kLane ? 32 * ct + 2 * ch : 8 * (tid & 7);
-    a_dst = kLane ? uint32_t(r0 * 128 + ((ch ^ warp) * 16) + ct * 4)
-                       : uint32_t(r0 * 128 + (((tid & 7) ^ (r0 & 7)) * 16));
     const int64_t first = int64_t(row_begin) + m0;  // invalid tokens read the tile's first row (0 bytes)
     const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
 #pragma unroll
     for (int j = 0; j < kAR; ++j) {
-      const int r = r0 + (kLane ? 8 : kT / 8) * j;
-      a_valid[j] = a_thread && m0 + r < rows;
+      const int c = tid + kT * j;
+      const int sub = c / (N * 8), r = (c >> 3) % N, ch = c & 7;
+      a_valid[j] = c < kChunks && m0 + r < rows;
       const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
-      a_src[j] = a.act + src * K + col;
+      a_src[j] = a.act + src * K + 64 * sub + 8 * ch;
+      a_dst[j] = uint32_t(sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16));
     }
   }
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   auto load_stage = [&](int slot, int kt) {
     const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
-    const uint32_t sw = sa + Cfg::kABytes;
-    const uint32_t ss = sw + Cfg::kWBytes;
     const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
-    for (int j = 0; j < kAR; ++j) {
-      if constexpr (kLane) {
+    for (int j = 0; j < kAR; ++j)
+      if (kChunks % kT == 0 || tid + kT * j < kChunks) cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
+  };
+
+  // Register sets of weights: per row, 2 words and one scale word (the block's 4 scale bytes; this
+  // lane's is byte tig) per 64-element block of the stage.
+  uint32_t wr[kD][2][2 * kB], sr[kD][2][kB];
+  auto load_weights = [&](uint32_t (&w)[2][2 * kB], uint32_t (&sc)[2][kB], int kt) {
 #pragma unroll
-        for (int sub = 0; sub < Cfg::kSub; ++sub)  // K-128 half sub / 2, its sub-tile sub % 2
-          cp_async_s<4>(sa + a_dst + sub * (kMaxN * 128) + 8 * j * 128, a_src[j] + ko + 128 * (sub >> 1) + 16 * (sub & 1),
-                        a_valid[j] ? 4 : 0);
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        const uint2 x = ldg_w8(w_src[h] + (int64_t(kt) * kB + b) * 32);
+        w[h][2 * b] = x.x;
+        w[h][2 * b + 1] = x.y;
+      }
+      const uint8_t* sp = s_src[h] + int64_t(kt) * (kKS / 16);
+      if constexpr (kB == 1) {
+        sc[h][0] = __ldg(reinterpret_cast<const uint32_t*>(sp));
+      } else if constexpr (kB == 2) {
+        const uint2 x = __ldg(reinterpret_cast<const uint2*>(sp));
+        sc[h][0] = x.x;
+        sc[h][1] = x.y;
       } else {
-        if (a_thread) cp_async_s<16>(sa + a_dst + (kT / 8) * j * 128, a_src[j] + ko, a_valid[j] ? 16 : 0);
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(sp));
+        sc[h][0] = x.x;
+        sc[h][1] = x.y;
+        sc[h][2] = x.z;
+        sc[h][3] = x.w;
       }
     }
-#pragma unroll
-    for (int q = 0; q < kKS / 64; ++q)
-      cp_async_s<16>(sw + w_lr * kWRow + w_half * (kKS / 4) + q * 16, w_src + int64_t(kt) * (kKS / 2) + q * 16,
-                     w_valid ? 16 : 0);
-    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), s_valid ? kKS / 16 : 0);
   };
 
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
-  // Per-lane dequant constants: this lane extracts pair P_tig of each word.
-  const PairPick pick = pair_pick(tig);
-  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
-
+#pragma unroll
+  for (int d = 0; d < kD; ++d)
+    if (d < num_k_tiles) load_weights(wr[d], sr[d], d);
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
     cp_async_commit();
   }
 
-  uint32_t af[4 * Cfg::kSub][4];
+  uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
+  const uint32_t byte_shift = 8u * uint32_t(tig);
   int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
-    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
-    const int pf = kt + S - 1;
-    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
-    cp_async_commit();
+  for (int kt0 = 0; kt0 < num_k_tiles; kt0 += kD) {
+#pragma unroll
+    for (int d = 0; d < kD; ++d) {
+      const int kt = kt0 + d;
+      if (kt >= num_k_tiles) break;
+      cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
+      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+      const int pf = kt + S - 1;
+      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
+      cp_async_commit();
 
-    const uint8_t* sa = stages + slot * Cfg::kStageBytes;
-    const uint8_t* sw = sa + Cfg::kABytes;
-    const uint8_t* ss = sw + Cfg::kWBytes;
-    if constexpr (kKS == 64) {
-      const uint4 w0a = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow);
-      const uint4 w0b = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 16);
-      const uint4 w1a = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow);
-      const uint4 w1b = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 16);
-      const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ss + lr0 * 4);
-      const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ss + (lr0 + 8) * 4);
-      const uint32_t r0[8] = {w0a.x, w0a.y, w0a.z, w0a.w, w0b.x, w0b.y, w0b.z, w0b.w};
-      const uint32_t r1[8] = {w1a.x, w1a.y, w1a.z, w1a.w, w1b.x, w1b.y, w1b.z, w1b.w};
+      // Dequantize set d: word q of block b of row h -> k16 steps 4b + 2q (pairs 0, 1) and 4b + 2q + 1
+      // (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t s0 = lut[(sc0 >> (8 * ks)) & 0xFFu];
-        const uint32_t s1 = lut[(sc1 >> (8 * ks)) & 0xFFu];
-        af[ks][0] = dequant_pair(r0[2 * ks], pick, s0);
-        af[ks][1] = dequant_pair(r1[2 * ks], pick, s1);
-        af[ks][2] = dequant_pair(r0[2 * ks + 1], pick, s0);
-        af[ks][3] = dequant_pair(r1[2 * ks + 1], pick, s1);
-      }
-    } else {
-      // K 128 / 256 per stage, lane-owned K: per K-128 half, lane tig takes K [32 tig, 32 tig + 32) for its rows
-      // g and g + 8 (one 16-byte load each, whole words dequantized, two scale blocks per row). Word q
-      // gives pairs p0..p3 = elements (j, j + 4) of K 32 tig + 8q + j: k16 steps 2q (registers 0/2 of
-      // the row: p0, p1) and 2q + 1 (p2, p3); the activations were stored to match (load_stage).
+      for (int b = 0; b < kB; ++b) {
 #pragma unroll
-      for (int hf = 0; hf < kKS / 128; ++hf) {  // K-128 half: k16 steps 8 hf ..
-        const uint4 w0 = *reinterpret_cast<const uint4*>(sw + lr0 * kWRow + 64 * hf + 16 * tig);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(sw + (lr0 + 8) * kWRow + 64 * hf + 16 * tig);
-        const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(ss + lr0 * (kKS / 16) + 8 * hf + 2 * tig);
-        const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(ss + (lr0 + 8) * (kKS / 16) + 8 * hf + 2 * tig);
-        const uint32_t s0[2] = {lut[sc0 & 0xFFu], lut[sc0 >> 8]};
-        const uint32_t s1[2] = {lut[sc1 & 0xFFu], lut[sc1 >> 8]};
-        const uint32_t r0[4] = {w0.x, w0.y, w0.z, w0.w};
-        const uint32_t r1[4] = {w1.x, w1.y, w1.z, w1.w};
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t s2 = lut[(sr[d][h][b] >> byte_shift) & 0xFFu];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint32_t p[4];
-          uint32_t(&fa)[4] = af[8 * hf + 2 * q];
-          uint32_t(&fb)[4] = af[8 * hf + 2 * q + 1];
-          dequant_word(r0[q], s0[q >> 1], p);
-          fa[0] = p[0];
-          fa[2] = p[1];
-          fb[0] = p[2];
-          fb[2] = p[3];
-          dequant_word(r1[q], s1[q >> 1], p);
-          fa[1] = p[0];
-          fa[3] = p[1];
-          fb[1] = p[2];
-          fb[3] = p[3];
+          for (int q = 0; q < 2; ++q) {
+            uint32_t p[4];
+            dequant_word(wr[d][h][2 * b + q], s2, p);
+            af[4 * b + 2 * q][h] = p[0];
+            af[4 * b + 2 * q][2 + h] = p[1];
+            af[4 * b + 2 * q + 1][h] = p[2];
+            af[4 * b + 2 * q + 1][2 + h] = p[3];
+          }
         }
       }
-    }
-    acc_fence(acc);
-    wgmma_fence();
+      if (kt + kD < num_k_tiles) load_weights(wr[d], sr[d], kt + kD);
+
+      acc_fence(acc);
+      wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4 * Cfg::kSub; ++ks)
-      Wgmma<N>::mma(acc, af[ks],
-                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-    wgmma_commit();
-    acc_fence(acc);
-    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-    // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
-    // the decode with this warpgroup's own wgmmas (the fragment in two halves, wait_group 1; ptxas
-    // keeps them asynchronous) was measured no faster (docs/PERFORMANCE.md, rejected variants).
-    wgmma_wait<0>();
-    slot = slot + 1 == S ? 0 : slot + 1;
-    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+      for (int ks = 0; ks < 4 * kB; ++ks)
+        Wgmma<N>::mma(acc, af[ks],
+                      sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+      wgmma_commit();
+      acc_fence(acc);
+      // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
+      // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
+      // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
+      // rejected variants).
+      wgmma_wait<0>();
+      slot = slot + 1 == S ? 0 : slot + 1;
+      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+    }
   }
   acc_fence(acc);
   cp_async_wait<0>();

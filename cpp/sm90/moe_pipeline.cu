@@ -256,6 +256,37 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
+// Lane order: one thread per 64-element block of a row (its 32 operand-order pairs, then 8 16-byte
+// stores: stored pairs 4v .. 4v + 3 are operand pairs v, 8 + v, 16 + v, 24 + v).
+template <typename T>
+__global__ void stage_bf16_lane_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
+                                       int64_t max_rows, int64_t cols, uint16_t* dst) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
+  const int64_t blocks = cols / 64;
+  const int64_t rows = num_rows ? *num_rows : max_rows;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * blocks;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / blocks, bi = idx - r * blocks;
+    const int64_t sr = src_rows ? src_rows[r] : r;
+    const T* p = src + sr * stride + bi * 64;
+    uint32_t u[32];  // operand pair 4 gi + q = elements (q, q + 4) of 8-element group gi
+#pragma unroll
+    for (int gi = 0; gi < 8; ++gi) {
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(p[gi * 8 + i]);  // exact for float, __half, bf16
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        __nv_bfloat162 b = __floats2bfloat162_rn(x[q], x[q + 4]);
+        u[4 * gi + q] = *reinterpret_cast<uint32_t*>(&b);
+      }
+    }
+    uint4* o = reinterpret_cast<uint4*>(dst + r * cols + bi * 64);
+#pragma unroll
+    for (int v = 0; v < 8; ++v) o[v] = make_uint4(u[v], u[8 + v], u[16 + v], u[24 + v]);
+  }
+}
+
 // One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of y, the
 // bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
 template <typename T>
@@ -331,21 +362,21 @@ cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t token
 
 cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
                               const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
-                              cudaStream_t stream) {
-  if (cols % 16 != 0) return cudaErrorInvalidValue;
+                              bool lane_order, cudaStream_t stream) {
+  if (cols % (lane_order ? 64 : 16) != 0) return cudaErrorInvalidValue;
   if (max_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_of(max_rows * (cols / 8), 256);
+  const unsigned grid = grid_of(max_rows * (cols / (lane_order ? 64 : 8)), 256);
   switch (src_type) {
     case ElemType::kFloat32:
-      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src),
-                        src_row_stride, src_rows, num_rows, max_rows, cols, dst);
+      return pdl_launch(lane_order ? stage_bf16_lane_kernel<float> : stage_bf16_kernel<float>, grid, 256, 0, stream,
+                        static_cast<const float*>(src), src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kFloat16:
-      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
-                        src_row_stride, src_rows, num_rows, max_rows, cols, dst);
+      return pdl_launch(lane_order ? stage_bf16_lane_kernel<__half> : stage_bf16_kernel<__half>, grid, 256, 0, stream,
+                        static_cast<const __half*>(src), src_row_stride, src_rows, num_rows, max_rows, cols, dst);
     case ElemType::kBFloat16:
-      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
-                        static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
-                        dst);
+      return pdl_launch(lane_order ? stage_bf16_lane_kernel<__nv_bfloat16> : stage_bf16_kernel<__nv_bfloat16>, grid,
+                        256, 0, stream, static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows,
+                        max_rows, cols, dst);
   }
   return cudaErrorInvalidValue;
 }

@@ -237,14 +237,15 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         torch.cuda.synchronize(self.device)
 
     # ---------------------------------------------------------------- GEMM
-    def _operand(self, a) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(bf16 operand [M, K], single global scale or None, per-row global scale or None)."""
+    def _operand(self, a, lane_order: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(bf16 operand [M, K] in operand or lane order, single global scale or None, per-row global scale or None)."""
         stream = current_stream(self.device)
         if isinstance(a, nvfp4.NVFP4Tensor):
             a = a.to(self.device)
             m, k = a.data.shape[0], a.data.shape[1] * 2
             op = torch.empty((m, k), dtype=torch.bfloat16, device=self.device)
-            common_ext().nvfp4_to_operand(a.data.contiguous(), _u8(a.scale).contiguous(), op, stream)
+            common_ext().nvfp4_to_operand(a.data.contiguous(), _u8(a.scale).contiguous(), op, stream,
+                                          lane_order=lane_order)
             gs = a.global_scale.to(torch.float32)
             if gs.dim() == 0:
                 return op, gs.reshape(1).contiguous(), None
@@ -253,7 +254,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         if a.dim() != 2 or a.stride(-1) != 1:
             a = a.reshape(-1, a.shape[-1]).contiguous()
         op = torch.empty(a.shape, dtype=torch.bfloat16, device=self.device)
-        _ext.ext.sm90_stage_bf16(a, None, None, op, stream)
+        _ext.ext.sm90_stage_bf16(a, None, None, op, stream, lane_order=lane_order)
         return op, None, None
 
     def gemm(self, a, b: nvfp4.NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32,
@@ -266,9 +267,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         if b.data.dim() != 2:
             raise ValueError(f"gemm: b must be an NVFP4 [N, K] matrix, got data {tuple(b.data.shape)}")
         n, k = b.data.shape[0], b.data.shape[1] * 2
-        op, a_gs, a_rs = self._operand(a)
-        if op.shape[1] != k:
-            raise ValueError(f"gemm: K mismatch, a {tuple(op.shape)} vs b [{n}, {k}]")
+        a_k = a.data.shape[-1] * 2 if isinstance(a, nvfp4.NVFP4Tensor) else a.shape[-1]
+        if a_k != k:
+            raise ValueError(f"gemm: K mismatch, a has K = {a_k} vs b [{n}, {k}]")
+        m = a.data.shape[0] if isinstance(a, nvfp4.NVFP4Tensor) else (a.numel() // a_k if a_k else 0)
+        plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)  # one expert, operand staged here
+        op, a_gs, a_rs = self._operand(a, plan.lane_order)
         m = op.shape[0]
         if out is not None:
             if alpha is not None or out_dtype != torch.float32 or out.dtype != torch.float32 or \
@@ -284,7 +288,6 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         offsets = torch.tensor([0, m], dtype=torch.int32, device=self.device)
         rows = n // parts
         stream = current_stream(self.device)
-        plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)  # one expert, operand already staged
         for p in range(parts):
             w_gs = (gs.reshape(1) if gs.dim() == 0 else gs[p:p + 1]).contiguous()
             sl = slice(p * rows, (p + 1) * rows)
@@ -332,17 +335,19 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             self._pinned.add(key)
         return ws
 
-    def _stage(self, src, src_rows, ws_offsets, dst, dst_rs, cfg, static_scale, stream, rows: int):
-        """Activation -> bf16 GEMM operand (W4A16) or NVFP4 decode (W4A4). Returns (a_gs, per_expert, a_rs)."""
+    def _stage(self, src, src_rows, ws_offsets, dst, dst_rs, cfg, static_scale, stream, rows: int, lane_order: bool):
+        """Activation -> bf16 GEMM operand (W4A16) or NVFP4 decode (W4A4), in the plan's order.
+
+        Returns (a_gs, per_expert, a_rs)."""
         total = ws_offsets[-1:]
         if cfg.act_mode == "w4a16":
-            _ext.ext.sm90_stage_bf16(src, src_rows, total, dst, stream)
+            _ext.ext.sm90_stage_bf16(src, src_rows, total, dst, stream, lane_order=lane_order)
             return None, False, None
         dynamic = cfg.dynamic_act_scale or static_scale is None
         mode = GS_PER_ROW_DYNAMIC if dynamic else GS_PER_EXPERT
         common_ext().quantize_nvfp4(src, None if dynamic else static_scale, mode,
                                     src_rows, ws_offsets, None, None, None, None, 0, dst,
-                                    dst_rs if dynamic else None, stream)
+                                    dst_rs if dynamic else None, stream, dequant_lane_order=lane_order)
         if dynamic:
             return None, False, dst_rs
         return static_scale, True, None
@@ -377,10 +382,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 a1 = x  # the streaming kernel reads the rows of bf16 x itself
             else:  # one operand row per token (not per slot); the wgmma L1 gathers them through row_token
                 a1 = ws.x_op[:t]
-                ext.sm90_stage_bf16(x, None, None, a1, stream)
+                ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
         else:
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
-                                            cfg, prepared.w13_input_scale, stream, r)
+                                            cfg, prepared.w13_input_scale, stream, r, plan.lane_order)
             a1, a1_rows = ws.a1, None
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
@@ -391,7 +396,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a_gs, per_e, a_rs = None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
-                                            cfg, prepared.w2_input_scale, stream, r)
+                                            cfg, prepared.w2_input_scale, stream, r, plan.lane_order)
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=ws.y, **common)

@@ -38,7 +38,8 @@ enum class GlobalScaleMode : int {
 //               (its padding must be zero) and sizes it with sf_padded_bytes(sf_rows, cols/16)
 //   dequant     bf16 [*, cols]: e2m1(code) * float(scale) (exact, global scale left out),
 //               stored with each 8-element group in the order 0,4,1,5,2,6,3,7 (the operand
-//               order of the sm90 GEMMs)
+//               order of the sm90 GEMMs), or with dequant_lane_order in the lane order of the
+//               sm90 wgmma GEMMs (megamoe/nvfp4_device.cuh; cols % 64 == 0)
 struct QuantizeArgs {
   const void* src = nullptr;
   ElemType src_type = ElemType::kBFloat16;
@@ -56,14 +57,15 @@ struct QuantizeArgs {
   uint8_t* scale_swz = nullptr;
   int64_t sf_rows = 0;  // rows of the swizzled matrix (for its tile count)
   uint16_t* dequant = nullptr;
+  bool dequant_lane_order = false;
   float* row_scale_out = nullptr;  // kPerRowDynamic: the global scale of each destination row
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 
 // Exact decode of NVFP4 rows (data [rows, cols/2], e4m3 scale [rows, cols/16]) to bf16
-// e2m1 * scale in the operand order described for QuantizeArgs::dequant.
+// e2m1 * scale in the operand order (lane_order: lane order) described for QuantizeArgs::dequant.
 cudaError_t launch_nvfp4_to_operand(const uint8_t* data, const uint8_t* scale, int64_t rows, int64_t cols,
-                                    uint16_t* dst, cudaStream_t stream);
+                                    uint16_t* dst, bool lane_order, cudaStream_t stream);
 
 // amax(|x|) over a [rows, cols] tensor (NaN ignored) -> out[0] = amax / (6 * 448), or 1.0
 // when amax is 0 (docs/SPEC.md §1 default global scale). `scratch` is one uint32 of device memory.

@@ -5,9 +5,10 @@
 // Row layout used between the kernels ("compact grouped"): the T*k (token, expert)
 // pairs are sorted by expert; expert e owns rows [expert_offsets[e], expert_offsets[e+1]).
 // Activations handed to the GEMMs are bf16 [rows, K] with each 8-element group stored
-// in the order 0,4,1,5,2,6,3,7 ("operand order", see cpp/sm90/gemm_common.cuh); for
-// W4A4 they hold e2m1 * e4m3 of the NVFP4 activation (exact), the global scale going
-// into the GEMM alpha.
+// in the order 0,4,1,5,2,6,3,7 ("operand order", see cpp/sm90/gemm_common.cuh), and for the
+// wgmma kernels with the 4-byte pairs of every 64-element block further permuted ("lane order",
+// megamoe/nvfp4_device.cuh lane_order_position; GemmPlan::lane_order); for W4A4 they hold
+// e2m1 * e4m3 of the NVFP4 activation (exact), the global scale going into the GEMM alpha.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -34,11 +35,11 @@ cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t token
                              int32_t* row_token, int32_t* entry_row, int32_t* scratch, int64_t scratch_size,
                              cudaStream_t stream);
 
-// dst[r] = bf16(src[src_rows ? src_rows[r] : r]) in operand order, for r < *num_rows
-// (device count; rows past it are not touched). cols % 16 == 0.
+// dst[r] = bf16(src[src_rows ? src_rows[r] : r]) in operand order (lane_order: lane order), for
+// r < *num_rows (device count; rows past it are not touched). cols % 16 == 0 (lane order: % 64).
 cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
                               const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
-                              cudaStream_t stream);
+                              bool lane_order, cudaStream_t stream);
 
 enum class Epilogue : int {
   kStore = 0,    // out[row, n] = alpha * acc  (fp32, ldo = N)
@@ -49,7 +50,7 @@ enum class Epilogue : int {
 enum class GemmKernel : int {
   kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
   kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
-  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
+  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 128 per stage (grouped_gemm_wgmma.cuh)
   kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
   kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
 };
@@ -73,6 +74,7 @@ struct GemmPlan {
   bool gather_x = false;    // W4A16, bf16 x: L1 reads its rows through row_token (the streaming kernel from x
                             // itself, wgmma from x staged once as [T, H] operand order): no per-slot staging
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
+  bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
@@ -89,9 +91,10 @@ constexpr int64_t kStreamOneTileUpTo = 8;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
 struct GroupedGemmArgs {
-  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (or [*, K] natural order with act_rows, streaming)
+  const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (wgmma: lane order; or [*, K] natural order with
+                                  // act_rows, streaming)
   const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r]: the streaming kernel natural-order
-                                      // bf16 x, the wgmma kernel operand-order rows (x staged once as [T, K])
+                                      // bf16 x, the wgmma kernel lane-order rows (x staged once as [T, K])
   const int32_t* expert_offsets = nullptr;  // [E+1]
   const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
   const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
@@ -109,7 +112,7 @@ struct GroupedGemmArgs {
   int64_t N = 0, K = 0;
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
-  uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in operand order instead
+  uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in the kernel's own order instead
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
