@@ -51,14 +51,20 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
 // dequantization with the other's MMAs). Shared memory holds the activation stages only.
 // kMaxN 32 (the memory-bound middle): K 128 per stage; 64: K 128; 128: K 64.
+#ifndef MEGAMOE_WG_SMEMW
+#define MEGAMOE_WG_SMEMW 0
+#endif
 #ifndef MEGAMOE_WG32_KS
 #define MEGAMOE_WG32_KS 128
 #endif
+#ifndef MEGAMOE_WG32_STAGES
+#define MEGAMOE_WG32_STAGES 6
+#endif
 #ifndef MEGAMOE_WG32_SETS
-#define MEGAMOE_WG32_SETS 4
+#define MEGAMOE_WG32_SETS 3
 #endif
 #ifndef MEGAMOE_WG128_SETS
-#define MEGAMOE_WG128_SETS 3
+#define MEGAMOE_WG128_SETS 2
 #endif
 #ifndef MEGAMOE_WG128_STAGES
 #define MEGAMOE_WG128_STAGES 5
@@ -67,14 +73,21 @@ template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? MEGAMOE_WG32_KS : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;      // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 6 : kMaxN == kWgSmall ? 4 : MEGAMOE_WG128_STAGES;
-  static constexpr int kWSets = kMaxN == kWgTiny ? MEGAMOE_WG32_SETS : kMaxN == kWgSmall ? 3 : MEGAMOE_WG128_SETS;
+  static constexpr int kStages = kMaxN == kWgTiny ? MEGAMOE_WG32_STAGES : kMaxN == kWgSmall ? 4 : MEGAMOE_WG128_STAGES;
+  static constexpr bool kSmemWeights = MEGAMOE_WG_SMEMW != 0;  // weights and scales copied into the stages too
+  static constexpr int kWSets = kSmemWeights ? 1 : kMaxN == kWgTiny ? MEGAMOE_WG32_SETS : kMaxN == kWgSmall ? 3 : MEGAMOE_WG128_SETS;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kStageBytes = (kABytes + 1023) / 1024 * 1024;  // every A tile 1024-aligned (SW128 atom)
+  static constexpr int kWBytes = kSmemWeights ? kRows * kKS / 2 : 0;   // rows of kKS / 2 bytes, 32-byte blocks swizzled
+  static constexpr int kSBytes = kSmemWeights ? kRows * kKS / 16 : 0;
+  static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
+  // Shared weights: 32-byte block b of row r at block b ^ swz(r) of the row, so that the 4 rows a quarter-warp
+  // reads (8 bytes per lane) fall on distinct banks.
+  static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two blocks per SM must fit in shared memory");
+  __host__ __device__ static constexpr int wswz(int r) { return kSub == 4 ? (r & 3) : kSub == 2 ? ((r >> 1) & 1) : 0; }
 };
 
 // 8 bytes of weights, not kept in L1 (each is read by one thread of the block).
@@ -198,6 +211,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const uint8_t* w_src[2] = {wd + row0 * row_bytes + 8 * tig, wd + row1 * row_bytes + 8 * tig};
   const uint8_t* s_src[2] = {ws + row0 * Kb, ws + row1 * Kb};
 
+  // Shared weights (kSmemWeights): thread (row c_row, half c_half) copies half of the row's stage bytes, the first
+  // 128 threads the rows' scales.
+  const int c_row = tid >> 1, c_half = tid & 1;
+  const uint8_t* c_wsrc = wd + weight_row(c_row) * row_bytes;
+  const uint8_t* c_ssrc = ws + weight_row(tid & (Cfg::kRows - 1)) * Kb;
+
   const int num_k_tiles = int(K / kKS);
   // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = tid + kT j of the
   // stage's kB * N * 8 (sub-tile c / (N * 8), token row (c / 8) % N, chunk c % 8 of its 128 bytes);
@@ -229,6 +248,16 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
     for (int j = 0; j < kAR; ++j)
       if (kChunks % kT == 0 || tid + kT * j < kChunks) cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
+    if constexpr (Cfg::kSmemWeights) {
+      const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
+#pragma unroll
+      for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes
+        const int q = c_half * (kKS / 64) + i;
+        cp_async_s<16>(sw + c_row * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(c_row)) * 32) + (q & 1) * 16,
+                       c_wsrc + int64_t(kt) * (kKS / 2) + q * 16, 16);
+      }
+      if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), c_ssrc + int64_t(kt) * (kKS / 16), kKS / 16);
+    }
   };
 
   // Register sets of weights: per row, 2 words and one scale word (the block's 4 scale bytes; this
@@ -264,9 +293,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
+  if constexpr (!Cfg::kSmemWeights) {
 #pragma unroll
-  for (int d = 0; d < kD; ++d)
-    if (d < num_k_tiles) load_weights(wr[d], sr[d], d);
+    for (int d = 0; d < kD; ++d)
+      if (d < num_k_tiles) load_weights(wr[d], sr[d], d);
+  }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
@@ -289,6 +320,21 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
       cp_async_commit();
 
+      if constexpr (Cfg::kSmemWeights) {  // this stage's words and scale words of rows g, g + 8 from shared memory
+        const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+        const uint8_t* ss = sw + Cfg::kWBytes;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lr = lr0 + 8 * h;
+#pragma unroll
+          for (int b = 0; b < kB; ++b) {
+            const uint2 x = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+            wr[d][h][2 * b] = x.x;
+            wr[d][h][2 * b + 1] = x.y;
+            sr[d][h][b] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b);
+          }
+        }
+      }
       // Dequantize set d: word q of block b of row h -> k16 steps 4b + 2q (pairs 0, 1) and 4b + 2q + 1
       // (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
 #pragma unroll
@@ -307,7 +353,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
           }
         }
       }
-      if (kt + kD < num_k_tiles) load_weights(wr[d], sr[d], kt + kD);
+      if (!Cfg::kSmemWeights && kt + kD < num_k_tiles) load_weights(wr[d], sr[d], kt + kD);
 
       acc_fence(acc);
       wgmma_fence();
