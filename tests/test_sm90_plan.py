@@ -40,10 +40,10 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(28).kernel, plan(28).token_tile) == (kind("wgmma32"), 32)
     assert (plan(29).kernel, plan(29).token_tile) == (kind("wgmma64"), 64)
     assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
-    # tiles 32 and 64 step K by 128, tile 128 by 64: a K that is a multiple of 64 only runs tile 128 in both
-    # ranges
-    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma32"), 32)
-    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma32")
+    # tile 32 steps K by 256, tile 64 by 128: a K that is a multiple of 128 only runs tile 64 in tile 32's
+    # range, one that is a multiple of 64 only runs tile 128 in both ranges
+    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma64"), 64)
+    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma64")
     assert (plan(7, k_l2=2112).kernel, plan(30, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
     assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
     assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")

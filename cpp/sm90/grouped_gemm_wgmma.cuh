@@ -2,40 +2,40 @@
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
 // Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
-// one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64 or 128).
-//  - Activations (bf16, lane order: see below) are copied with 16-byte cp.async into a ring of
-//    kStages shared-memory stages, 128-byte swizzled K-major (16-byte chunk c of row r at
-//    c ^ (r & 7): the SW128 layout a wgmma descriptor reads), one 64-element sub-tile per 64 of K.
-//  - Weights never pass through shared memory: every thread loads the packed NVFP4 words and the
-//    e4m3 scales of exactly its own two A-fragment rows (g and g + 8 of its warp's 16) straight
-//    into registers, kWSets stages ahead (a ring of register sets, the loop unrolled by kWSets),
-//    dequantizes whole words into the A fragment and issues wgmma m64nNk16 with A in registers.
+// one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64, 128
+// or 256). All 256 threads load (cp.async, a kStages-deep ring of shared-memory stages) and compute:
+//  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
+//    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
+//    reads), copied in 16-byte chunks;
+//  - packed NVFP4 weights (kKS / 2 bytes per row) and their e4m3 scales (kKS / 16) land as raw bytes;
+//    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
+//    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
+//    the A registers and issues wgmma m64nNk16 with A in registers.
 // N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
 // instantiated widths, so a tile of 12 tokens runs n16 and one of 48 runs n64.
 //
 // Lane-owned K. The weight words are in their natural order (the sm90 word layout of
 // gemm_common.cuh: word w of a row holds elements 8w..8w+7, dequant_word gives pairs
 // (n_j, n_{j+4})). In every 64-element block, MMA lane tig owns elements [16 tig, 16 tig + 16) of
-// its rows, i.e. the two words at byte 8 tig of the block's 32 (one 8-byte load per row) and one
-// scale byte (byte tig of the block's 4). For that to be a dot product, the activations must put
-// the partners of those elements at the k-positions lane tig holds in the A fragment (a0: k 2tig,
-// 2tig+1; a2: k 2tig+8, 2tig+9 of every k16 step): the lane order (megamoe/nvfp4_device.cuh,
-// lane_order_position) stores operand unit u = 8 tig + v of a block at unit 4v + tig, so word q of
-// the lane (units v = 4q..4q+3) feeds k16 steps 2q and 2q + 1 of the block: pair j of it is
-// register 0 (j even; rows g: 0, g + 8: 1) or 2 (j odd; 1 -> 3) of step 2q + j / 2. The
-// activation producers write lane order for these kernels (stage_bf16, the W4A4 quantizer's
-// decode, nvfp4_to_operand, this kernel's own kSiluMul epilogue writing h as the L2 operand);
-// the streaming kernels read operand order.
+// its rows: the two words at byte 8 tig of the block's 32 and one scale (byte tig of the block's
+// 4). For that to be a dot product, the activations must put the partners of those elements at
+// the k-positions lane tig holds in the A fragment (a0: k 2tig, 2tig+1; a2: k 2tig+8, 2tig+9 of
+// every k16 step): the lane order (megamoe/nvfp4_device.cuh, lane_order_position) stores operand
+// unit u = 8 tig + v of a block (a unit: the bf16 pair at operand positions 2u, 2u + 1) at unit
+// 4v + tig, so word q of the lane (units v = 4q..4q+3) feeds k16 steps 2q and 2q + 1 of the
+// block: pair j of it is register 0 (j even; row g + 8: 1) or 2 (j odd; 3) of step 2q + j / 2.
+// The producers of the activations write lane order when the plan runs these kernels
+// (GemmPlan::lane_order: stage_bf16, the W4A4 quantizer's decode, nvfp4_to_operand, this kernel's
+// own kSiluMul epilogue writing h as the L2 operand); the streaming kernels read operand order.
 // Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of lane-order rows,
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
 //
-// Pipeline per k-tile kt (activation prefetch distance kStages - 1, weights kWSets):
+// Pipeline per k-tile kt (prefetch distance kStages-1):
 //   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
-//   issue activation copies of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished:
-//     every warpgroup drained them at the end of iteration kt-1, before the barrier)
-//   dequantize register set kt % kWSets into the A registers; load tile kt+kWSets's weights into it;
-//   wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain.
+//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
+//     warpgroup drained them at the end of iteration kt-1, before the barrier)
+//   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -49,53 +49,27 @@ constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of Gemm
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
-// dequantization with the other's MMAs). Shared memory holds the activation stages only.
-// kMaxN 32 (the memory-bound middle): K 128 per stage; 64: K 128; 128: K 64.
-#ifndef MEGAMOE_WG_SMEMW
-#define MEGAMOE_WG_SMEMW 0
-#endif
-#ifndef MEGAMOE_WG32_KS
-#define MEGAMOE_WG32_KS 128
-#endif
-#ifndef MEGAMOE_WG32_STAGES
-#define MEGAMOE_WG32_STAGES 6
-#endif
-#ifndef MEGAMOE_WG32_SETS
-#define MEGAMOE_WG32_SETS 3
-#endif
-#ifndef MEGAMOE_WG128_SETS
-#define MEGAMOE_WG128_SETS 2
-#endif
-#ifndef MEGAMOE_WG128_STAGES
-#define MEGAMOE_WG128_STAGES 5
-#endif
+// dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
+// middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
+// per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
-  static constexpr int kKS = kMaxN == kWgTiny ? MEGAMOE_WG32_KS : kMaxN == kWgSmall ? 128 : 64;  // K per stage
-  static constexpr int kSub = kKS / kWgK;      // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? MEGAMOE_WG32_STAGES : kMaxN == kWgSmall ? 4 : MEGAMOE_WG128_STAGES;
-  static constexpr bool kSmemWeights = MEGAMOE_WG_SMEMW != 0;  // weights and scales copied into the stages too
-  static constexpr int kWSets = kSmemWeights ? 1 : kMaxN == kWgTiny ? MEGAMOE_WG32_SETS : kMaxN == kWgSmall ? 3 : MEGAMOE_WG128_SETS;
+  static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kWBytes = kSmemWeights ? kRows * kKS / 2 : 0;   // rows of kKS / 2 bytes, 32-byte blocks swizzled
-  static constexpr int kSBytes = kSmemWeights ? kRows * kKS / 16 : 0;
+  static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
+  static constexpr int kSBytes = kRows * kKS / 16;
   static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
-  // Shared weights: 32-byte block b of row r at block b ^ swz(r) of the row, so that the 4 rows a quarter-warp
-  // reads (8 bytes per lane) fall on distinct banks.
   static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two blocks per SM must fit in shared memory");
+  // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
+  // quarter-warp reads (8 bytes per lane) fall on distinct banks.
   __host__ __device__ static constexpr int wswz(int r) { return kSub == 4 ? (r & 3) : kSub == 2 ? ((r >> 1) & 1) : 0; }
 };
-
-// 8 bytes of weights, not kept in L1 (each is read by one thread of the block).
-__device__ __forceinline__ uint2 ldg_w8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -185,7 +159,7 @@ template <int N, int kMaxN>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
                                         int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
-  constexpr int S = Cfg::kStages, kD = Cfg::kWSets, kKS = Cfg::kKS, kB = Cfg::kSub;
+  constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
@@ -206,19 +180,14 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
     return n < Nw ? n : 0;
   };
-  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
-  const int64_t row0 = weight_row(lr0), row1 = weight_row(lr0 + 8);
-  const uint8_t* w_src[2] = {wd + row0 * row_bytes + 8 * tig, wd + row1 * row_bytes + 8 * tig};
-  const uint8_t* s_src[2] = {ws + row0 * Kb, ws + row1 * Kb};
-
-  // Shared weights (kSmemWeights): thread (row c_row, half c_half) copies half of the row's stage bytes, the first
-  // 128 threads the rows' scales.
-  const int c_row = tid >> 1, c_half = tid & 1;
-  const uint8_t* c_wsrc = wd + weight_row(c_row) * row_bytes;
-  const uint8_t* c_ssrc = ws + weight_row(tid & (Cfg::kRows - 1)) * Kb;
+  // Weight copies: thread (row w_lr, half w_half) copies half of the row's kKS / 2 stage bytes; the
+  // first 128 threads copy the rows' scales.
+  const int w_lr = tid >> 1, w_half = tid & 1;
+  const uint8_t* w_src = wd + weight_row(w_lr) * row_bytes;
+  const uint8_t* s_src = ws + weight_row(tid & (Cfg::kRows - 1)) * Kb;
 
   const int num_k_tiles = int(K / kKS);
-  // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = tid + kT j of the
+  // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = kT j + tid of the
   // stage's kB * N * 8 (sub-tile c / (N * 8), token row (c / 8) % N, chunk c % 8 of its 128 bytes);
   // source row: token r of the tile -> grouped row row_begin + m0 + r, or act row act_rows[that] with
   // a gather; a pointer advanced by kKS elements per stage.
@@ -244,133 +213,81 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   auto load_stage = [&](int slot, int kt) {
     const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
+    const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
     const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
     for (int j = 0; j < kAR; ++j)
       if (kChunks % kT == 0 || tid + kT * j < kChunks) cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
-    if constexpr (Cfg::kSmemWeights) {
-      const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
 #pragma unroll
-      for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes
-        const int q = c_half * (kKS / 64) + i;
-        cp_async_s<16>(sw + c_row * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(c_row)) * 32) + (q & 1) * 16,
-                       c_wsrc + int64_t(kt) * (kKS / 2) + q * 16, 16);
-      }
-      if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), c_ssrc + int64_t(kt) * (kKS / 16), kKS / 16);
+    for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes, in 32-byte block q / 2
+      const int q = w_half * (kKS / 64) + i;
+      cp_async_s<16>(sw + w_lr * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(w_lr)) * 32) + (q & 1) * 16,
+                     w_src + int64_t(kt) * (kKS / 2) + q * 16, 16);
     }
-  };
-
-  // Register sets of weights: per row, 2 words and one scale word (the block's 4 scale bytes; this
-  // lane's is byte tig) per 64-element block of the stage.
-  uint32_t wr[kD][2][2 * kB], sr[kD][2][kB];
-  auto load_weights = [&](uint32_t (&w)[2][2 * kB], uint32_t (&sc)[2][kB], int kt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const uint2 x = ldg_w8(w_src[h] + (int64_t(kt) * kB + b) * 32);
-        w[h][2 * b] = x.x;
-        w[h][2 * b + 1] = x.y;
-      }
-      const uint8_t* sp = s_src[h] + int64_t(kt) * (kKS / 16);
-      if constexpr (kB == 1) {
-        sc[h][0] = __ldg(reinterpret_cast<const uint32_t*>(sp));
-      } else if constexpr (kB == 2) {
-        const uint2 x = __ldg(reinterpret_cast<const uint2*>(sp));
-        sc[h][0] = x.x;
-        sc[h][1] = x.y;
-      } else {
-        const uint4 x = __ldg(reinterpret_cast<const uint4*>(sp));
-        sc[h][0] = x.x;
-        sc[h][1] = x.y;
-        sc[h][2] = x.z;
-        sc[h][3] = x.w;
-      }
-    }
+    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), kKS / 16);
   };
 
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
-  if constexpr (!Cfg::kSmemWeights) {
-#pragma unroll
-    for (int d = 0; d < kD; ++d)
-      if (d < num_k_tiles) load_weights(wr[d], sr[d], d);
-  }
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
     cp_async_commit();
   }
 
+  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
   uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   const uint32_t byte_shift = 8u * uint32_t(tig);
   int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
-  for (int kt0 = 0; kt0 < num_k_tiles; kt0 += kD) {
-#pragma unroll
-    for (int d = 0; d < kD; ++d) {
-      const int kt = kt0 + d;
-      if (kt >= num_k_tiles) break;
-      cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
-      fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-      __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
-      const int pf = kt + S - 1;
-      if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
-      cp_async_commit();
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
+    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
+    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+    const int pf = kt + S - 1;
+    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
+    cp_async_commit();
 
-      if constexpr (Cfg::kSmemWeights) {  // this stage's words and scale words of rows g, g + 8 from shared memory
-        const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
-        const uint8_t* ss = sw + Cfg::kWBytes;
+    // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
+    // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
+    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+    const uint8_t* ss = sw + Cfg::kWBytes;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int lr = lr0 + 8 * h;
-#pragma unroll
-          for (int b = 0; b < kB; ++b) {
-            const uint2 x = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
-            wr[d][h][2 * b] = x.x;
-            wr[d][h][2 * b + 1] = x.y;
-            sr[d][h][b] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b);
-          }
-        }
-      }
-      // Dequantize set d: word q of block b of row h -> k16 steps 4b + 2q (pairs 0, 1) and 4b + 2q + 1
-      // (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
+    for (int h = 0; h < 2; ++h) {
+      const int lr = lr0 + 8 * h;
 #pragma unroll
       for (int b = 0; b < kB; ++b) {
+        const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+        const uint32_t s2 = lut[(*reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b) >> byte_shift) & 0xFFu];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t s2 = lut[(sr[d][h][b] >> byte_shift) & 0xFFu];
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            uint32_t p[4];
-            dequant_word(wr[d][h][2 * b + q], s2, p);
-            af[4 * b + 2 * q][h] = p[0];
-            af[4 * b + 2 * q][2 + h] = p[1];
-            af[4 * b + 2 * q + 1][h] = p[2];
-            af[4 * b + 2 * q + 1][2 + h] = p[3];
-          }
+        for (int q = 0; q < 2; ++q) {
+          uint32_t p[4];
+          dequant_word(q ? w.y : w.x, s2, p);
+          af[4 * b + 2 * q][h] = p[0];
+          af[4 * b + 2 * q][2 + h] = p[1];
+          af[4 * b + 2 * q + 1][h] = p[2];
+          af[4 * b + 2 * q + 1][2 + h] = p[3];
         }
       }
-      if (!Cfg::kSmemWeights && kt + kD < num_k_tiles) load_weights(wr[d], sr[d], kt + kD);
-
-      acc_fence(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4 * kB; ++ks)
-        Wgmma<N>::mma(acc, af[ks],
-                      sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-      wgmma_commit();
-      acc_fence(acc);
-      // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-      // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
-      // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
-      // rejected variants).
-      wgmma_wait<0>();
-      slot = slot + 1 == S ? 0 : slot + 1;
-      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
     }
+
+    acc_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4 * kB; ++ks)
+      Wgmma<N>::mma(acc, af[ks],
+                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+    wgmma_commit();
+    acc_fence(acc);
+    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
+    // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
+    // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
+    // rejected variants).
+    wgmma_wait<0>();
+    slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
   acc_fence(acc);
   cp_async_wait<0>();

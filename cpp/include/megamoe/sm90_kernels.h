@@ -50,7 +50,7 @@ enum class Epilogue : int {
 enum class GemmKernel : int {
   kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
   kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
-  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 128 per stage (grouped_gemm_wgmma.cuh)
+  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
   kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
   kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
 };
