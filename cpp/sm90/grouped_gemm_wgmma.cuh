@@ -37,12 +37,9 @@
 //     warpgroup drained them at the end of iteration kt-1, before the barrier)
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain.
 #pragma once
-#include <algorithm>
-
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
-#include "pdl.cuh"
 #include "wgmma_ops.cuh"
 
 namespace megamoe::sm90 {
@@ -121,33 +118,21 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
   }
 }
 
-// One work item of a block: token tile m0.. of `expert` (grouped rows row_begin.., `rows` of them) times
-// column block xb (128 weight rows, or 64 output columns of kSiluMul). Items are numbered tile-major,
-// item = tile * gx + xb, so the blocks running at one time share a tile's activations and stream
-// different weight rows, as a [gx, tiles] grid would.
-struct WgItem {
-  int expert, row_begin, rows, m0, xb;
-};
-template <int kMaxN>
-__device__ __forceinline__ WgItem wg_item(const GroupedGemmArgs& a, const int32_t* tile_scan, int gx, int item) {
-  const int tile = item / gx;
-  const ExpertTile et = find_expert_tile<kMaxN>(a, a.num_experts, tile_scan, tile);
-  return {et.expert, et.row_begin, et.rows, et.m0, item - tile * gx};
-}
-
-// Epilogue of one item: acc is warp wq of warpgroup wg's m64nN fragment (block-local weight rows
-// wg*64 + wq*16 + g and + 8, tokens m0 + 8j + 2tig + {0, 1}); scales it and writes output rows
-// row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
+// Epilogue of wg_tile(): acc is warp wq of
+// warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
+// 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
+// silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
-                                            int64_t Nw, int64_t I, const WgItem& it, int wg, int wq, int g, int tig) {
+                                            int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
+                                            int wg, int wq, int g, int tig) {
   float alpha0, alpha1;
-  epilogue_alphas(a, it.expert, silu_mul, alpha0, alpha1);
+  epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
   // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
   if (silu_mul) {
-    const int64_t col = int64_t(it.xb) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
+    const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
     if (col < I) {
-      wg_fragment_tokens<N>(a, it.row_begin, it.rows, it.m0, tig, [&](int c, int64_t out_row, float rs) {
+      wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
         const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
                                 a.swiglu_limit);
         if (a.out_operand) {
@@ -158,8 +143,8 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       });
     }
   } else {
-    const int64_t n0 = int64_t(it.xb) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
-    wg_fragment_tokens<N>(a, it.row_begin, it.rows, it.m0, tig, [&](int c, int64_t out_row, float rs) {
+    const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
+    wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t n = n0 + 8 * hh;
@@ -169,116 +154,101 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
   }
 }
 
-// The copies of one block: a cursor over the block's stages (its items in order, num_k_tiles stages
-// each). setup() points it at an item; load() issues this thread's copies of stage kt of that item:
-//  - activations: 16-byte chunk c = kT j + tid of the stage's kSub * kMaxN * 8 (sub-tile c / (kMaxN * 8),
-//    token row (c / 8) % kMaxN, chunk c % 8 of its 128 bytes; the same rows and chunks for every item);
-//    token r of the tile -> grouped row row_begin + m0 + r, or act row act_rows[that] with a gather; tokens
-//    past the tile are zero-filled from the tile's first row;
-//  - weights: thread (row w_lr, half w_half) copies half of the row's kKS / 2 stage bytes (32-byte block b
-//    of the row at block b ^ wswz(row)); the first 128 threads copy the rows' scales.
-template <int kMaxN>
-struct WgLoader {
-  using Cfg = WgCfg<kMaxN>;
-  static constexpr int kT = Cfg::kThreads, kB = Cfg::kSub, kKS = Cfg::kKS;
-  static constexpr int kChunks = kB * kMaxN * 8;
-  static_assert(kChunks % kT == 0 && kMaxN % 32 == 0, "whole chunks and token rows per thread");
-  static constexpr int kAR = kChunks / kT;        // chunks per thread and stage
-  static constexpr int kRowsPT = kMaxN / 32;      // token rows per thread: chunk j is row jr = j % kRowsPT,
-                                                  // (tid / 8 + 32 jr), sub-tile j / kRowsPT, chunk tid % 8
-  // Sources as 32-bit offsets (fewer registers): activations and weights in 16-byte units from a.act and
-  // a.w_data, scales in 4-byte units from a.w_scale (every copy is that aligned).
-  uint32_t a_src[kRowsPT];
-  uint32_t a_valid = 0;  // bit jr: token row jr is in the tile
-  uint32_t w_src = 0, s_src = 0;
-
-  __device__ static constexpr int chunk_row(int j, int tid) { return (tid >> 3) + 32 * (j % kRowsPT); }
-  // byte offset of chunk j in a stage (the swizzle term is the same for every j: rows differ by multiples of 32)
-  __device__ static uint32_t chunk_dst(int j, int tid) {
-    const int r = chunk_row(j, tid), ch = tid & 7;
-    return uint32_t((j / kRowsPT) * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16));
-  }
-
-  __device__ __forceinline__ void setup(const GroupedGemmArgs& a, const WgItem& it, int tid) {
-    const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2, I = Nw / 2;
-    const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-    const int64_t wd = int64_t(it.expert) * Nw * row_bytes, ws = int64_t(it.expert) * Nw * Kb;
-    // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output columns; in
-    // warp (wg, wq) rows g are the gate and rows g + 8 the up row of column xb*64 + wg*32 + wq*8 + g, so
-    // one thread holds both for its tokens. A row past the end reads row 0 (its results are never stored).
-    auto weight_row = [&](int lr) -> int64_t {
-      if (silu_mul) {
-        const int64_t col = int64_t(it.xb) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
-        return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
-      }
-      const int64_t n = int64_t(it.xb) * Cfg::kRows + lr;
-      return n < Nw ? n : 0;
-    };
-    w_src = uint32_t((wd + weight_row(tid >> 1) * row_bytes) >> 4);
-    s_src = uint32_t((ws + weight_row(tid & (Cfg::kRows - 1)) * Kb) >> 2);
-    const int64_t first = int64_t(it.row_begin) + it.m0;
-    const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
-    a_valid = 0;
-#pragma unroll
-    for (int jr = 0; jr < kRowsPT; ++jr) {
-      const int r = chunk_row(jr, tid);
-      const bool v = it.m0 + r < it.rows;
-      a_valid |= uint32_t(v) << jr;
-      const int64_t src = v ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
-      a_src[jr] = uint32_t((src * K + 8 * (tid & 7)) >> 3);
-    }
-  }
-
-  __device__ __forceinline__ void load(const GroupedGemmArgs& a, uint32_t stage_s, int kt, int tid,
-                                       uint32_t a_dst0) const {
-    const uint32_t sw = stage_s + Cfg::kABytes, ss = sw + Cfg::kWBytes;
-    const uint4* act = reinterpret_cast<const uint4*>(a.act);
-    const uint4* wdat = reinterpret_cast<const uint4*>(a.w_data);
-    const uint32_t* wsc = reinterpret_cast<const uint32_t*>(a.w_scale);
-#pragma unroll
-    for (int j = 0; j < kAR; ++j)  // sub-tile j / kRowsPT: 64 elements = 8 units further along the row
-      cp_async_s<16>(stage_s + a_dst0 + (chunk_dst(j, tid) - chunk_dst(0, tid)),
-                     act + a_src[j % kRowsPT] + uint32_t(kt) * (kKS / 8) + 8 * (j / kRowsPT),
-                     (a_valid >> (j % kRowsPT)) & 1u ? 16 : 0);
-    const int w_lr = tid >> 1, w_half = tid & 1;
-#pragma unroll
-    for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes, in 32-byte block q / 2
-      const int q = w_half * (kKS / 64) + i;
-      cp_async_s<16>(sw + w_lr * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(w_lr)) * 32) + (q & 1) * 16,
-                     wdat + w_src + uint32_t(kt) * (kKS / 32) + q, 16);
-    }
-    if (tid < Cfg::kRows)
-      cp_async_s<kKS / 16>(ss + tid * (kKS / 16), wsc + s_src + uint32_t(kt) * (kKS / 64), kKS / 16);
-  }
-};
-
-// The num_k_tiles stages of one item for token tiles of width N (<= kMaxN), then its epilogue. slot: the
-// ring slot of its first stage (advanced); issue(slot): the cursor's next copies into that slot and
-// one cp.async group.
-// (The item is looked up again for the epilogue: fewer registers live through the main loop.)
-template <int N, int kMaxN, typename Issue>
-__device__ __forceinline__ void wg_item_run(const GroupedGemmArgs& a, const uint8_t* stages, uint32_t stages_s,
-                                            const uint32_t* lut, const int32_t* tile_scan, int gx, int item,
-                                            int num_k_tiles, int& slot, Issue&& issue) {
+// Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
+template <int N, int kMaxN>
+__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
+                                        int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+  const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  const int64_t I = Nw / 2;
+  const uint8_t* wd = a.w_data + int64_t(expert) * Nw * row_bytes;
+  const uint8_t* ws = a.w_scale + int64_t(expert) * Nw * Kb;
+
+  // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output
+  // columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
+  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens. A row past the end
+  // reads row 0 (its accumulators are never stored).
+  auto weight_row = [&](int lr) -> int64_t {
+    if (silu_mul) {
+      const int64_t col = int64_t(blockIdx.x) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
+      return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
+    }
+    const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
+    return n < Nw ? n : 0;
+  };
+  // Weight copies: thread (row w_lr, half w_half) copies half of the row's kKS / 2 stage bytes; the
+  // first 128 threads copy the rows' scales.
+  const int w_lr = tid >> 1, w_half = tid & 1;
+  const uint8_t* w_src = wd + weight_row(w_lr) * row_bytes;
+  const uint8_t* s_src = ws + weight_row(tid & (Cfg::kRows - 1)) * Kb;
+
+  const int num_k_tiles = int(K / kKS);
+  // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = kT j + tid of the
+  // stage's kB * N * 8 (sub-tile c / (N * 8), token row (c / 8) % N, chunk c % 8 of its 128 bytes);
+  // source row: token r of the tile -> grouped row row_begin + m0 + r, or act row act_rows[that] with
+  // a gather; a pointer advanced by kKS elements per stage.
+  constexpr int kT = Cfg::kThreads;
+  constexpr int kChunks = kB * N * 8;
+  constexpr int kAR = (kChunks + kT - 1) / kT;
+  const uint16_t* a_src[kAR];
+  bool a_valid[kAR];
+  uint32_t a_dst[kAR];  // byte offset of the copy in a stage
+  {
+    const int64_t first = int64_t(row_begin) + m0;  // invalid tokens read the tile's first row (0 bytes)
+    const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
+#pragma unroll
+    for (int j = 0; j < kAR; ++j) {
+      const int c = tid + kT * j;
+      const int sub = c / (N * 8), r = (c >> 3) % N, ch = c & 7;
+      a_valid[j] = c < kChunks && m0 + r < rows;
+      const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
+      a_src[j] = a.act + src * K + 64 * sub + 8 * ch;
+      a_dst[j] = uint32_t(sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16));
+    }
+  }
+  const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  auto load_stage = [&](int slot, int kt) {
+    const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
+    const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
+    const int64_t ko = int64_t(kt) * kKS;
+#pragma unroll
+    for (int j = 0; j < kAR; ++j)
+      if (kChunks % kT == 0 || tid + kT * j < kChunks) cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
+#pragma unroll
+    for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes, in 32-byte block q / 2
+      const int q = w_half * (kKS / 64) + i;
+      cp_async_s<16>(sw + w_lr * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(w_lr)) * 32) + (q & 1) * 16,
+                     w_src + int64_t(kt) * (kKS / 2) + q * 16, 16);
+    }
+    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), kKS / 16);
+  };
 
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+
   const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
   uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   const uint32_t byte_shift = 8u * uint32_t(tig);
+  int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
   for (int kt = 0; kt < num_k_tiles; ++kt) {
-    cp_async_wait<S - 2>();  // this stage landed (this thread's copies)
+    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-    __syncthreads();           // everyone's copies; every warpgroup is done with the previous stage
-    issue(slot == 0 ? S - 1 : slot - 1);  // S - 1 stages ahead, into the slot of the previous stage
+    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
+    const int pf = kt + S - 1;
+    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
+    cp_async_commit();
 
     // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
     // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
@@ -317,21 +287,18 @@ __device__ __forceinline__ void wg_item_run(const GroupedGemmArgs& a, const uint
     // rejected variants).
     wgmma_wait<0>();
     slot = slot + 1 == S ? 0 : slot + 1;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
   acc_fence(acc);
-  wg_epilogue<N, kMaxN>(a, acc, silu_mul, a.N, a.N / 2, wg_item<kMaxN>(a, tile_scan, gx, item), wg, wq, g, tig);
+  cp_async_wait<0>();
+
+  wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
-// Persistent: gridDim.x blocks (at most two per SM) take items blockIdx.x, + gridDim.x, ...; gx column
-// blocks per token tile. One cp.async pipeline runs through all of a block's stages, so the next item's
-// first stages load during the current item's last stages and epilogue, and the expert/tile scan runs
-// once per block.
 template <int kMaxN>
-__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks)
-    wg_gemm_kernel(GroupedGemmArgs a, int gx) {
+__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
   using Cfg = WgCfg<kMaxN>;
-  constexpr int S = Cfg::kStages;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
@@ -343,51 +310,30 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
 
-  const int num_tiles = expert_tile_scan<Cfg::kThreads, kMaxN>(a, a.num_experts, tile_scan, warp_sums, tid, warp, lane);
-  const int items = num_tiles * gx;
-  if (int(blockIdx.x) >= items) return;
+  // Which expert and which token tile of it.
+  const int E = a.num_experts;
+  const int num_tiles = expert_tile_scan<Cfg::kThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
+  const int tile = blockIdx.y;
+  if (tile >= num_tiles) return;
+  const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
+  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
+  const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   __syncthreads();  // scale_lut visible
 
-  const int num_k_tiles = int(a.K / Cfg::kKS);
-  const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  const uint32_t a_dst0 = WgLoader<kMaxN>::chunk_dst(0, tid);
-  WgLoader<kMaxN> ld;
-  int ld_item = blockIdx.x, ld_kt = 0;
-  ld.setup(a, wg_item<kMaxN>(a, tile_scan, gx, ld_item), tid);
-  auto issue = [&](int slot) {
-    if (ld_item < items) {
-      ld.load(a, stages_s + uint32_t(slot) * Cfg::kStageBytes, ld_kt, tid, a_dst0);
-      if (++ld_kt == num_k_tiles) {
-        ld_kt = 0;
-        ld_item += gridDim.x;
-        if (ld_item < items) ld.setup(a, wg_item<kMaxN>(a, tile_scan, gx, ld_item), tid);
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue(s);
-
-  int slot = 0;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const ExpertTile et = find_expert_tile<kMaxN>(a, a.num_experts, tile_scan, item / gx);
-    const int count = min(et.rows - et.m0, kMaxN);  // tokens in this tile (block-uniform)
-    if constexpr (kMaxN == kWgTiny) {
-      if (count <= 8) wg_item_run<8, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else if (count <= 16) wg_item_run<16, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else wg_item_run<32, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-    } else if constexpr (kMaxN == kWgSmall) {
-      if (count <= 8) wg_item_run<8, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else if (count <= 16) wg_item_run<16, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else if (count <= 32) wg_item_run<32, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else wg_item_run<64, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-    } else {
-      if (count <= 32) wg_item_run<32, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else if (count <= 64) wg_item_run<64, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-      else wg_item_run<128, kMaxN>(a, stages, stages_s, scale_lut, tile_scan, gx, item, num_k_tiles, slot, issue);
-    }
+  if constexpr (kMaxN == kWgTiny) {
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  } else if constexpr (kMaxN == kWgSmall) {
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+  } else {
+    if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    else wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
   }
-  cp_async_wait<0>();
 }
 
 template <int kMaxN>
@@ -404,16 +350,11 @@ inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream)
   }
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
-  const int64_t gx = silu_mul ? (a.N / 2 + kCols - 1) / kCols : (a.N + Cfg::kRows - 1) / Cfg::kRows;
+  const unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
-  if (tiles * gx > int64_t(1) << 30) return cudaErrorInvalidValue;
-  // WgLoader's 32-bit source offsets: activations and weights in 16-byte units, scales in 4-byte units
-  const int64_t weight_bytes = int64_t(a.num_experts) * a.N * (a.K / 2);
-  if (a.max_total_rows * a.K / 8 >= (int64_t(1) << 32) || weight_bytes / 16 >= (int64_t(1) << 32))
-    return cudaErrorInvalidValue;
-  const int64_t blocks = std::min<int64_t>(tiles * gx, int64_t(Cfg::kMinBlocks) * sm_count());
-  wg_gemm_kernel<kMaxN><<<unsigned(blocks), Cfg::kThreads, Cfg::kSmem, stream>>>(a, int(gx));
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), Cfg::kThreads, Cfg::kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
