@@ -52,17 +52,11 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
-#ifndef MEGAMOE_WG_LATE
-#define MEGAMOE_WG_LATE 0
-#endif
-#ifndef MEGAMOE_WG128_STAGES
-#define MEGAMOE_WG128_STAGES 4
-#endif
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall ? 4 : MEGAMOE_WG128_STAGES;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
@@ -253,10 +247,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
     __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
     const int pf = kt + S - 1;
-#if !MEGAMOE_WG_LATE
     if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
     cp_async_commit();
-#endif
 
     // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
     // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
@@ -289,10 +281,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
                     sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
     acc_fence(acc);
-#if MEGAMOE_WG_LATE
-    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
-    cp_async_commit();
-#endif
     // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
     // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
     // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
