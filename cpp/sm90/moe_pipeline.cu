@@ -256,34 +256,28 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
-// Lane order: one thread per 64-element block of a row (its 32 operand-order pairs, then 8 16-byte
-// stores: stored pairs 4v .. 4v + 3 are operand pairs v, 8 + v, 16 + v, 24 + v).
+// Lane order: one thread per 16-byte output chunk v of a 64-element block (stored pairs 4v .. 4v + 3 are the
+// operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements (16t + 8(v / 4) + v % 4, + 4) for t = 0..3); eight
+// consecutive threads cover a block.
 template <typename T>
 __global__ void stage_bf16_lane_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
                                        int64_t max_rows, int64_t cols, uint16_t* dst) {
   griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t blocks = cols / 64;
+  const int64_t chunks = cols / 8;
   const int64_t rows = num_rows ? *num_rows : max_rows;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * blocks;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * chunks;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / blocks, bi = idx - r * blocks;
+    const int64_t r = idx / chunks, c = idx - r * chunks;
     const int64_t sr = src_rows ? src_rows[r] : r;
-    const T* p = src + sr * stride + bi * 64;
-    uint32_t u[32];  // operand pair 4 gi + q = elements (q, q + 4) of 8-element group gi
+    const int v = int(c & 7);
+    const T* p = src + sr * stride + (c >> 3) * 64 + 8 * (v >> 2) + (v & 3);
+    uint32_t w[4];
 #pragma unroll
-    for (int gi = 0; gi < 8; ++gi) {
-      float x[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(p[gi * 8 + i]);  // exact for float, __half, bf16
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        __nv_bfloat162 b = __floats2bfloat162_rn(x[q], x[q + 4]);
-        u[4 * gi + q] = *reinterpret_cast<uint32_t*>(&b);
-      }
+    for (int t = 0; t < 4; ++t) {
+      __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[16 * t]), static_cast<float>(p[16 * t + 4]));
+      w[t] = *reinterpret_cast<uint32_t*>(&b);  // to float exact; one rounding to bf16 (none for bf16 sources)
     }
-    uint4* o = reinterpret_cast<uint4*>(dst + r * cols + bi * 64);
-#pragma unroll
-    for (int v = 0; v < 8; ++v) o[v] = make_uint4(u[v], u[8 + v], u[16 + v], u[24 + v]);
+    *reinterpret_cast<uint4*>(dst + r * cols + c * 8) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -365,7 +359,7 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
                               bool lane_order, cudaStream_t stream) {
   if (cols % (lane_order ? 64 : 16) != 0) return cudaErrorInvalidValue;
   if (max_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_of(max_rows * (cols / (lane_order ? 64 : 8)), 256);
+  const unsigned grid = grid_of(max_rows * (cols / 8), 256);
   switch (src_type) {
     case ElemType::kFloat32:
       return pdl_launch(lane_order ? stage_bf16_lane_kernel<float> : stage_bf16_kernel<float>, grid, 256, 0, stream,
