@@ -13,6 +13,8 @@ fixed T):
 2. L1 input           W4A16 with bf16 x: none (the L1 GEMM gathers its rows through row_token:
                       the streaming kernel from x itself, the wgmma kernel from x staged
                       once as the [T, H] bf16 operand); else gather + bf16 per slot (W4A16)
+                      (the wgmma kernels read their bf16 operand in lane order, the streaming
+                      kernels in operand order: ``plan.lane_order`` tells every producer)
                       or gather + NVFP4 quantize per slot (W4A4; static per-expert or per-row
                       dynamic scale), exact e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
