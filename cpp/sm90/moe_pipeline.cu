@@ -231,37 +231,13 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id
               entry_row);
 }
 
-// One thread per 8-element group: gather, convert, store in operand order.
+// One thread per 16-byte output chunk c of a row (4 bf16 pairs): gather, convert, store. Operand order:
+// chunk c is 8-element group c, pair q = elements (q, q + 4) of it. Lane order: chunk v = c % 8 of
+// 64-element block c / 8 holds the operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements
+// (16t + 8(v / 4) + v % 4, + 4) of the block for pair t.
 template <typename T>
 __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
-                                  int64_t max_rows, int64_t cols, uint16_t* dst) {
-  griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t groups = cols / 8;
-  const int64_t rows = num_rows ? *num_rows : max_rows;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * groups;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / groups, gi = idx - r * groups;
-    const int64_t sr = src_rows ? src_rows[r] : r;
-    const T* p = src + sr * stride + gi * 8;
-    float x[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(p[i]);  // exact for float, __half, bf16
-    uint32_t w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(x[operand_order(2 * q)], x[operand_order(2 * q + 1)]);
-      w[q] = *reinterpret_cast<uint32_t*>(&b);
-    }
-    *reinterpret_cast<uint4*>(dst + r * cols + gi * 8) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-// Lane order: one thread per 16-byte output chunk v of a 64-element block (stored pairs 4v .. 4v + 3 are the
-// operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements (16t + 8(v / 4) + v % 4, + 4) for t = 0..3); eight
-// consecutive threads cover a block.
-template <typename T>
-__global__ void stage_bf16_lane_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
-                                       int64_t max_rows, int64_t cols, uint16_t* dst) {
+                                  int64_t max_rows, int64_t cols, uint16_t* dst, bool lane_order) {
   griddep_sync_and_release();  // no-op unless launched with PDL
   const int64_t chunks = cols / 8;
   const int64_t rows = num_rows ? *num_rows : max_rows;
@@ -270,11 +246,13 @@ __global__ void stage_bf16_lane_kernel(const T* src, int64_t stride, const int32
     const int64_t r = idx / chunks, c = idx - r * chunks;
     const int64_t sr = src_rows ? src_rows[r] : r;
     const int v = int(c & 7);
-    const T* p = src + sr * stride + (c >> 3) * 64 + 8 * (v >> 2) + (v & 3);
+    const int64_t first = lane_order ? (c >> 3) * 64 + 8 * (v >> 2) + (v & 3) : c * 8;
+    const int step = lane_order ? 16 : 1;  // elements between the pairs' first elements
+    const T* p = src + sr * stride + first;
     uint32_t w[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[16 * t]), static_cast<float>(p[16 * t + 4]));
+      __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[step * t]), static_cast<float>(p[step * t + 4]));
       w[t] = *reinterpret_cast<uint32_t*>(&b);  // to float exact; one rounding to bf16 (none for bf16 sources)
     }
     *reinterpret_cast<uint4*>(dst + r * cols + c * 8) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -362,15 +340,15 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   const unsigned grid = grid_of(max_rows * (cols / 8), 256);
   switch (src_type) {
     case ElemType::kFloat32:
-      return pdl_launch(lane_order ? stage_bf16_lane_kernel<float> : stage_bf16_kernel<float>, grid, 256, 0, stream,
-                        static_cast<const float*>(src), src_row_stride, src_rows, num_rows, max_rows, cols, dst);
+      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src), src_row_stride,
+                        src_rows, num_rows, max_rows, cols, dst, lane_order);
     case ElemType::kFloat16:
-      return pdl_launch(lane_order ? stage_bf16_lane_kernel<__half> : stage_bf16_kernel<__half>, grid, 256, 0, stream,
-                        static_cast<const __half*>(src), src_row_stride, src_rows, num_rows, max_rows, cols, dst);
+      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
+                        src_row_stride, src_rows, num_rows, max_rows, cols, dst, lane_order);
     case ElemType::kBFloat16:
-      return pdl_launch(lane_order ? stage_bf16_lane_kernel<__nv_bfloat16> : stage_bf16_kernel<__nv_bfloat16>, grid,
-                        256, 0, stream, static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows,
-                        max_rows, cols, dst);
+      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
+                        static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
+                        dst, lane_order);
   }
   return cudaErrorInvalidValue;
 }
