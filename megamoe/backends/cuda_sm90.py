@@ -13,8 +13,6 @@ fixed T):
 2. L1 input           W4A16 with bf16 x: none (the L1 GEMM gathers its rows through row_token:
                       the streaming kernel from x itself, the wgmma kernel from x staged
                       once as the [T, H] bf16 operand); else gather + bf16 per slot (W4A16)
-                      (the wgmma kernels read their bf16 operand in lane order, the streaming
-                      kernels in operand order: ``plan.lane_order`` tells every producer)
                       or gather + NVFP4 quantize per slot (W4A4; static per-expert or per-row
                       dynamic scale), exact e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
@@ -26,7 +24,9 @@ Workspace grows with T (rows = T*k), never with E.
 
 Which kernel runs, with which token tile and how many tokens per weight pass, and whether
 W4A16 skips the staging kernels is one C++ decision, ``megamoe._C.sm90_plan`` (the dispatch
-table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The streaming
+table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The wgmma kernels
+read their bf16 operand in lane order, the streaming kernels in operand order; ``plan.lane_order``
+tells every producer of it (staging, the W4A4 quantizer's decode, the L1 epilogue). The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
 previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with bf16 x it gathers its
