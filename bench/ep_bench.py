@@ -83,10 +83,10 @@ def bench_ep(layer: ExpertParallelMoE, tokens: int, iters: int, warmup: int, see
         if it >= warmup:
             per_iter.append({name: _elapsed_ms(marks[a], marks[b]) for name, a, b in PHASES})
     # slowest rank per iteration and phase, then the median over iterations
-    phase_ms = torch.tensor([[p[name] for name, _, _ in PHASES] for p in per_iter], dtype=torch.float64,
+    times_ms = torch.tensor([[p[name] for name, _, _ in PHASES] for p in per_iter], dtype=torch.float64,
                             device=layer.device)
-    dist.all_reduce(phase_ms, op=dist.ReduceOp.MAX)
-    worst = phase_ms.cpu()
+    dist.all_reduce(times_ms, op=dist.ReduceOp.MAX)
+    worst = times_ms.cpu()
     rows = torch.tensor([layer.last_stats["rows_sent"], layer.last_stats["rows_received"]], dtype=torch.float64,
                         device=layer.device)
     rows_all = [torch.empty_like(rows) for _ in range(world)]
