@@ -2,7 +2,7 @@
 "Weight bit layout"): host only, no GPU.
 
 The host re-layout is a bit permutation of every 32-bit word (its inverse round-trips), and the
-kernels' decode arithmetic (dequant_word, and pair_pick/dequant_pair of tile 128), written out here
+kernels' decode arithmetic (dequant_word), written out here
 on numpy uint32 words instruction by instruction, turns re-laid-out words into exactly the reference
 e2m1 values of megamoe/nvfp4.py, for every code in every position."""
 import numpy as np
@@ -33,15 +33,6 @@ def dequant_word_bits(w: np.ndarray) -> list[np.ndarray]:
     """dequant_word's four pairs before the scale multiply."""
     return [w & np.uint32(SLOTS), rotr(w, 3) & np.uint32(SLOTS), rotr(w, 6) & np.uint32(SLOTS),
             mul_lo(w & np.uint32(P3_MASK), P3_MUL) & np.uint32(SLOTS)]
-
-
-def pair_pick(tig: int) -> tuple[int, int, int]:
-    return (0 if tig == 3 else 3 * tig, P3_MASK if tig == 3 else M32, P3_MUL if tig == 3 else 1)
-
-
-def dequant_pair_bits(w: np.ndarray, tig: int) -> np.ndarray:
-    rot, mask, mul = pair_pick(tig)
-    return mul_lo(rotr(w, rot) & np.uint32(mask), mul) & np.uint32(SLOTS)
 
 
 def bf16_halves(p: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +100,6 @@ def _check_decode(nvfp4_words: np.ndarray):
         lo, hi = bf16_halves(pairs[j])
         assert same_values(lo * 2.0**126, ref[:, j]), f"P{j} low half (n{j}) wrong"
         assert same_values(hi * 2.0**126, ref[:, j + 4]), f"P{j} high half (n{j + 4}) wrong"
-        assert np.array_equal(dequant_pair_bits(laid, j), pairs[j]), f"dequant_pair(tig={j}) != dequant_word P{j}"
         # nothing but the slots of the two codes is set
         assert not np.any(pairs[j] & np.uint32(~SLOTS & M32))
 

@@ -66,19 +66,6 @@ constexpr uint32_t kP3Mul = (1u << 3) | (1u << 8) | (1u << 14);
 
 __device__ __forceinline__ uint32_t rotr(uint32_t w, uint32_t n) { return __funnelshift_r(w, w, n); }
 
-// One pair P_tig of a word for lane tig of a quad (the quad shares the word; tile 128's K-64 stages):
-// pair_pick(tig) once per thread, then dequant_pair(w, pick, s2) = P_tig * scale * 2^-7. The same
-// instructions for every lane (rotate, mask, multiply, mask): P0..P2 multiply by 1 with an all-ones mask.
-struct PairPick {
-  uint32_t rot, mask, mul;
-};
-__device__ __forceinline__ PairPick pair_pick(int tig) {
-  return {tig == 3 ? 0u : 3u * uint32_t(tig), tig == 3 ? kP3Mask : 0xFFFFFFFFu, tig == 3 ? kP3Mul : 1u};
-}
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t w, const PairPick& pk, uint32_t s2) {
-  return bf16x2_mul(((rotr(w, pk.rot) & pk.mask) * pk.mul) & kPairSlots, s2);
-}
-
 // w: 8 e2m1 codes in the sm90 word layout; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
   p[0] = bf16x2_mul(w & kPairSlots, s2);
