@@ -31,6 +31,8 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from megamoe.service import protocol
+
 REPO = Path(__file__).resolve().parents[1]
 # T -> (requests, concurrent clients)
 DEFAULT_PLAN = {1: (600, 16), 32: (300, 16), 512: (60, 4)}
@@ -43,16 +45,8 @@ def free_port() -> int:
 
 
 def binary_infer_body(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[bytes, dict]:
-    tensors = [("hidden_states", "BF16", hidden), ("topk_ids", "INT32", ids), ("topk_weights", "FP32", weights)]
-    inputs, blobs = [], []
-    for name, datatype, t in tensors:
-        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        inputs.append({"name": name, "datatype": datatype, "shape": list(t.shape),
-                       "parameters": {"binary_data_size": len(raw)}})
-        blobs.append(raw)
-    head = json.dumps({"inputs": inputs, "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
-    return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head)),
-                                    "Content-Type": "application/octet-stream"}
+    body, head_len = protocol.binary_infer_body({"hidden_states": hidden, "topk_ids": ids, "topk_weights": weights})
+    return body, {protocol.HEADER_LENGTH: str(head_len), "Content-Type": "application/octet-stream"}
 
 
 def make_bodies(meta: dict, tokens: int, count: int = 8) -> list[tuple[bytes, dict]]:

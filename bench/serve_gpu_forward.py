@@ -117,20 +117,17 @@ def check(args) -> int:
     import numpy as np
     import torch
 
+    from megamoe.service.protocol import binary_infer_body
+
     host, _, port = args.check.rpartition(":")
     cases = torch.load(args.expect)
     rows = []
 
     def infer(hidden, ids, weights, slot, results):
-        tensors = [("hidden_states", "FP32", hidden), ("topk_ids", "INT32", ids), ("topk_weights", "FP32", weights)]
-        blobs = [t.contiguous().numpy().tobytes() for _, _, t in tensors]
-        head = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
-                                       "parameters": {"binary_data_size": len(b)}}
-                                      for (n, d, t), b in zip(tensors, blobs)],
-                           "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+        body, head_len = binary_infer_body({"hidden_states": hidden, "topk_ids": ids, "topk_weights": weights})
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        conn.request("POST", f"/v2/models/{args.model}/infer", body=head + b"".join(blobs),
-                     headers={"Inference-Header-Content-Length": str(len(head)),
+        conn.request("POST", f"/v2/models/{args.model}/infer", body=body,
+                     headers={"Inference-Header-Content-Length": str(head_len),
                               "Content-Type": "application/octet-stream"})
         resp = conn.getresponse()
         body = resp.read()

@@ -30,6 +30,7 @@ as raw bits.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -277,3 +278,19 @@ def encode_infer_response(
     header, packed, blobs = response_parts(model_name, model_version, request_id, outputs)
     pieces, headers = response_pieces(encode_json_response(header, packed), blobs)
     return b"".join(pieces), headers
+
+
+# --- client side -----------------------------------------------------------------------------
+
+
+def binary_infer_body(inputs: dict[str, torch.Tensor], output: str = "output") -> tuple[bytes, int]:
+    """A client's binary-extension infer request: every input's raw bytes after the JSON header (its
+    datatype from the tensor's dtype), ``output`` asked for as binary. Returns the body and the JSON
+    header's length (the value of ``Inference-Header-Content-Length``); used by the benchmarks and tests."""
+    blobs = [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in inputs.values()]
+    head = json.dumps({
+        "inputs": [{"name": name, "datatype": DATATYPE_OF[t.dtype], "shape": list(t.shape),
+                    "parameters": {"binary_data_size": len(b)}} for (name, t), b in zip(inputs.items(), blobs)],
+        "outputs": [{"name": output, "parameters": {"binary_data": True}}],
+    }).encode()
+    return head + b"".join(blobs), len(head)

@@ -19,9 +19,9 @@ import torch
 from megamoe.moe import MoELayer
 from megamoe.service import server as server_module
 from megamoe.service.model import PinnedPool
-from megamoe.service.protocol import aligned_body, build_request, decode_json_request
+from megamoe.service.protocol import aligned_body, binary_infer_body, build_request, decode_json_request
 from service_testkit import PRESET, TOKEN, random_inputs
-from test_service_hardening import AUTH, INFER, LocalServer, _read_response
+from test_service_hardening import INFER, LocalServer, _read_response
 
 try:  # the direct body is the httptools protocol's
     import httptools  # noqa: F401
@@ -50,14 +50,9 @@ def local(served_layer):
 def binary_request(layer, tokens: int, seed: int, path: str = INFER) -> tuple[bytes, bytes, torch.Tensor]:
     """(head, body, expected output) of a binary infer request with random inputs."""
     hidden, ids, weights = random_inputs(layer, tokens, seed)
-    tensors = [("hidden_states", "FP32", hidden), ("topk_ids", "INT32", ids.int()), ("topk_weights", "FP32", weights)]
-    blobs = [t.contiguous().numpy().tobytes() for _, _, t in tensors]
-    header = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": list(t.shape),
-                                     "parameters": {"binary_data_size": len(b)}} for (n, d, t), b in zip(tensors, blobs)],
-                         "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
-    body = header + b"".join(blobs)
+    body, header_len = binary_infer_body({"hidden_states": hidden, "topk_ids": ids.int(), "topk_weights": weights})
     head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n"
+            f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {header_len}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     expect = layer.forward(hidden, topk_ids=ids, topk_weights=weights)
     return head, body, expect
