@@ -325,8 +325,8 @@ class ServedModel:
             start, h2d, compute, d2h = launched.events
             d2h.synchronize()
             if launched.finite is not None:
-                errors = nonfinite_errors(launched.keep[0], launched.sizes, launched.finite)
-            launched.keep = None  # the device has read the inputs: their buffers may be reused
+                errors = nonfinite_errors(launched.requests, launched.sizes, launched.finite)
+            launched.keep = launched.requests = None  # the device has read the inputs: their buffers may be reused
             stages.update(h2d=start.elapsed_time(h2d) / 1e3, compute=h2d.elapsed_time(compute) / 1e3,
                           d2h=compute.elapsed_time(d2h) / 1e3)
         outputs = list(launched.output.split(launched.sizes))
@@ -409,7 +409,7 @@ class ServedModel:
             out.copy_(out_dev[:tokens], non_blocking=True)
             events[3].record()
         # the requests' bodies (and the staging buffers) stay alive until the device has read them
-        return _Launched(out, sizes, events, {"stage": staged - started}, keep=(requests, host), finite=finite)
+        return _Launched(out, sizes, events, {"stage": staged - started}, keep=host, requests=requests, finite=finite)
 
     def _pad_on_device(self, name: str, rows: torch.Tensor) -> None:
         """The padding rows of a graph bucket, filled on the device (as _fill_padding does on the host)."""
@@ -569,7 +569,8 @@ class _Launched:
     sizes: list[int]
     events: tuple | None          # CUDA: start, after h2d, after compute, after d2h
     stages: dict[str, float]
-    keep: object = None           # CUDA: what the device reads from until the batch is done
+    keep: object = None           # CUDA: the staging buffers the device reads from until the batch is done
+    requests: list | None = None  # CUDA: the batch's requests (the device reads their tensors too; named in errors)
     finite: torch.Tensor | None = None  # CUDA: per row, hidden_states finite (host, valid after d2h)
 
 

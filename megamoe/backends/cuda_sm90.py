@@ -275,7 +275,6 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         m = a.data.shape[0] if isinstance(a, nvfp4.NVFP4Tensor) else (a.numel() // a_k if a_k else 0)
         plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)  # one expert, operand staged here
         op, a_gs, a_rs = self._operand(a, plan.lane_order)
-        m = op.shape[0]
         if out is not None:
             if alpha is not None or out_dtype != torch.float32 or out.dtype != torch.float32 or \
                     tuple(out.shape) != (m, n) or not out.is_contiguous() or out.device != self.device:
@@ -337,7 +336,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             self._pinned.add(key)
         return ws
 
-    def _stage(self, src, src_rows, ws_offsets, dst, dst_rs, cfg, static_scale, stream, rows: int, lane_order: bool):
+    def _stage(self, src, src_rows, ws_offsets, dst, dst_rs, cfg, static_scale, stream, lane_order: bool):
         """Activation -> bf16 GEMM operand (W4A16) or NVFP4 decode (W4A4), in the plan's order.
 
         Returns (a_gs, per_expert, a_rs)."""
@@ -387,7 +386,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
         else:
             a_gs, per_e, a_rs = self._stage(x, ws.row_token[:r], ws.expert_offsets, ws.a1[:r], ws.a1_rs,
-                                            cfg, prepared.w13_input_scale, stream, r, plan.lane_order)
+                                            cfg, prepared.w13_input_scale, stream, plan.lane_order)
             a1, a1_rows = ws.a1, None
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
@@ -398,7 +397,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a_gs, per_e, a_rs = None, False, None
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
-                                            cfg, prepared.w2_input_scale, stream, r, plan.lane_order)
+                                            cfg, prepared.w2_input_scale, stream, plan.lane_order)
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=ws.y, **common)
