@@ -52,11 +52,23 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
+#ifndef MEGAMOE_WG_MBAR
+#define MEGAMOE_WG_MBAR 0
+#endif
+#ifndef MEGAMOE_WG_SLACK
+#define MEGAMOE_WG_SLACK 0
+#endif
+#ifndef MEGAMOE_WG128_STAGES
+#define MEGAMOE_WG128_STAGES 4
+#endif
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgMid ? MEGAMOE_WG128_STAGES : 4;
+  // stages loaded ahead of the one computed (mbarrier loop: a slack of one stage lets the other warpgroup finish
+  // the slot's previous stage while this one runs ahead)
+  static constexpr int kAhead = kStages - 1 - (kMaxN == kWgTiny ? 0 : MEGAMOE_WG_SLACK);
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
@@ -64,8 +76,9 @@ struct WgCfg {
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
   static constexpr int kSBytes = kRows * kKS / 16;
   static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4;
-  static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two blocks per SM must fit in shared memory");
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4 +
+                               16 * kStages /*full and empty mbarriers*/;
+  static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
   // quarter-warp reads (8 bytes per lane) fall on distinct banks.
   __host__ __device__ static constexpr int wswz(int r) { return kSub == 4 ? (r & 3) : kSub == 2 ? ((r >> 1) & 1) : 0; }
@@ -78,6 +91,24 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives on bar once every cp.async this thread issued so far has landed (the expected count includes it).
+__device__ __forceinline__ void mbar_cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Waits until the phase of bar with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "again:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra again;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 template <int M>
 __device__ __forceinline__ void acc_fence(float (&d)[M]) {
 #pragma unroll
@@ -156,8 +187,8 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
 template <int N, int kMaxN>
-__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, int expert,
-                                        int row_begin, int rows, int m0) {
+__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, uint32_t bars,
+                                        int expert, int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
@@ -231,6 +262,73 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
+#if MEGAMOE_WG_MBAR
+  // full[s] (bars + 8 s): every thread's copies of the stage in slot s landed (kThreads cp.async arrivals);
+  // empty[s] (bars + 8 (S + s)): every warp's wgmmas of that stage finished (kThreads / 32 arrivals).
+  constexpr int A = Cfg::kAhead;
+#pragma unroll
+  for (int s = 0; s < A; ++s)
+    if (s < num_k_tiles) {
+      load_stage(s, s);
+      mbar_cp_async_arrive(bars + 8 * s);
+    }
+
+  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
+  uint32_t af[4 * kB][4];
+  const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
+  const uint32_t byte_shift = 8u * uint32_t(tig);
+  int slot = 0, pf_slot = A;  // kt % S and (kt + A) % S
+  uint32_t phase = 0;         // (kt / S) & 1
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    mbar_wait(bars + 8 * slot, phase);  // everyone's copies of tile kt landed
+    fence_proxy_async_smem();           // ... and are visible to the async proxy (wgmma)
+    const int pf = kt + A;
+    if (pf < num_k_tiles) {
+      // the slot's previous tile pf - S: every warp's wgmmas on it finished
+      if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
+      load_stage(pf_slot, pf);
+      mbar_cp_async_arrive(bars + 8 * pf_slot);
+    }
+
+    // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
+    // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
+    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+    const uint8_t* ss = sw + Cfg::kWBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lr = lr0 + 8 * h;
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+        const uint32_t s2 = lut[(*reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b) >> byte_shift) & 0xFFu];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          uint32_t p[4];
+          dequant_word(q ? w.y : w.x, s2, p);
+          af[4 * b + 2 * q][h] = p[0];
+          af[4 * b + 2 * q][2 + h] = p[1];
+          af[4 * b + 2 * q + 1][h] = p[2];
+          af[4 * b + 2 * q + 1][2 + h] = p[3];
+        }
+      }
+    }
+
+    acc_fence(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4 * kB; ++ks)
+      Wgmma<N>::mma(acc, af[ks],
+                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+    wgmma_commit();
+    acc_fence(acc);
+    wgmma_wait<0>();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+    slot = slot + 1 == S ? 0 : slot + 1;
+    phase ^= slot == 0 ? 1u : 0u;
+    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+  }
+#else
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_k_tiles) load_stage(s, s);
@@ -289,6 +387,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     slot = slot + 1 == S ? 0 : slot + 1;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
+#endif
   acc_fence(acc);
   cp_async_wait<0>();
 
@@ -306,6 +405,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
   int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
   int32_t* warp_sums = tile_scan + 1024;
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(warp_sums + 32));  // 2 kStages mbarriers
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
@@ -318,21 +418,28 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
-  __syncthreads();  // scale_lut visible
+#if MEGAMOE_WG_MBAR
+  if (tid == 0)
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbar_init(bars + 8 * s, Cfg::kThreads);
+      mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
+    }
+#endif
+  __syncthreads();  // scale_lut and the mbarriers visible
 
   if constexpr (kMaxN == kWgTiny) {
-    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
   } else if constexpr (kMaxN == kWgSmall) {
-    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else wg_tile<64, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
   } else {
-    if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
-    else wg_tile<128, kMaxN>(a, stages, scale_lut, expert, row_begin, rows, m0);
+    if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    else wg_tile<128, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
   }
 }
 
