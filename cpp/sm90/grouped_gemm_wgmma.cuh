@@ -31,11 +31,14 @@
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
 //
-// Pipeline per k-tile kt (prefetch distance kStages-1):
-//   wait for tile kt's cp.async group; fence.proxy.async; __syncthreads
-//   issue loads of tile kt+kStages-1 into the slot of tile kt-1 (its wgmmas finished: every
-//     warpgroup drained them at the end of iteration kt-1, before the barrier)
-//   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain.
+// Pipeline per k-tile kt (prefetch distance kStages-1), with two mbarriers per ring slot and no
+// block-wide barrier, so the two warpgroups need not meet at every stage:
+//   wait on full[slot of kt] (every thread's copies of tile kt landed: each thread arrives with
+//     cp.async.mbarrier.arrive after issuing them); fence.proxy.async
+//   wait on empty[slot of kt-1] (every warp's wgmmas of tile kt-1 finished), then issue the loads of
+//     tile kt+kStages-1 into that slot and arrive on its full barrier
+//   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
+//     each warp arrives on empty[slot of kt].
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -52,23 +55,17 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
-#ifndef MEGAMOE_WG_MBAR
-#define MEGAMOE_WG_MBAR 0
+#ifndef MEGAMOE_WG_MICRO
+#define MEGAMOE_WG_MICRO 0
 #endif
-#ifndef MEGAMOE_WG_SLACK
-#define MEGAMOE_WG_SLACK 0
-#endif
-#ifndef MEGAMOE_WG128_STAGES
-#define MEGAMOE_WG128_STAGES 4
+#ifndef MEGAMOE_WG_NOFENCE
+#define MEGAMOE_WG_NOFENCE 0
 #endif
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgMid ? MEGAMOE_WG128_STAGES : 4;
-  // stages loaded ahead of the one computed (mbarrier loop: a slack of one stage lets the other warpgroup finish
-  // the slot's previous stage while this one runs ahead)
-  static constexpr int kAhead = kStages - 1 - (kMaxN == kWgTiny ? 0 : MEGAMOE_WG_SLACK);
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
@@ -262,10 +259,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
-#if MEGAMOE_WG_MBAR
   // full[s] (bars + 8 s): every thread's copies of the stage in slot s landed (kThreads cp.async arrivals);
   // empty[s] (bars + 8 (S + s)): every warp's wgmmas of that stage finished (kThreads / 32 arrivals).
-  constexpr int A = Cfg::kAhead;
+  constexpr int A = S - 1;  // tiles loaded ahead of the one computed
 #pragma unroll
   for (int s = 0; s < A; ++s)
     if (s < num_k_tiles) {
@@ -281,7 +277,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   uint32_t phase = 0;         // (kt / S) & 1
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     mbar_wait(bars + 8 * slot, phase);  // everyone's copies of tile kt landed
+#if !MEGAMOE_WG_NOFENCE
     fence_proxy_async_smem();           // ... and are visible to the async proxy (wgmma)
+#endif
     const int pf = kt + A;
     if (pf < num_k_tiles) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
@@ -297,10 +295,26 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int lr = lr0 + 8 * h;
+#if MEGAMOE_WG_MICRO
+      uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
+      if constexpr (kB == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ss + lr * (kKS / 16));
+        sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
+      } else if constexpr (kB == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(ss + lr * (kKS / 16));
+        sc[0] = v.x; sc[1] = v.y;
+      } else {
+        sc[0] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16));
+      }
+#endif
 #pragma unroll
       for (int b = 0; b < kB; ++b) {
         const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+#if MEGAMOE_WG_MICRO
+        const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
+#else
         const uint32_t s2 = lut[(*reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b) >> byte_shift) & 0xFFu];
+#endif
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           uint32_t p[4];
@@ -315,12 +329,23 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
     acc_fence(acc);
     wgmma_fence();
+#if MEGAMOE_WG_MICRO
+    const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
+#pragma unroll
+    for (int ks = 0; ks < 4 * kB; ++ks)
+      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+#else
 #pragma unroll
     for (int ks = 0; ks < 4 * kB; ++ks)
       Wgmma<N>::mma(acc, af[ks],
                     sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+#endif
     wgmma_commit();
     acc_fence(acc);
+    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
+    // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
+    // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
+    // rejected variants).
     wgmma_wait<0>();
     __syncwarp();
     if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
@@ -328,68 +353,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     phase ^= slot == 0 ? 1u : 0u;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
   }
-#else
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s, s);
-    cp_async_commit();
-  }
-
-  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
-  uint32_t af[4 * kB][4];
-  const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
-  const uint32_t byte_shift = 8u * uint32_t(tig);
-  int slot = 0, pf_slot = S - 1;  // kt % S and (kt + S - 1) % S
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    cp_async_wait<S - 2>();  // tile kt landed (this thread's copies)
-    fence_proxy_async_smem();  // ... and is visible to the async proxy (wgmma)
-    __syncthreads();           // everyone's copies; every warpgroup is done with tile kt-1
-    const int pf = kt + S - 1;
-    if (pf < num_k_tiles) load_stage(pf_slot, pf);  // the slot of tile kt-1
-    cp_async_commit();
-
-    // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
-    // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
-    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
-    const uint8_t* ss = sw + Cfg::kWBytes;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int lr = lr0 + 8 * h;
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
-        const uint32_t s2 = lut[(*reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b) >> byte_shift) & 0xFFu];
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          uint32_t p[4];
-          dequant_word(q ? w.y : w.x, s2, p);
-          af[4 * b + 2 * q][h] = p[0];
-          af[4 * b + 2 * q][2 + h] = p[1];
-          af[4 * b + 2 * q + 1][h] = p[2];
-          af[4 * b + 2 * q + 1][2 + h] = p[3];
-        }
-      }
-    }
-
-    acc_fence(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4 * kB; ++ks)
-      Wgmma<N>::mma(acc, af[ks],
-                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-    wgmma_commit();
-    acc_fence(acc);
-    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-    // written). The other warpgroup (and block) keep the tensor cores busy meanwhile: overlapping
-    // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
-    // rejected variants).
-    wgmma_wait<0>();
-    slot = slot + 1 == S ? 0 : slot + 1;
-    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
-  }
-#endif
-  acc_fence(acc);
-  cp_async_wait<0>();
+  acc_fence(acc);  // every copy this thread issued has landed: each loaded tile's full barrier was waited on
 
   wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
@@ -418,13 +382,11 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
-#if MEGAMOE_WG_MBAR
   if (tid == 0)
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, Cfg::kThreads);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
     }
-#endif
   __syncthreads();  // scale_lut and the mbarriers visible
 
   if constexpr (kMaxN == kWgTiny) {
