@@ -55,12 +55,6 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
-#ifndef MEGAMOE_WG_MICRO
-#define MEGAMOE_WG_MICRO 0
-#endif
-#ifndef MEGAMOE_WG_NOFENCE
-#define MEGAMOE_WG_NOFENCE 0
-#endif
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
@@ -277,9 +271,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   uint32_t phase = 0;         // (kt / S) & 1
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     mbar_wait(bars + 8 * slot, phase);  // everyone's copies of tile kt landed
-#if !MEGAMOE_WG_NOFENCE
     fence_proxy_async_smem();           // ... and are visible to the async proxy (wgmma)
-#endif
     const int pf = kt + A;
     if (pf < num_k_tiles) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
@@ -295,7 +287,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int lr = lr0 + 8 * h;
-#if MEGAMOE_WG_MICRO
       uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
       if constexpr (kB == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(ss + lr * (kKS / 16));
@@ -306,15 +297,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       } else {
         sc[0] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16));
       }
-#endif
 #pragma unroll
       for (int b = 0; b < kB; ++b) {
         const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
-#if MEGAMOE_WG_MICRO
         const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
-#else
-        const uint32_t s2 = lut[(*reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16) + 4 * b) >> byte_shift) & 0xFFu];
-#endif
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           uint32_t p[4];
@@ -329,17 +315,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
 
     acc_fence(acc);
     wgmma_fence();
-#if MEGAMOE_WG_MICRO
+    // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
     const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
 #pragma unroll
     for (int ks = 0; ks < 4 * kB; ++ks)
       Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-#else
-#pragma unroll
-    for (int ks = 0; ks < 4 * kB; ++ks)
-      Wgmma<N>::mma(acc, af[ks],
-                    sw128_desc(desc_lo0 + ((slot * Cfg::kStageBytes + (ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
-#endif
     wgmma_commit();
     acc_fence(acc);
     // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
