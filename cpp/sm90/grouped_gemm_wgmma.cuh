@@ -55,12 +55,6 @@ constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan ho
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
-#ifndef MEGAMOE_WG_RING
-#define MEGAMOE_WG_RING 0
-#endif
-#ifndef MEGAMOE_WG_RING_MAX
-#define MEGAMOE_WG_RING_MAX 6
-#endif
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
@@ -73,31 +67,8 @@ struct WgCfg {
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
   static constexpr int kSBytes = kRows * kKS / 16;
   static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
-#if MEGAMOE_WG_RING
-  // Stages sized by the block's token width N: the ring takes all the shared memory kMinBlocks blocks per SM
-  // leave, in as many stages of tile N as fit (at most kMaxRingStages).
-  static constexpr int kMaxRingStages = MEGAMOE_WG_RING_MAX;
-  static constexpr int kBarStages = kMaxRingStages;
-  static constexpr int kRingBytes =
-      ((228 * 1024 / kMinBlocks - 1024) - 1024 - 256 * 4 - (1024 + 32) * 4 - 16 * kBarStages) / 1024 * 1024;
-  template <int N>
-  static constexpr int stage_bytes() { return (kSub * N * 128 + kWBytes + kSBytes + 1023) / 1024 * 1024; }
-  template <int N>
-  static constexpr int stages() { return kRingBytes / stage_bytes<N>() < kMaxRingStages ? kRingBytes / stage_bytes<N>() : kMaxRingStages; }
-  template <int N>
-  static constexpr int sub_bytes() { return N * 128; }
-#else
-  static constexpr int kBarStages = kStages;
-  static constexpr int kRingBytes = kStageBytes * kStages;
-  template <int N>
-  static constexpr int stage_bytes() { return kStageBytes; }
-  template <int N>
-  static constexpr int stages() { return kStages; }
-  template <int N>
-  static constexpr int sub_bytes() { return kMaxN * 128; }
-#endif
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kRingBytes + 256 * 4 + (1024 + 32) * 4 +
-                               16 * kBarStages /*full and empty mbarriers*/;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4 +
+                               16 * kStages /*full and empty mbarriers*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
   // quarter-warp reads (8 bytes per lane) fall on distinct banks.
@@ -210,10 +181,7 @@ template <int N, int kMaxN>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, uint32_t bars,
                                         int expert, int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
-  constexpr int S = Cfg::template stages<N>(), kKS = Cfg::kKS, kB = Cfg::kSub;
-  constexpr int kSB = Cfg::template stage_bytes<N>(), kSubB = Cfg::template sub_bytes<N>(), kAB = kSubB * kB;
-  constexpr int SB = Cfg::kBarStages;  // empty[s] at bars + 8 (SB + s)
-  static_assert(S >= 2 && S * kSB <= Cfg::kRingBytes, "stages of the ring");
+  constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
@@ -261,13 +229,13 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       a_valid[j] = c < kChunks && m0 + r < rows;
       const int64_t src = a_valid[j] ? (a.act_rows ? int64_t(a.act_rows[first + r]) : first + r) : first_src;
       a_src[j] = a.act + src * K + 64 * sub + 8 * ch;
-      a_dst[j] = uint32_t(sub * kSubB + r * 128 + ((ch ^ (r & 7)) * 16));
+      a_dst[j] = uint32_t(sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16));
     }
   }
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   auto load_stage = [&](int slot, int kt) {
-    const uint32_t sa = stages_s + uint32_t(slot) * kSB;
-    const uint32_t sw = sa + kAB, ss = sw + Cfg::kWBytes;
+    const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
+    const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
     const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
     for (int j = 0; j < kAR; ++j)
@@ -286,7 +254,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
   // full[s] (bars + 8 s): every thread's copies of the stage in slot s landed (kThreads cp.async arrivals);
-  // empty[s] (bars + 8 (SB + s)): every warp's wgmmas of that stage finished (kThreads / 32 arrivals).
+  // empty[s] (bars + 8 (S + s)): every warp's wgmmas of that stage finished (kThreads / 32 arrivals).
   constexpr int A = S - 1;  // tiles loaded ahead of the one computed
 #pragma unroll
   for (int s = 0; s < A; ++s)
@@ -307,14 +275,14 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     const int pf = kt + A;
     if (pf < num_k_tiles) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
-      if (pf >= S) mbar_wait(bars + 8 * (SB + pf_slot), uint32_t((pf / S - 1) & 1));
+      if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
       load_stage(pf_slot, pf);
       mbar_cp_async_arrive(bars + 8 * pf_slot);
     }
 
     // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
     // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
-    const uint8_t* sw = stages + slot * kSB + kAB;
+    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
     const uint8_t* ss = sw + Cfg::kWBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -348,10 +316,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     acc_fence(acc);
     wgmma_fence();
     // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
-    const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(kSB >> 4);
+    const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
 #pragma unroll
     for (int ks = 0; ks < 4 * kB; ++ks)
-      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kSubB + (ks & 3) * 32) >> 4)));
+      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
     acc_fence(acc);
     // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
@@ -360,7 +328,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     // rejected variants).
     wgmma_wait<0>();
     __syncwarp();
-    if (lane == 0) mbar_arrive(bars + 8 * (SB + slot));
+    if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
     slot = slot + 1 == S ? 0 : slot + 1;
     phase ^= slot == 0 ? 1u : 0u;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
@@ -378,7 +346,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
-  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kRingBytes);
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
   int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
   int32_t* warp_sums = tile_scan + 1024;
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(warp_sums + 32));  // 2 kStages mbarriers
@@ -395,9 +363,9 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   if (tid == 0)
-    for (int s = 0; s < Cfg::kBarStages; ++s) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, Cfg::kThreads);
-      mbar_init(bars + 8 * (Cfg::kBarStages + s), Cfg::kThreads / 32);
+      mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
     }
   __syncthreads();  // scale_lut and the mbarriers visible
 
