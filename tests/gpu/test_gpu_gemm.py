@@ -58,3 +58,31 @@ def test_gemm_uniform_and_gate_up_scales(gen):
     ref2 = nvfp4.gemm(a2, b2, compute_dtype=torch.float64)
     out2 = be.gemm(a2, b2).cpu()
     assert rel_err(out2[:, :32], ref2[:, :32]) < 1e-4 and rel_err(out2[:, 32:], ref2[:, 32:]) < 1e-4
+
+
+# The wgmma kernels' K per stage (tile 32: 256, tile 64: 128, tile 128: 64) and ring depth (3, 4, 4
+# stages, each slot with a full and an empty mbarrier whose phases alternate on every reuse).
+WG_STAGE_K = {"wgmma32": 256, "wgmma64": 128, "wgmma128": 64}
+
+
+@pytest.mark.parametrize("kernel", list(WG_STAGE_K))
+def test_gemm_every_ring_depth(kernel, gen):
+    """K = 1 .. 10 stages of the kernel: fewer K tiles than the prefetch distance, exactly the ring, and
+    every slot reused up to three times (each barrier phase parity on every slot), with token counts that
+    pick different tile widths; poisoned output, bit-identical rerun."""
+    backend_or_skip("cuda-sm90")
+    be = CudaSm90Backend(kernel=kernel)
+    for stages in range(1, 11):
+        k = WG_STAGE_K[kernel] * stages
+        for m in (5, 40, 129):
+            b = random_nvfp4(160, k, gen, global_scale=3.7e-3)
+            a = (torch.randn((m, k), generator=gen) * 3).to(torch.bfloat16)
+            ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
+            out = torch.full((m, 160), float("nan"), device="cuda")
+            be.gemm(a, b, out=out)
+            got = out.cpu()
+            assert torch.isfinite(got).all(), (kernel, k, m)
+            assert cosine(got, ref) >= 0.9999 and rel_err(got, ref) < 1e-4, (kernel, k, m, rel_err(got, ref))
+            again = torch.full((m, 160), float("nan"), device="cuda")
+            be.gemm(a, b, out=again)
+            assert torch.equal(again.cpu(), got), (kernel, k, m)
