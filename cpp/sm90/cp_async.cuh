@@ -1,4 +1,5 @@
-// cp.async (sm_80+) global -> shared copies with zero fill, and their group commit / wait.
+// cp.async (sm_80+) global -> shared copies with zero fill (their completion is tracked with mbarriers:
+// grouped_gemm_wgmma.cuh).
 #pragma once
 #include <cstdint>
 
@@ -15,8 +16,5 @@ __device__ __forceinline__ void cp_async_s(uint32_t smem, const void* gmem, int 
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem), "l"(gmem), "r"(bytes_valid));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 }  // namespace megamoe::sm90
