@@ -51,9 +51,9 @@ constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage 
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
 
-// Two blocks per SM everywhere (two independent blocks overlap one's barrier, loads and
+// Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
-// middle: a quarter of the K-64 per-stage fixed cost -- barrier, wait, drain, copies' addressing --
+// middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
