@@ -53,7 +53,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
-    // The plan chooses wgmma only for shapes it takes (act_rows: a gather of operand-order rows).
+    // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
     if (!(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma32)
       return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;

@@ -233,6 +233,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     }
   }
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  // This thread's copies of tile kt into ring slot `slot`, then its arrival on the slot's full barrier
+  // (counted once they have landed).
   auto load_stage = [&](int slot, int kt) {
     const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
     const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
@@ -247,6 +249,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
                      w_src + int64_t(kt) * (kKS / 2) + q * 16, 16);
     }
     if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), kKS / 16);
+    mbar_cp_async_arrive(bars + 8 * slot);
   };
 
   float acc[N / 2];
@@ -258,10 +261,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   constexpr int A = S - 1;  // tiles loaded ahead of the one computed
 #pragma unroll
   for (int s = 0; s < A; ++s)
-    if (s < num_k_tiles) {
-      load_stage(s, s);
-      mbar_cp_async_arrive(bars + 8 * s);
-    }
+    if (s < num_k_tiles) load_stage(s, s);
 
   const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
   uint32_t af[4 * kB][4];
@@ -277,7 +277,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
       if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
       load_stage(pf_slot, pf);
-      mbar_cp_async_arrive(bars + 8 * pf_slot);
     }
 
     // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
