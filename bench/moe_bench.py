@@ -41,7 +41,7 @@ from megamoe.moe import MoEWeights  # noqa: E402
 from megamoe.presets import get_preset  # noqa: E402
 
 ROTATE = 8
-VARIANT_KERNELS = ("stream", "wgmma32", "wgmma64", "wgmma128", "wgmma256")  # megamoe._C.Sm90GemmKernel members the plan chooses from
+VARIANT_KERNELS = ("stream", "wgmma32", "wgmma64", "wgmma128")  # megamoe._C.Sm90GemmKernel members the plan chooses from
 
 
 # ----------------------------------------------------------------------------- floors
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
-    ap.add_argument("--kernel", default="auto", help="auto (the dispatch plan), stream, wgmma32, wgmma64, wgmma128 or wgmma256")
+    ap.add_argument("--kernel", default="auto", help="auto (the dispatch plan), stream, wgmma32, wgmma64 or wgmma128")
     ap.add_argument("--tokens-per-pass", type=int, default=0, help="streaming kernel: 8, 16, 32 or 64 (0: the plan's)")
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMM kernel forced (T >= 128, and the stream tokens-per-pass choices below)")

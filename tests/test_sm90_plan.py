@@ -22,8 +22,7 @@ def kind(name):
 
 
 def test_kernel_enum_is_exported_once_with_its_members():
-    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma32", "wgmma64", "wgmma128",
-                                                            "wgmma256"]
+    assert list(_ext.ext.Sm90GemmKernel.__members__) == ["auto", "stream", "wgmma32", "wgmma64", "wgmma128"]
     assert list(_ext.ext.Sm90Epilogue.__members__) == ["store", "silu_mul"]
 
 
@@ -89,16 +88,6 @@ def test_explicit_choices_are_kept():
     assert (p.kernel, p.tokens_per_pass) == (kind("stream"), 64)
     assert plan(3, kernel=kind("stream"), tokens_per_pass=16).tokens_per_pass == 16
     assert "kernel=stream" in repr(plan(1))
-    assert "kernel=wgmma256" in repr(plan(1, kernel=kind("wgmma256")))
-
-
-@pytest.mark.parametrize("tpe,n1", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 192), (100000, 192)])
-def test_tile_256_narrow_width_follows_the_expected_tokens(tpe, n1):
-    """The persistent tile-256 kernel runs each token tile at one of two wgmma widths: its narrow width
-    (tokens_per_pass) for tiles up to it, 256 above; the plan sizes the narrow width to the expected
-    tokens per expert, in steps of 64."""
-    p = plan(tpe, kernel=kind("wgmma256"))
-    assert (p.kernel, p.token_tile, p.tokens_per_pass, p.lane_order) == (kind("wgmma256"), 256, n1, True)
 
 
 @pytest.mark.parametrize("bad", [dict(tokens_per_pass=12), dict(tokens_per_pass=-8)])
@@ -139,6 +128,6 @@ def test_backend_asks_the_plan(monkeypatch):
     assert be.plan(12, 4096, 2048, 256, True, True) is p and len(seen) == 1  # cached
     be.kernel = "stream"
     assert be.plan(12, 4096, 2048, 256, True, True).kernel == kind("stream") and len(seen) == 2
-    with pytest.raises(ValueError, match="wgmma512"):
-        be.kernel = "wgmma512"
+    with pytest.raises(ValueError, match="wgmma256"):
+        be.kernel = "wgmma256"
         be.plan(12, 4096, 2048, 256, True, True)

@@ -64,8 +64,7 @@ void register_sm90(nb::module_& m) {
       .value("stream", sm90::GemmKernel::kStream)
       .value("wgmma32", sm90::GemmKernel::kWgmma32)
       .value("wgmma64", sm90::GemmKernel::kWgmma64)
-      .value("wgmma128", sm90::GemmKernel::kWgmma128)
-      .value("wgmma256", sm90::GemmKernel::kWgmma256);
+      .value("wgmma128", sm90::GemmKernel::kWgmma128);
   nb::enum_<sm90::Epilogue>(m, "Sm90Epilogue", "what the grouped GEMM writes")
       .value("store", sm90::Epilogue::kStore)
       .value("silu_mul", sm90::Epilogue::kSiluMul);
@@ -77,7 +76,7 @@ void register_sm90(nb::module_& m) {
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
       .def_ro("lane_order", &sm90::GemmPlan::lane_order)
       .def("__repr__", [](const sm90::GemmPlan& p) {
-        static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128", "wgmma256"};
+        static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
                ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +

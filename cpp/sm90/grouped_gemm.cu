@@ -3,7 +3,6 @@
 // (grouped_gemm_wgmma.cuh).
 #include "grouped_gemm_stream.cuh"
 #include "grouped_gemm_wgmma.cuh"
-#include "grouped_gemm_wgmma_ws.cuh"
 #include "megamoe/sm90_kernels.h"
 
 namespace megamoe::sm90 {
@@ -30,12 +29,9 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   plan.gather_x = p.w4a16 && p.gather_input;
   if (kernel != GemmKernel::kStream) {
     plan.lane_order = true;
-    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32    ? kWgTiny
-                                             : kernel == GemmKernel::kWgmma64  ? kWgSmall
-                                             : kernel == GemmKernel::kWgmma128 ? kWgMid
-                                                                               : kWsMaxN;
-    if (kernel == GemmKernel::kWgmma256)  // its narrow width: the expected tokens per expert, in steps of 64
-      plan.tokens_per_pass = p.tokens_per_expert <= 64 ? 64 : p.tokens_per_expert <= 128 ? 128 : 192;
+    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kWgTiny
+                                             : kernel == GemmKernel::kWgmma64 ? kWgSmall
+                                                                              : kWgMid;
     return plan;
   }
   plan.token_tile = 8;
@@ -56,16 +52,13 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128 ||
-      a.kernel == GemmKernel::kWgmma256) {
+  if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
     if (!(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma32)
       return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma64)
       return wg_gemm_supported<kWgSmall>(a) ? launch_wg_gemm<kWgSmall>(a, stream) : cudaErrorInvalidValue;
-    if (a.kernel == GemmKernel::kWgmma256)
-      return wg_ws_supported(a) ? launch_wg_ws_gemm(a, stream) : cudaErrorInvalidValue;
     return wg_gemm_supported<kWgMid>(a) ? launch_wg_gemm<kWgMid>(a, stream) : cudaErrorInvalidValue;
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;

@@ -50,23 +50,18 @@ namespace megamoe::sm90 {
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
-constexpr int kWgRows = 128;               // weight rows per block (64 per MMA warpgroup), every wgmma kernel
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain, copies' addressing --
 // per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
-// The 32-byte-block swizzle of a weight row with kB such blocks per stage (WgCfg::wswz).
-template <int kB>
-__host__ __device__ constexpr int wg_wswz(int r) { return kB == 4 ? (r & 3) : kB == 2 ? ((r >> 1) & 1) : 0; }
-
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
   static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
   static constexpr int kThreads = 256;  // 2 warpgroups
-  static constexpr int kRows = kWgRows;
+  static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
@@ -77,7 +72,7 @@ struct WgCfg {
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
   // quarter-warp reads (8 bytes per lane) fall on distinct banks.
-  __host__ __device__ static constexpr int wswz(int r) { return wg_wswz<kSub>(r); }
+  __host__ __device__ static constexpr int wswz(int r) { return kSub == 4 ? (r & 3) : kSub == 2 ? ((r >> 1) & 1) : 0; }
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -145,19 +140,19 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
   }
 }
 
-// Epilogue of wg_tile() (column block bx): acc is warp wq of
+// Epilogue of wg_tile(): acc is warp wq of
 // warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
 // 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
 // silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
-                                            int bx, int wg, int wq, int g, int tig) {
+                                            int wg, int wq, int g, int tig) {
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
   // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
   if (silu_mul) {
-    const int64_t col = int64_t(bx) * (kWgRows / 2) + wg * 32 + wq * 8 + g;
+    const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
     if (col < I) {
       wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
         const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
@@ -170,7 +165,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       });
     }
   } else {
-    const int64_t n0 = int64_t(bx) * kWgRows + wg * 64 + wq * 16 + g;
+    const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
     wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -179,58 +174,6 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       }
     });
   }
-}
-
-// Dequantizes this thread's two A-fragment rows lr0 and lr0 + 8 of one stage (weights at sw: kWgRows rows of
-// kKS / 2 bytes, 32-byte blocks swizzled by wg_wswz; their scales right after) into af: word q of block b of row
-// lr0 + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3);
-// registers 0 / 2 for row lr0, 1 / 3 for row lr0 + 8. byte_shift = 8 tig.
-template <int kB, int kKS>
-__device__ __forceinline__ void wg_decode(const uint8_t* sw, int lr0, int tig, uint32_t byte_shift, const uint32_t* lut,
-                                          uint32_t (&af)[4 * kB][4]) {
-  const uint8_t* ss = sw + kWgRows * kKS / 2;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int lr = lr0 + 8 * h;
-    uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
-    if constexpr (kB == 4) {
-      const uint4 v = *reinterpret_cast<const uint4*>(ss + lr * (kKS / 16));
-      sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
-    } else if constexpr (kB == 2) {
-      const uint2 v = *reinterpret_cast<const uint2*>(ss + lr * (kKS / 16));
-      sc[0] = v.x; sc[1] = v.y;
-    } else {
-      sc[0] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16));
-    }
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ wg_wswz<kB>(lr)) * 32) + 8 * tig);
-      const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        uint32_t p[4];
-        dequant_word(q ? w.y : w.x, s2, p);
-        af[4 * b + 2 * q][h] = p[0];
-        af[4 * b + 2 * q][2 + h] = p[1];
-        af[4 * b + 2 * q + 1][h] = p[2];
-        af[4 * b + 2 * q + 1][2 + h] = p[3];
-      }
-    }
-  }
-}
-
-// Block-local weight row lr of column block bx -> global weight row. kSiluMul: the block covers
-// kRows / 2 output columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
-// bx*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens. A row past the end reads row 0
-// (its accumulators are never stored).
-template <int kRows>
-__device__ __forceinline__ int64_t wg_weight_row(bool silu_mul, int64_t Nw, int64_t I, int bx, int lr) {
-  if (silu_mul) {
-    const int64_t col = int64_t(bx) * (kRows / 2) + (lr >> 4) * 8 + (lr & 7);
-    return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
-  }
-  const int64_t n = int64_t(bx) * kRows + lr;
-  return n < Nw ? n : 0;
 }
 
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
@@ -247,7 +190,18 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   const uint8_t* wd = a.w_data + int64_t(expert) * Nw * row_bytes;
   const uint8_t* ws = a.w_scale + int64_t(expert) * Nw * Kb;
 
-  auto weight_row = [&](int lr) -> int64_t { return wg_weight_row<Cfg::kRows>(silu_mul, Nw, I, blockIdx.x, lr); };
+  // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output
+  // columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
+  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens. A row past the end
+  // reads row 0 (its accumulators are never stored).
+  auto weight_row = [&](int lr) -> int64_t {
+    if (silu_mul) {
+      const int64_t col = int64_t(blockIdx.x) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
+      return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
+    }
+    const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
+    return n < Nw ? n : 0;
+  };
   // Weight copies: thread (row w_lr, half w_half) copies half of the row's kKS / 2 stage bytes; the
   // first 128 threads copy the rows' scales.
   const int w_lr = tid >> 1, w_half = tid & 1;
@@ -325,7 +279,38 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       load_stage(pf_slot, pf);
     }
 
-    wg_decode<kB, kKS>(stages + slot * Cfg::kStageBytes + Cfg::kABytes, lr0, tig, byte_shift, lut, af);
+    // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
+    // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
+    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+    const uint8_t* ss = sw + Cfg::kWBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lr = lr0 + 8 * h;
+      uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
+      if constexpr (kB == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(ss + lr * (kKS / 16));
+        sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
+      } else if constexpr (kB == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(ss + lr * (kKS / 16));
+        sc[0] = v.x; sc[1] = v.y;
+      } else {
+        sc[0] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16));
+      }
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+        const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          uint32_t p[4];
+          dequant_word(q ? w.y : w.x, s2, p);
+          af[4 * b + 2 * q][h] = p[0];
+          af[4 * b + 2 * q][2 + h] = p[1];
+          af[4 * b + 2 * q + 1][h] = p[2];
+          af[4 * b + 2 * q + 1][2 + h] = p[3];
+        }
+      }
+    }
 
     acc_fence(acc);
     wgmma_fence();
@@ -349,7 +334,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
   }
   acc_fence(acc);  // every copy this thread issued has landed: each loaded tile's full barrier was waited on
 
-  wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, int(blockIdx.x), wg, wq, g, tig);
+  wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
 template <int kMaxN>

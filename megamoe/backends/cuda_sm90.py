@@ -50,8 +50,7 @@ __all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_word_layout", "sm90_word_lay
 
 
 def gemm_kernel(name) -> object:
-    """``megamoe._C.Sm90GemmKernel`` member from itself or its name ("auto", "stream", "wgmma32", "wgmma64", "wgmma128",
-    "wgmma256")."""
+    """``megamoe._C.Sm90GemmKernel`` member from itself or its name ("auto", "stream", "wgmma32", "wgmma64", "wgmma128")."""
     kinds = _ext.ext.Sm90GemmKernel
     if isinstance(name, kinds):
         return name

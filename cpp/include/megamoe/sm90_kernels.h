@@ -53,8 +53,6 @@ enum class GemmKernel : int {
   kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
   kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
   kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
-  kWgmma256 = 4,  // token tiles of up to 256 tokens, K 64 per stage, warp-specialized, persistent
-                  // (grouped_gemm_wgmma_ws.cuh)
 };
 
 // What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
