@@ -134,23 +134,30 @@ __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, co
   return rows > 0;
 }
 
-// Which expert and which kTile-token tile of it a block owns, for the kernels whose grid.y runs
-// over the token tiles of all experts (no host sync). Step 1, expert_tile_scan(): block-wide
-// inclusive scan of ceil(tokens_e / kTile) over the E = a.num_experts experts into tile_scan[E]
-// (E <= 1024; warp_sums[kThreads / 32] is scratch); returns the total tile count. Call with all
-// kThreads threads (it has __syncthreads); warp = tid >> 5 and lane = tid & 31 come from the caller.
-// Step 2, find_expert_tile(): for a tile below that total, the first expert whose inclusive count
-// exceeds it, the expert's row range and m0, the tile's first token within the expert.
-// (Two steps with the early return between them in the kernel, and E, warp, lane passed in:
-// that keeps the kernels' generated code identical to the open-coded version this replaced.)
+struct ExpertTile {
+  int expert, row_begin, rows, m0;
+};
+
+// Which expert and which kTile-token tile of it block `tile` owns, for the kernels whose grid.y runs over the
+// token tiles of all experts (no host sync), in one pass: a block-wide inclusive scan of ceil(tokens_e / kTile)
+// over the E = a.num_experts experts (warp_sums[kThreads / 32] is scratch); the thread of the expert whose tiles
+// hold `tile` writes that expert, its row range and m0 (the tile's first token within the expert) to *found
+// (shared memory). Returns the total tile count; *found is set when tile is below it. Call with all kThreads
+// threads: its __syncthreads also publish what the block wrote to shared memory before the call. warp = tid >> 5
+// and lane = tid & 31 come from the caller.
 template <int kThreads, int kTile>
-__device__ __forceinline__ int expert_tile_scan(const GroupedGemmArgs& a, int E, int32_t* tile_scan, int32_t* warp_sums,
-                                                int tid, int warp, int lane) {
+__device__ __forceinline__ int expert_tile_of_block(const GroupedGemmArgs& a, int E, int tile, int32_t* warp_sums,
+                                                    ExpertTile* found, int tid, int warp, int lane) {
   int carry = 0;
   for (int base = 0; base < E; base += kThreads) {
     const int e = base + tid;
-    int v = 0;
-    if (e < E) v = (a.expert_offsets[e + 1] - a.expert_offsets[e] + kTile - 1) / kTile;
+    int row_begin = 0, rows = 0;
+    if (e < E) {
+      row_begin = a.expert_offsets[e];
+      rows = a.expert_offsets[e + 1] - row_begin;
+    }
+    const int own = (rows + kTile - 1) / kTile;  // tiles of expert e
+    int v = own;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int t = __shfl_up_sync(0xffffffffu, v, o);
@@ -160,33 +167,14 @@ __device__ __forceinline__ int expert_tile_scan(const GroupedGemmArgs& a, int E,
     __syncthreads();
     int prefix = carry;
     for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
-    if (e < E) tile_scan[e] = prefix + v;
+    const int first = prefix + v - own;  // tiles of the experts before e
+    if (tile >= first && tile < first + own) *found = {e, row_begin, rows, (tile - first) * kTile};
     int total = carry;
     for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
     carry = total;
     __syncthreads();
   }
   return carry;
-}
-
-struct ExpertTile {
-  int expert, row_begin, rows, m0;
-};
-
-template <int kTile>
-__device__ __forceinline__ ExpertTile find_expert_tile(const GroupedGemmArgs& a, int E, const int32_t* tile_scan,
-                                                       int tile) {
-  int lo = 0, hi = E - 1;  // first expert whose inclusive tile count exceeds `tile`
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (tile_scan[mid] > tile) hi = mid;
-    else lo = mid + 1;
-  }
-  const int expert = lo;
-  const int tiles_before = expert > 0 ? tile_scan[expert - 1] : 0;
-  const int row_begin = a.expert_offsets[expert];
-  const int rows = a.expert_offsets[expert + 1] - row_begin;
-  return {expert, row_begin, rows, (tile - tiles_before) * kTile};
 }
 
 }  // namespace megamoe::sm90

@@ -49,7 +49,7 @@ namespace megamoe::sm90 {
 
 constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
-constexpr int kWgMaxExperts = 1024;        // the block-wide expert/tile scan holds E entries in shared memory
+constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these kernels: every block scans all E token counts
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
@@ -67,7 +67,8 @@ struct WgCfg {
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
   static constexpr int kSBytes = kRows * kKS / 16;
   static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 + (1024 + 32) * 4 +
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 /*scale LUT*/ +
+                               32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
                                16 * kStages /*full and empty mbarriers*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
@@ -346,27 +347,25 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
-  int32_t* tile_scan = reinterpret_cast<int32_t*>(scale_lut + 256);  // [1024] inclusive tile counts
-  int32_t* warp_sums = tile_scan + 1024;
-  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(warp_sums + 32));  // 2 kStages mbarriers
+  int32_t* warp_sums = reinterpret_cast<int32_t*>(scale_lut + 256);              // [32] scan scratch
+  ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));  // 2 kStages mbarriers
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-
-  // Which expert and which token tile of it.
-  const int E = a.num_experts;
-  const int num_tiles = expert_tile_scan<Cfg::kThreads, kMaxN>(a, E, tile_scan, warp_sums, tid, warp, lane);
-  const int tile = blockIdx.y;
-  if (tile >= num_tiles) return;
-  const ExpertTile et = find_expert_tile<kMaxN>(a, E, tile_scan, tile);
-  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
-  const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   if (tid == 0)
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, Cfg::kThreads);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
     }
-  __syncthreads();  // scale_lut and the mbarriers visible
+
+  // Which expert and which token tile of it (the scan's barriers also publish scale_lut and the mbarriers).
+  const int num_tiles =
+      expert_tile_of_block<Cfg::kThreads, kMaxN>(a, a.num_experts, blockIdx.y, warp_sums, found, tid, warp, lane);
+  if (int(blockIdx.y) >= num_tiles) return;
+  const ExpertTile et = *found;
+  const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
+  const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);

@@ -182,6 +182,17 @@ def test_moe_wgmma_t_sweep_partial_tiles(kernel, shape, gen, forced_kernel):
         assert torch.equal(gpu.forward(x, ids, w, validate=False), out), t
 
 
+@pytest.mark.parametrize("kernel", ["wgmma32", "wgmma64", "wgmma128"])
+def test_moe_wgmma_more_experts_than_a_block_has_threads(kernel, gen, forced_kernel):
+    """E = 600: the block-wide scan that maps each wgmma block to its expert tile runs in three passes of 256
+    experts, with tiles (and experts without tokens) in every pass; each wgmma kernel forced, against the torch
+    backend."""
+    gpu, ref = _layers("tiny", hidden_size=512, intermediate_size=256, num_experts=600, top_k=8)
+    forced_kernel(gpu, kernel)
+    for t in (40, 700):
+        _forward_vs_torch(gpu, ref, t, gen, f"moe E=600 kernel={kernel}")
+
+
 @pytest.mark.parametrize("t", [256, 341, 384, 1100, 1160])
 def test_moe_v4_flash_switch_pocket(t, gen):
     """v4-flash shapes with E cut to 64 and T to t/4 (the same T*k/E as v4-flash at T = t: 6, 8, 9, 26 and
