@@ -121,6 +121,7 @@ void register_sm90(nb::module_& m) {
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
         a.act_rows = opt_ptr<const int32_t>(act_rows, "act_rows", 4);
+        a.act_num_rows = int64_t(act.shape(0));
         if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
           throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
         a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);

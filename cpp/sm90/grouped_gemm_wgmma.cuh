@@ -3,11 +3,15 @@
 //
 // Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
 // one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64, 128
-// or 256). All 256 threads load (cp.async, a kStages-deep ring of shared-memory stages) and compute:
+// or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory accelerator
+// (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
 //  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
 //    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
-//    reads), copied in 16-byte chunks;
-//  - packed NVFP4 weights (kKS / 2 bytes per row) and their e4m3 scales (kKS / 16) land as raw bytes;
+//    reads): one TMA box of N rows per sub-tile, or, when the rows are gathered (act_rows), 16-byte
+//    cp.async copies by all threads (TMA has no row gather on sm_90);
+//  - packed NVFP4 weights: two TMA boxes of 64 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
+//    their e4m3 scales: two boxes of 64 rows x 16 bytes (K 256) every 256 / kKS stages, into a ring of
+//    kScSlots scale slots beside the stages (the scale tensor's rows must be 16-byte multiples: K % 256 == 0);
 //    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
 //    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
 //    the A registers and issues wgmma m64nNk16 with A in registers.
@@ -33,16 +37,19 @@
 //
 // Pipeline per k-tile kt (prefetch distance kStages-1), with two mbarriers per ring slot and no
 // block-wide barrier, so the two warpgroups need not meet at every stage:
-//   wait on full[slot of kt] (every thread's copies of tile kt landed: each thread arrives with
-//     cp.async.mbarrier.arrive after issuing them); fence.proxy.async
-//   wait on empty[slot of kt-1] (every warp's wgmmas of tile kt-1 finished), then issue the loads of
-//     tile kt+kStages-1 into that slot and arrive on its full barrier
+//   wait on full[slot of kt] (the TMA bytes of tile kt landed, and with copied rows every thread's
+//     cp.async copies: each thread arrives with cp.async.mbarrier.arrive after issuing them; then
+//     fence.proxy.async, since the wgmmas read what the generic proxy wrote)
+//   thread 0 (and with copied rows every thread) waits on empty[slot of kt-1] (every warp's wgmmas
+//     of tile kt-1 finished), then thread 0 issues the TMA boxes of tile kt+kStages-1 into that slot
+//     (and the copied rows' cp.async copies follow, with their arrivals)
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
 //     each warp arrives on empty[slot of kt].
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "tma.cuh"
 #include "wgmma_ops.cuh"
 
 namespace megamoe::sm90 {
@@ -53,8 +60,8 @@ constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these ke
 
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
-// middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain, copies' addressing --
-// per weight byte); 64: K 128, 4 stages; 128: K 64, 4 stages.
+// middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain -- per weight byte);
+// 64: K 128, 4 stages; 128: K 64, 4 stages.
 template <int kMaxN>
 struct WgCfg {
   static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
@@ -64,16 +71,43 @@ struct WgCfg {
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
   static constexpr int kABytes = kMaxN * 128 * kSub;
-  static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (32-byte blocks swizzled, wswz)
-  static constexpr int kSBytes = kRows * kKS / 16;
-  static constexpr int kStageBytes = (kABytes + kWBytes + kSBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + 256 * 4 /*scale LUT*/ +
-                               32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
+  static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
+  static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
+  // Scales: a ring of kScSlots chunks of K 256 (16 bytes per row), chunk c loaded with stage c * kChunkStages.
+  // Its slot is reloaded kScSlots chunks later, by the copies of stage (c + kScSlots) * kChunkStages, which
+  // are issued once every warp finished stage (c + kScSlots) * kChunkStages - kStages: at least the chunk's
+  // last stage c * kChunkStages + kChunkStages - 1.
+  static constexpr int kChunkStages = 256 / kKS;
+  static constexpr int kScSlots = kChunkStages >= kStages - 1 ? 2 : 2 * kChunkStages >= kStages - 1 ? 3 : 4;
+  static_assert((kScSlots - 1) * kChunkStages >= kStages - 1, "a scale slot is reloaded while a stage still reads it");
+  static constexpr int kScBytes = kRows * 16;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
+                               256 * 4 /*scale LUT*/ + 32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
                                16 * kStages /*full and empty mbarriers*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
-  // 32-byte block b of weight row r is stored at block b ^ wswz(r) of the row, so that the 4 rows a
-  // quarter-warp reads (8 bytes per lane) fall on distinct banks.
-  __host__ __device__ static constexpr int wswz(int r) { return kSub == 4 ? (r & 3) : kSub == 2 ? ((r >> 1) & 1) : 0; }
+  // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
+  // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
+  static constexpr CUtensorMapSwizzle kWSwizzle = kKS == 256   ? CU_TENSOR_MAP_SWIZZLE_128B
+                                                  : kKS == 128 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                               : CU_TENSOR_MAP_SWIZZLE_NONE;
+  __host__ __device__ static constexpr int wswz(int r) { return kKS == 256 ? (r & 7) : kKS == 128 ? ((r >> 1) & 3) : 0; }
+  // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile.
+  static constexpr int kNumWidths = kMaxN == kWgMid ? 3 : kMaxN == kWgSmall ? 4 : 3;
+  __host__ __device__ static constexpr int width(int i) { return kMaxN == kWgMid ? 32 << i : 8 << i; }
+  __host__ __device__ static constexpr int width_index(int n) {
+    int i = 0;
+    while (i + 1 < kNumWidths && width(i) < n) ++i;
+    return i;
+  }
+};
+
+// TMA tensor maps of one launch (kernel parameter): packed weights [E][N][K/2] bytes in boxes of
+// {kKS / 2, 64 rows}, scales [E][N][K/16] in boxes of {16, 64 rows}, and with contiguous activation rows
+// the activations [rows][K] bf16 in boxes of {64, width(i)} (SW128).
+struct WgMaps {
+  CUtensorMap w;
+  CUtensorMap s;
+  CUtensorMap act[4];
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -116,9 +150,10 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
+// K % 256: the scale tensor's rows (K / 16 bytes) must be 16-byte multiples for its TMA map.
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts;
+  return a.K % 256 == 0 && a.num_experts <= kWgMaxExperts;
 }
 
 // The tokens of an m64nN D fragment below `rows`: for token m0 + 8j + 2tig + t, calls
@@ -177,50 +212,67 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
   }
 }
 
-// Main loop and epilogue of one block for token tiles of width N (<= kMaxN).
-template <int N, int kMaxN>
-__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stages, const uint32_t* lut, uint32_t bars,
-                                        int expert, int row_begin, int rows, int m0) {
+// Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kActTma: the activation rows
+// are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
+template <int N, int kMaxN, bool kActTma>
+__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
+                                        uint8_t* scales, const uint32_t* lut, uint32_t bars, int expert,
+                                        int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
-  const int64_t K = a.K, Nw = a.N, Kb = K / 16, row_bytes = K / 2;
+  const int64_t K = a.K, Nw = a.N;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int64_t I = Nw / 2;
-  const uint8_t* wd = a.w_data + int64_t(expert) * Nw * row_bytes;
-  const uint8_t* ws = a.w_scale + int64_t(expert) * Nw * Kb;
 
-  // Block-local weight row lr -> global weight row. kSiluMul: the block covers 64 output
-  // columns; in warp (wg, wq) rows g are the gate and rows g + 8 the up row of column
-  // blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds both for its tokens. A row past the end
-  // reads row 0 (its accumulators are never stored).
-  auto weight_row = [&](int lr) -> int64_t {
-    if (silu_mul) {
-      const int64_t col = int64_t(blockIdx.x) * (Cfg::kRows / 2) + (lr >> 4) * 8 + (lr & 7);
-      return col < I ? (((lr >> 3) & 1) ? I + col : col) : 0;
-    }
-    const int64_t n = int64_t(blockIdx.x) * Cfg::kRows + lr;
-    return n < Nw ? n : 0;
-  };
-  // Weight copies: thread (row w_lr, half w_half) copies half of the row's kKS / 2 stage bytes; the
-  // first 128 threads copy the rows' scales.
-  const int w_lr = tid >> 1, w_half = tid & 1;
-  const uint8_t* w_src = wd + weight_row(w_lr) * row_bytes;
-  const uint8_t* s_src = ws + weight_row(tid & (Cfg::kRows - 1)) * Kb;
-
+  // The block's weight rows: two TMA boxes of 64 rows of expert `expert`, at shared rows 0..63 and 64..127.
+  // kSiluMul: box 0 the gate rows of output columns blockIdx.x*64 + 0..63, box 1 their up rows; a warp's
+  // rows g are gate and rows g + 8 up rows of column blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds
+  // both for its tokens. kStore: rows blockIdx.x*128 + 0..127. Rows past the expert's N read as zeros, rows
+  // of the up half in a gate box (I % 64 != 0) are never stored.
+  const int wrow0 = silu_mul ? int(blockIdx.x) * (Cfg::kRows / 2) : int(blockIdx.x) * Cfg::kRows;
+  const int wrow1 = silu_mul ? int(I) + wrow0 : wrow0 + Cfg::kRows / 2;
   const int num_k_tiles = int(K / kKS);
-  // Activation copies of this thread, fixed for the whole tile: 16-byte chunk c = kT j + tid of the
-  // stage's kB * N * 8 (sub-tile c / (N * 8), token row (c / 8) % N, chunk c % 8 of its 128 bytes);
-  // source row: token r of the tile -> grouped row row_begin + m0 + r, or act row act_rows[that] with
-  // a gather; a pointer advanced by kKS elements per stage.
+  const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
+  const uint32_t scales_s = static_cast<uint32_t>(__cvta_generic_to_shared(scales));
+
+  // Thread 0: the TMA boxes of tile kt into ring slot `slot` (and its scale chunk when kt starts one), all
+  // completing on the slot's full barrier.
+  constexpr int kWidth = Cfg::width_index(N);
+  static_assert(Cfg::width(kWidth) == N, "N is one of the instantiated widths");
+  constexpr uint32_t kTx = uint32_t(Cfg::kWBytes) + (kActTma ? uint32_t(kB * N * 128) : 0u);
+  auto issue_tma = [&](int slot, int kt) {
+    const uint32_t bar = bars + 8 * slot;
+    const bool chunk = kt % Cfg::kChunkStages == 0;
+    mbar_arrive_expect_tx(bar, kTx + (chunk ? uint32_t(Cfg::kScBytes) : 0u));
+    const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes, sw = sa + Cfg::kABytes;
+    tma_load_3d(sw, &maps.w, kt * (kKS / 2), wrow0, expert, bar);
+    tma_load_3d(sw + (Cfg::kRows / 2) * (kKS / 2), &maps.w, kt * (kKS / 2), wrow1, expert, bar);
+    if (chunk) {
+      const int c = kt / Cfg::kChunkStages;
+      const uint32_t ss = scales_s + uint32_t(c % Cfg::kScSlots) * Cfg::kScBytes;
+      tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
+      tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
+    }
+    if constexpr (kActTma) {
+#pragma unroll
+      for (int sub = 0; sub < kB; ++sub)
+        tma_load_2d(sa + sub * (kMaxN * 128), &maps.act[kWidth], kt * kKS + kWgK * sub, row_begin + m0, bar);
+    }
+  };
+
+  // Copied rows (!kActTma: gathered, or an activation view TMA cannot read): this thread's activation copies,
+  // fixed for the whole tile: 16-byte chunk c = kT j + tid of the stage's kB * N * 8 (sub-tile c / (N * 8),
+  // token row (c / 8) % N, chunk c % 8 of its 128 bytes); source row: token r of the tile -> grouped row
+  // row_begin + m0 + r, or act row act_rows[that] with a gather; a pointer advanced by kKS elements per stage.
   constexpr int kT = Cfg::kThreads;
   constexpr int kChunks = kB * N * 8;
-  constexpr int kAR = (kChunks + kT - 1) / kT;
+  constexpr int kAR = kActTma ? 1 : (kChunks + kT - 1) / kT;
   const uint16_t* a_src[kAR];
   bool a_valid[kAR];
   uint32_t a_dst[kAR];  // byte offset of the copy in a stage
-  {
+  if constexpr (!kActTma) {
     const int64_t first = int64_t(row_begin) + m0;  // invalid tokens read the tile's first row (0 bytes)
     const int64_t first_src = a.act_rows ? int64_t(a.act_rows[first]) : first;
 #pragma unroll
@@ -233,73 +285,77 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
       a_dst[j] = uint32_t(sub * (kMaxN * 128) + r * 128 + ((ch ^ (r & 7)) * 16));
     }
   }
-  const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
-  // This thread's copies of tile kt into ring slot `slot`, then its arrival on the slot's full barrier
-  // (counted once they have landed).
-  auto load_stage = [&](int slot, int kt) {
-    const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
-    const uint32_t sw = sa + Cfg::kABytes, ss = sw + Cfg::kWBytes;
-    const int64_t ko = int64_t(kt) * kKS;
+  // Copied rows: this thread's copies of tile kt into ring slot `slot`, then its arrival on the slot's full
+  // barrier (counted once they have landed).
+  auto load_act = [&](int slot, int kt) {
+    if constexpr (!kActTma) {
+      const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
+      const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
-    for (int j = 0; j < kAR; ++j)
-      if (kChunks % kT == 0 || tid + kT * j < kChunks) cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
-#pragma unroll
-    for (int i = 0; i < kKS / 64; ++i) {  // 16-byte chunk q of the row's kKS / 2 bytes, in 32-byte block q / 2
-      const int q = w_half * (kKS / 64) + i;
-      cp_async_s<16>(sw + w_lr * (kKS / 2) + (((q >> 1) ^ Cfg::wswz(w_lr)) * 32) + (q & 1) * 16,
-                     w_src + int64_t(kt) * (kKS / 2) + q * 16, 16);
+      for (int j = 0; j < kAR; ++j)
+        if (kChunks % kT == 0 || tid + kT * j < kChunks)
+          cp_async_s<16>(sa + a_dst[j], a_src[j] + ko, a_valid[j] ? 16 : 0);
+      mbar_cp_async_arrive(bars + 8 * slot);
     }
-    if (tid < Cfg::kRows) cp_async_s<kKS / 16>(ss + tid * (kKS / 16), s_src + int64_t(kt) * (kKS / 16), kKS / 16);
-    mbar_cp_async_arrive(bars + 8 * slot);
   };
 
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
-  // full[s] (bars + 8 s): every thread's copies of the stage in slot s landed (kThreads cp.async arrivals);
-  // empty[s] (bars + 8 (S + s)): every warp's wgmmas of that stage finished (kThreads / 32 arrivals).
+  // full[s] (bars + 8 s): tile of slot s landed (thread 0's expect_tx arrival and the TMA bytes; with
+  // copied rows also kThreads cp.async arrivals); empty[s] (bars + 8 (S + s)): every warp's wgmmas of that
+  // stage finished (kThreads / 32 arrivals).
   constexpr int A = S - 1;  // tiles loaded ahead of the one computed
 #pragma unroll
   for (int s = 0; s < A; ++s)
-    if (s < num_k_tiles) load_stage(s, s);
+    if (s < num_k_tiles) {
+      if (tid == 0) issue_tma(s, s);
+      load_act(s, s);
+    }
 
-  const int lr0 = wg * 64 + wq * 16 + g;  // A rows g and g + 8 of this warp
+  // Shared rows of this thread's A-fragment rows g (h = 0) and g + 8 (h = 1), see wrow0 above.
+  const int srow0 = silu_mul ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
+  const int srow1 = silu_mul ? srow0 + Cfg::kRows / 2 : srow0 + 8;
   uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   const uint32_t byte_shift = 8u * uint32_t(tig);
   int slot = 0, pf_slot = A;  // kt % S and (kt + A) % S
   uint32_t phase = 0;         // (kt / S) & 1
+  int sc_slot = 0, sc_pos = 0;  // scale slot of tile kt's chunk, and kt's stage within the chunk
   for (int kt = 0; kt < num_k_tiles; ++kt) {
-    mbar_wait(bars + 8 * slot, phase);  // everyone's copies of tile kt landed
-    fence_proxy_async_smem();           // ... and are visible to the async proxy (wgmma)
+    mbar_wait(bars + 8 * slot, phase);                   // tile kt landed
+    if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
     const int pf = kt + A;
-    if (pf < num_k_tiles) {
+    if (pf < num_k_tiles && (!kActTma || tid == 0)) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
       if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
-      load_stage(pf_slot, pf);
+      if (tid == 0) issue_tma(pf_slot, pf);
+      load_act(pf_slot, pf);
     }
 
-    // Dequantize: word q of block b of row g + 8h (8 bytes at 8 tig of the block) -> k16 steps 4b + 2q
+    // Dequantize: word q of block b of row h (8 bytes at 8 tig of the block's 32) -> k16 steps 4b + 2q
     // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
     const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
-    const uint8_t* ss = sw + Cfg::kWBytes;
+    const uint8_t* ss = scales + sc_slot * Cfg::kScBytes + sc_pos * (kKS / 16);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int lr = lr0 + 8 * h;
+      const int sr = h ? srow1 : srow0;
       uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
       if constexpr (kB == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(ss + lr * (kKS / 16));
+        const uint4 v = *reinterpret_cast<const uint4*>(ss + sr * 16);
         sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
       } else if constexpr (kB == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(ss + lr * (kKS / 16));
+        const uint2 v = *reinterpret_cast<const uint2*>(ss + sr * 16);
         sc[0] = v.x; sc[1] = v.y;
       } else {
-        sc[0] = *reinterpret_cast<const uint32_t*>(ss + lr * (kKS / 16));
+        sc[0] = *reinterpret_cast<const uint32_t*>(ss + sr * 16);
       }
+      const uint8_t* wrow = sw + sr * (kKS / 2) + (tig & 1) * 8;
+      const int x = Cfg::wswz(sr);
 #pragma unroll
       for (int b = 0; b < kB; ++b) {
-        const uint2 w = *reinterpret_cast<const uint2*>(sw + lr * (kKS / 2) + ((b ^ Cfg::wswz(lr)) * 32) + 8 * tig);
+        const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
         const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
@@ -332,32 +388,42 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, uint8_t* stage
     slot = slot + 1 == S ? 0 : slot + 1;
     phase ^= slot == 0 ? 1u : 0u;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+    if (++sc_pos == Cfg::kChunkStages) {
+      sc_pos = 0;
+      sc_slot = sc_slot + 1 == Cfg::kScSlots ? 0 : sc_slot + 1;
+    }
   }
-  acc_fence(acc);  // every copy this thread issued has landed: each loaded tile's full barrier was waited on
+  acc_fence(acc);  // every copy of the tile has landed: each loaded tile's full barrier was waited on
 
   wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
-template <int kMaxN>
-__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks) wg_gemm_kernel(GroupedGemmArgs a) {
+template <int kMaxN, bool kActTma>
+__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks)
+    wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
-  // 1024-align the stage ring (the SW128 swizzle is a function of address bits 4..9).
+  // 1024-align the stage ring (the SW128 and TMA swizzles are functions of address bits 4..9).
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
-  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(stages + Cfg::kStageBytes * Cfg::kStages);
+  uint8_t* scales = stages + Cfg::kStageBytes * Cfg::kStages;                  // kScSlots scale chunks
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);
   int32_t* warp_sums = reinterpret_cast<int32_t*>(scale_lut + 256);              // [32] scan scratch
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));  // 2 kStages mbarriers
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  if (tid == 0)
+  if (tid == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(bars + 8 * s, Cfg::kThreads);
+      mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
     }
+    mbar_fence_init();  // the initialized barriers are visible to the TMA unit
+    tma_prefetch_map(&maps.w);
+    tma_prefetch_map(&maps.s);
+  }
 
   // Which expert and which token tile of it (the scan's barriers also publish scale_lut and the mbarriers).
   const int num_tiles =
@@ -367,41 +433,92 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
+#define MEGAMOE_WG_TILE(n) wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
-    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    if (count <= 8) MEGAMOE_WG_TILE(8);
+    else if (count <= 16) MEGAMOE_WG_TILE(16);
+    else MEGAMOE_WG_TILE(32);
   } else if constexpr (kMaxN == kWgSmall) {
-    if (count <= 8) wg_tile<8, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else if (count <= 16) wg_tile<16, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else wg_tile<64, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    if (count <= 8) MEGAMOE_WG_TILE(8);
+    else if (count <= 16) MEGAMOE_WG_TILE(16);
+    else if (count <= 32) MEGAMOE_WG_TILE(32);
+    else MEGAMOE_WG_TILE(64);
   } else {
-    if (count <= 32) wg_tile<32, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else if (count <= 64) wg_tile<64, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
-    else wg_tile<128, kMaxN>(a, stages, scale_lut, bars, expert, row_begin, rows, m0);
+    if (count <= 32) MEGAMOE_WG_TILE(32);
+    else if (count <= 64) MEGAMOE_WG_TILE(64);
+    else MEGAMOE_WG_TILE(128);
   }
+#undef MEGAMOE_WG_TILE
+}
+
+// Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
+template <int kMaxN>
+inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
+  using Cfg = WgCfg<kMaxN>;
+  const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
+  {
+    const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
+    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(Cfg::kRows / 2), 1};
+    const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides, box,
+                                              Cfg::kWSwizzle);
+    if (err != cudaSuccess) return err;
+  }
+  {
+    const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {K / 16, N * K / 16};
+    const uint32_t box[3] = {16, uint32_t(Cfg::kRows / 2), 1};
+    const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
+                                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (err != cudaSuccess) return err;
+  }
+  if (act_tma) {
+    const uint64_t rows = uint64_t(a.act_num_rows > 0 ? a.act_num_rows : a.max_total_rows);
+    const uint64_t dims[2] = {K, rows}, strides[1] = {K * 2};
+    for (int i = 0; i < Cfg::kNumWidths; ++i) {
+      const uint32_t box[2] = {uint32_t(kWgK), uint32_t(Cfg::width(i))};
+      const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, a.act, dims,
+                                                strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+template <int kMaxN, bool kActTma>
+inline cudaError_t wg_set_attributes() {
+  static bool attr_set = false;
+  if (attr_set) return cudaSuccess;
+  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         WgCfg<kMaxN>::kSmem);
+  if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
+    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  if (err == cudaSuccess) attr_set = true;
+  return err;
 }
 
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN>;
-  static bool attr_set = false;
-  if (!attr_set) {
-    cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmem);
-    if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-      err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 int(cudaSharedmemCarveoutMaxShared));
-    if (err != cudaSuccess) return err;
-    attr_set = true;
-  }
+  // TMA boxes read 16-byte aligned tensors; an unaligned activation view is copied by the threads instead.
+  const bool act_tma = !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
+  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0)
+    return cudaErrorInvalidValue;
+  WgMaps maps{};
+  cudaError_t err = wg_encode_maps<kMaxN>(a, act_tma, maps);
+  if (err != cudaSuccess) return err;
+  err = act_tma ? wg_set_attributes<kMaxN, true>() : wg_set_attributes<kMaxN, false>();
+  if (err != cudaSuccess) return err;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
   const unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
-  wg_gemm_kernel<kMaxN><<<dim3(gx, unsigned(tiles)), Cfg::kThreads, Cfg::kSmem, stream>>>(a);
+  const dim3 grid(gx, unsigned(tiles));
+  if (act_tma)
+    wg_gemm_kernel<kMaxN, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  else
+    wg_gemm_kernel<kMaxN, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
   return cudaGetLastError();
 }
 

@@ -79,11 +79,10 @@ struct GemmPlan {
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
 // (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
-// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
-// of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
-// multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
-// that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
-// wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
+// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo, tile 64 up to kWgmma64UpTo,
+// then tile 128; streaming whenever a K is not a multiple of 256 (the wgmma kernels' TMA map of the
+// scales needs rows of 16-byte multiples) or E > 1024 (the wgmma kernels' limits), one tile per pass
+// up to kStreamOneTileUpTo, more tiles per pass above.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
 constexpr int64_t kWgmma32UpTo = 28;
 constexpr int64_t kWgmma64UpTo = 64;
@@ -95,6 +94,7 @@ struct GroupedGemmArgs {
                                   // act_rows, streaming)
   const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r]: the streaming kernel natural-order
                                       // bf16 x, the wgmma kernel lane-order rows (x staged once as [T, K])
+  int64_t act_num_rows = 0;           // rows of act (the wgmma kernels' TMA bound; 0: max_total_rows)
   const int32_t* expert_offsets = nullptr;  // [E+1]
   const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
   const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
