@@ -40,11 +40,12 @@
 //   wait on full[slot of kt] (the TMA bytes of tile kt landed, and with copied rows every thread's
 //     cp.async copies: each thread arrives with cp.async.mbarrier.arrive after issuing them; then
 //     fence.proxy.async, since the wgmmas read what the generic proxy wrote)
-//   thread 0 (and with copied rows every thread) waits on empty[slot of kt-1] (every warp's wgmmas
-//     of tile kt-1 finished), then thread 0 issues the TMA boxes of tile kt+kStages-1 into that slot
-//     (and the copied rows' cp.async copies follow, with their arrivals)
+//   with copied rows every thread waits on empty[slot of kt-1] (every warp's wgmmas of tile kt-1
+//     finished), then issues its cp.async copies of tile kt+kStages-1 into that slot, with their arrivals
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
-//     each warp arrives on empty[slot of kt].
+//     each warp arrives on empty[slot of kt] and counts itself in freed[slot of kt]: the last of the 8
+//     issues the TMA boxes of tile kt+kStages into the slot (the prologue issued tiles 0..kStages-1), so
+//     no thread waits for a slot to free before its TMA copies.
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -83,7 +84,7 @@ struct WgCfg {
   static constexpr int kScBytes = kRows * 16;
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
                                256 * 4 /*scale LUT*/ + 32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
-                               16 * kStages /*full and empty mbarriers*/;
+                               16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
   // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
@@ -134,6 +135,12 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "again:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra again;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+// Returns the old value.
+__device__ __forceinline__ uint32_t atom_add_acq_rel_shared(uint32_t addr, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+  return old;
 }
 template <int M>
 __device__ __forceinline__ void acc_fence(float (&d)[M]) {
@@ -216,8 +223,8 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
 template <int N, int kMaxN, bool kActTma>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
-                                        uint8_t* scales, const uint32_t* lut, uint32_t bars, int expert,
-                                        int row_begin, int rows, int m0) {
+                                        uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
+                                        int expert, int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
@@ -237,7 +244,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t scales_s = static_cast<uint32_t>(__cvta_generic_to_shared(scales));
 
-  // Thread 0: the TMA boxes of tile kt into ring slot `slot` (and its scale chunk when kt starts one), all
+  // One thread: the TMA boxes of tile kt into ring slot `slot` (and its scale chunk when kt starts one), all
   // completing on the slot's full barrier.
   constexpr int kWidth = Cfg::width_index(N);
   static_assert(Cfg::width(kWidth) == N, "N is one of the instantiated widths");
@@ -306,13 +313,16 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // full[s] (bars + 8 s): tile of slot s landed (thread 0's expect_tx arrival and the TMA bytes; with
   // copied rows also kThreads cp.async arrivals); empty[s] (bars + 8 (S + s)): every warp's wgmmas of that
   // stage finished (kThreads / 32 arrivals).
-  constexpr int A = S - 1;  // tiles loaded ahead of the one computed
+  // The TMA boxes of tiles 0 .. S-1 fill the whole ring; then the last warp to finish tile kt (freed[slot]
+  // counts the warps) issues those of tile kt + S into its slot, so no thread waits for a slot to free. Copied
+  // activation rows: every thread's cp.async copies of tile kt + A (A = S - 1 ahead) once every warp finished
+  // tile kt - 1 (empty barrier), as before.
+  constexpr int A = S - 1;
+  if (tid == 0)
+    for (int s = 0; s < S && s < num_k_tiles; ++s) issue_tma(s, s);
 #pragma unroll
   for (int s = 0; s < A; ++s)
-    if (s < num_k_tiles) {
-      if (tid == 0) issue_tma(s, s);
-      load_act(s, s);
-    }
+    if (s < num_k_tiles) load_act(s, s);
 
   // Shared rows of this thread's A-fragment rows g (h = 0) and g + 8 (h = 1), see wrow0 above.
   const int srow0 = silu_mul ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
@@ -327,10 +337,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     mbar_wait(bars + 8 * slot, phase);                   // tile kt landed
     if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
     const int pf = kt + A;
-    if (pf < num_k_tiles && (!kActTma || tid == 0)) {
+    if (!kActTma && pf < num_k_tiles) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
       if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
-      if (tid == 0) issue_tma(pf_slot, pf);
       load_act(pf_slot, pf);
     }
 
@@ -384,7 +393,15 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     // rejected variants).
     wgmma_wait<0>();
     __syncwarp();
-    if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+    if (lane == 0) {
+      if constexpr (!kActTma) mbar_arrive(bars + 8 * (S + slot));
+      // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
+      // the last one's TMA writes into it
+      if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) & 7u) == 7u && kt + S < num_k_tiles) {
+        fence_proxy_async_smem();
+        issue_tma(slot, kt + S);
+      }
+    }
     slot = slot + 1 == S ? 0 : slot + 1;
     phase ^= slot == 0 ? 1u : 0u;
     pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
@@ -411,7 +428,8 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);
   int32_t* warp_sums = reinterpret_cast<int32_t*>(scale_lut + 256);              // [32] scan scratch
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
-  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));  // 2 kStages mbarriers
+  // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far)
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
@@ -419,6 +437,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
+      reinterpret_cast<uint32_t*>(found + 1)[4 * Cfg::kStages + s] = 0u;  // freed[s]
     }
     mbar_fence_init();  // the initialized barriers are visible to the TMA unit
     tma_prefetch_map(&maps.w);
@@ -433,7 +452,8 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
-#define MEGAMOE_WG_TILE(n) wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, expert, row_begin, rows, m0)
+#define MEGAMOE_WG_TILE(n) \
+  wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, bars + 16 * Cfg::kStages, expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
     else if (count <= 16) MEGAMOE_WG_TILE(16);
