@@ -41,14 +41,13 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(29).kernel, plan(29).token_tile) == (kind("wgmma64"), 64)
     assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
     assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma64"), 64)
-    # every wgmma tile loads its scales by TMA in chunks of K 256: a K that is a multiple of 64 or 128 only
-    # streams, whatever tile is asked for
-    for k in (dict(k_l2=2176), dict(k_l1=1152), dict(k_l2=2112), dict(k_l1=1088)):
-        assert plan(24, **k).kernel == kind("stream") and plan(100, **k).kernel == kind("stream"), k
-        for tile in ("wgmma32", "wgmma64", "wgmma128"):
-            assert plan(24, kernel=kind(tile), **k).kernel == kind("stream"), (k, tile)
-    for tile in ("wgmma32", "wgmma64", "wgmma128"):  # on a K they can run, an explicit tile is kept
-        assert plan(9, k_l1=7168, kernel=kind(tile)).kernel == kind(tile)
+    # tile 32 steps K by 256, tile 64 by 128: a K that is a multiple of 128 only runs tile 64 in tile 32's
+    # range, one that is a multiple of 64 only runs tile 128 in both ranges
+    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma64"), 64)
+    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma64")
+    assert (plan(7, k_l2=2112).kernel, plan(30, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
+    assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
+    assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
     assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
     for tpe in (7, 24, 25, 32, 33, 64, 65, 5000):

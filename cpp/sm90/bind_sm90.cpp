@@ -135,8 +135,9 @@ void register_sm90(nb::module_& m) {
         a.w_scale = ptr<const uint8_t>(w_scale, "w_scale", 1);
         a.N = int64_t(w_data.shape(1));
         a.K = int64_t(w_data.shape(2)) * 2;
-        if (int64_t(w_scale.shape(1)) != a.N || int64_t(w_scale.shape(2)) * 16 != a.K)
-          throw std::invalid_argument("grouped_gemm: w_scale must be [E, N, K/16]");
+        if (int64_t(w_scale.shape(1)) != a.N || int64_t(w_scale.shape(2)) * 16 < a.K)
+          throw std::invalid_argument("grouped_gemm: w_scale must be [E, N, S] with S >= K/16 (rows padded past K/16)");
+        a.w_scale_row_bytes = int64_t(w_scale.shape(2));
         if (act.ndim() != 2 || int64_t(act.shape(1)) != a.K)
           throw std::invalid_argument("grouped_gemm: act must be [rows, K] with K = " + std::to_string(a.K));
         a.w_global_scale = ptr<const float>(w_global_scale, "w_global_scale", 4);

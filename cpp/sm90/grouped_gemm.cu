@@ -39,16 +39,21 @@ cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int ra
 
 GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmPlan plan;
-  // Both K multiples of 256 (the K per stage of tile 32, and the scale chunk of the TMA maps of every tile).
-  const bool wgmma_shape = p.k_l1 % 256 == 0 && p.k_l2 % 256 == 0 && p.num_experts <= kWgMaxExperts;
+  const bool wgmma_shape = p.k_l1 % kWgK == 0 && p.k_l2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
   GemmKernel kernel = p.kernel;
+  // Both K multiples of the K per stage of tile 32 (256) and of tile 64 (128).
+  const bool k_tiny = p.k_l1 % WgCfg<kWgTiny>::kKS == 0 && p.k_l2 % WgCfg<kWgTiny>::kKS == 0;
+  const bool k_small = p.k_l1 % WgCfg<kWgSmall>::kKS == 0 && p.k_l2 % WgCfg<kWgSmall>::kKS == 0;
   if (kernel == GemmKernel::kAuto) {
-    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert ? GemmKernel::kStream
-             : p.tokens_per_expert <= kWgmma32UpTo             ? GemmKernel::kWgmma32
-             : p.tokens_per_expert <= kWgmma64UpTo             ? GemmKernel::kWgmma64
-                                                               : GemmKernel::kWgmma128;
+    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
+             : p.tokens_per_expert <= kWgmma32UpTo && k_tiny      ? GemmKernel::kWgmma32
+             : p.tokens_per_expert <= kWgmma64UpTo && k_small     ? GemmKernel::kWgmma64
+                                                                  : GemmKernel::kWgmma128;
   }
   if (!wgmma_shape) kernel = GemmKernel::kStream;
+  // an explicit tile-32/64 request on a K they cannot step through: the next tile that can
+  if (kernel == GemmKernel::kWgmma32 && !k_tiny) kernel = GemmKernel::kWgmma64;
+  if (kernel == GemmKernel::kWgmma64 && !k_small) kernel = GemmKernel::kWgmma128;
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
   plan.gather_x = p.w4a16 && p.gather_input;

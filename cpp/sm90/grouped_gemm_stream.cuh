@@ -67,9 +67,10 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
     const int64_t n0 = int64_t(rb) * kStreamRows;
     const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
     if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
-      const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2, kb = a.K / 16;
+      const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2;
+      const int64_t srs = a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
       prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
-      prefetch_l2_bulk(a.w_scale + first * kb, uint32_t(nrows * kb));
+      prefetch_l2_bulk(a.w_scale + first * srs, uint32_t(nrows * srs));
     }
   }
   griddep_sync_and_release();
@@ -91,8 +92,9 @@ __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int
                                                    const uint8_t* (&wrow)[2][2], const uint8_t* (&srow)[2][2],
                                                    bool (&rvalid)[2][2]) {
   const int64_t I = N / 2;
+  const int64_t srs = a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : Kb;  // scale row stride
   const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
-  const uint8_t* ws = a.w_scale + int64_t(expert) * N * Kb;
+  const uint8_t* ws = a.w_scale + int64_t(expert) * N * srs;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -109,7 +111,7 @@ __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int
       }
       if (!rvalid[mt][hh]) n = 0;
       wrow[mt][hh] = wd + n * row_bytes;
-      srow[mt][hh] = ws + n * Kb;
+      srow[mt][hh] = ws + n * srs;
     }
   }
 }

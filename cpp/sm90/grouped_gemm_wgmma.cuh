@@ -11,7 +11,8 @@
 //    cp.async copies by all threads (TMA has no row gather on sm_90);
 //  - packed NVFP4 weights: two TMA boxes of 64 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
 //    their e4m3 scales: two boxes of 64 rows x 16 bytes (K 256) every 256 / kKS stages, into a ring of
-//    kScSlots scale slots beside the stages (the scale tensor's rows must be 16-byte multiples: K % 256 == 0);
+//    kScSlots scale slots beside the stages (the scale rows must be 16-byte multiples: padded when K % 256 != 0,
+//    the bytes past K / 16 read as zeros);
 //    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
 //    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
 //    the A registers and issues wgmma m64nNk16 with A in registers.
@@ -157,10 +158,12 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
-// K % 256: the scale tensor's rows (K / 16 bytes) must be 16-byte multiples for its TMA map.
+// Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
+inline int64_t wg_scale_row_bytes(const GroupedGemmArgs& a) { return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16; }
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  return a.K % 256 == 0 && a.num_experts <= kWgMaxExperts;
+  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts && wg_scale_row_bytes(a) % 16 == 0 &&
+         wg_scale_row_bytes(a) >= a.K / 16;
 }
 
 // The tokens of an m64nN D fragment below `rows`: for token m0 + 8j + 2tig + t, calls
@@ -484,7 +487,8 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
     if (err != cudaSuccess) return err;
   }
   {
-    const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {K / 16, N * K / 16};
+    const uint64_t srs = uint64_t(wg_scale_row_bytes(a));
+    const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
     const uint32_t box[3] = {16, uint32_t(Cfg::kRows / 2), 1};
     const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
                                               CU_TENSOR_MAP_SWIZZLE_NONE);

@@ -128,6 +128,16 @@ def sm90_word_layout_inverse(data: torch.Tensor) -> torch.Tensor:
     return _permute_word_bits(data, _FROM_SM90, "sm90_word_layout_inverse")
 
 
+def sm90_scale_rows(scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 scales ``[..., K/16]`` as uint8 rows padded with zeros to a multiple of 16 bytes (the wgmma kernels read
+    them through a TMA map, whose row stride must be a 16-byte multiple; the kernels read only the first K/16)."""
+    u = _u8(scale)
+    pad = -u.shape[-1] % 16
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    return u.contiguous()
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
@@ -136,13 +146,14 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 class PreparedSm90:
     """Device-resident NVFP4 weights as the sm90 kernels read them: the packed data in the sm90 word
     layout (:func:`sm90_word_layout`, made once by ``prepare_weights`` into new tensors: the caller's
-    weights are not modified), the scales and global scales as given."""
+    weights are not modified), the scales with their rows padded to 16 bytes (:func:`sm90_scale_rows`), the global
+    scales as given."""
 
     w13_data: torch.Tensor   # u8 [E, 2I, H/2], sm90 word layout
-    w13_scale: torch.Tensor  # u8 (e4m3) [E, 2I, H/16]
+    w13_scale: torch.Tensor  # u8 (e4m3) [E, 2I, H/16 padded to a multiple of 16]
     w13_gs: torch.Tensor     # f32 [E, 2] (gate, up)
     w2_data: torch.Tensor    # u8 [E, H, I/2], sm90 word layout
-    w2_scale: torch.Tensor   # u8 [E, H, I/16]
+    w2_scale: torch.Tensor   # u8 [E, H, I/16 padded to a multiple of 16]
     w2_gs: torch.Tensor      # f32 [E]
     w13_input_scale: torch.Tensor | None
     w2_input_scale: torch.Tensor | None
@@ -298,7 +309,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             part_out = out if parts == 1 else torch.empty((m, rows), dtype=torch.float32, device=self.device)
             _ext.ext.sm90_grouped_gemm(act=op, expert_offsets=offsets, grid_experts=1,
                                        w_data=sm90_word_layout(b.data[sl]).unsqueeze(0),
-                                       w_scale=_u8(b.scale[sl]).contiguous().unsqueeze(0), w_global_scale=w_gs,
+                                       w_scale=sm90_scale_rows(b.scale[sl]).unsqueeze(0), w_global_scale=w_gs,
                                        a_global_scale=a_gs, a_row_scale=a_rs, epilogue=_ext.ext.Sm90Epilogue.store,
                                        out=part_out, max_total_rows=m, plan=plan, stream=stream)
             if parts > 1:
@@ -313,10 +324,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         w = weights
         return PreparedSm90(
             w13_data=sm90_word_layout(w.w13.data.to(dev)),
-            w13_scale=_u8(w.w13.scale.to(dev)).contiguous(),
+            w13_scale=sm90_scale_rows(w.w13.scale.to(dev)),
             w13_gs=w.w13.global_scale.to(dev, torch.float32).reshape(-1, 2).contiguous(),
             w2_data=sm90_word_layout(w.w2.data.to(dev)),
-            w2_scale=_u8(w.w2.scale.to(dev)).contiguous(),
+            w2_scale=sm90_scale_rows(w.w2.scale.to(dev)),
             w2_gs=w.w2.global_scale.to(dev, torch.float32).reshape(-1).contiguous(),
             w13_input_scale=None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous(),
             w2_input_scale=None if w.w2_input_scale is None else w.w2_input_scale.to(dev, torch.float32).contiguous(),

@@ -17,8 +17,8 @@ SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 2
           (17, 200, 320), (70, 130, 192), (193, 384, 256), (257, 136, 128), (257, 136, 256)]
 
 
-# Every kernel of the dispatch plan (megamoe._C.Sm90GemmKernel); a K the wgmma kernels do not take
-# (K % 256 != 0) runs the streaming kernel whatever is asked.
+# Every kernel of the dispatch plan (megamoe._C.Sm90GemmKernel); a K the wgmma kernel does not take
+# (K % 64 != 0) runs the streaming kernel whatever is asked.
 @pytest.mark.parametrize("kernel", ["stream", "wgmma32", "wgmma64", "wgmma128"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("a_kind", ["nvfp4", "bf16"])
@@ -60,22 +60,20 @@ def test_gemm_uniform_and_gate_up_scales(gen):
     assert rel_err(out2[:, :32], ref2[:, :32]) < 1e-4 and rel_err(out2[:, 32:], ref2[:, 32:]) < 1e-4
 
 
-# The wgmma kernels' K per stage (tile 32: 256, tile 64: 128, tile 128: 64), ring depth (3, 4, 4
-# stages, each slot with a full and an empty mbarrier whose phases alternate on every reuse) and scale
-# ring (K 256 per chunk, loaded with every 1st, 2nd or 4th stage into 3, 3 or 2 slots).
+# The wgmma kernels' K per stage (tile 32: 256, tile 64: 128, tile 128: 64) and ring depth (3, 4, 4
+# stages, each slot with a full and an empty mbarrier whose phases alternate on every reuse).
 WG_STAGE_K = {"wgmma32": 256, "wgmma64": 128, "wgmma128": 64}
 
 
 @pytest.mark.parametrize("kernel", list(WG_STAGE_K))
 def test_gemm_every_ring_depth(kernel, gen):
-    """K = 1 .. 10 scale chunks of 256: for tile 32 fewer K tiles than the prefetch distance, exactly the
-    ring and every slot reused up to three times; for tiles 64 and 128 4 .. 40 stages (each barrier phase
-    parity on every slot, every scale slot reused); token counts that pick different tile widths; poisoned
-    output, bit-identical rerun."""
+    """K = 1 .. 10 stages of the kernel: fewer K tiles than the prefetch distance, exactly the ring, and
+    every slot reused up to three times (each barrier phase parity on every slot), with token counts that
+    pick different tile widths; poisoned output, bit-identical rerun."""
     backend_or_skip("cuda-sm90")
     be = CudaSm90Backend(kernel=kernel)
-    for chunks in range(1, 11):
-        k = 256 * chunks
+    for stages in range(1, 11):
+        k = WG_STAGE_K[kernel] * stages
         for m in (5, 40, 129):
             b = random_nvfp4(160, k, gen, global_scale=3.7e-3)
             a = (torch.randn((m, k), generator=gen) * 3).to(torch.bfloat16)

@@ -79,10 +79,11 @@ struct GemmPlan {
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
 // (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
-// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo, tile 64 up to kWgmma64UpTo,
-// then tile 128; streaming whenever a K is not a multiple of 256 (the wgmma kernels' TMA map of the
-// scales needs rows of 16-byte multiples) or E > 1024 (the wgmma kernels' limits), one tile per pass
-// up to kStreamOneTileUpTo, more tiles per pass above.
+// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
+// of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
+// multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
+// that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
+// wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
 constexpr int64_t kWgmma32UpTo = 28;
 constexpr int64_t kWgmma64UpTo = 64;
@@ -101,7 +102,9 @@ struct GroupedGemmArgs {
   int num_experts = 0;
   int grid_experts = 0;  // grid.y: upper bound of active experts (min(E, T*k))
   const uint8_t* w_data = nullptr;   // [E, N, K/2]
-  const uint8_t* w_scale = nullptr;  // [E, N, K/16] e4m3
+  const uint8_t* w_scale = nullptr;  // [E, N, w_scale_row_bytes] e4m3 (the first K/16 bytes of each row)
+  int64_t w_scale_row_bytes = 0;     // scale row stride, >= K/16 (0: K/16); the wgmma kernels need a multiple of 16
+                                     // (their TMA map; prepare_weights pads the rows: sm90_scale_rows)
   const float* w_global_scale = nullptr;  // [E * w_gs_per_expert] (kSiluMul: 2 per expert, gate then up)
   int w_gs_per_expert = 1;
   const float* a_global_scale = nullptr;  // null: 1.0
