@@ -44,7 +44,7 @@
 //   with copied rows every thread waits on empty[slot of kt-1] (every warp's wgmmas of tile kt-1
 //     finished), then issues its cp.async copies of tile kt+kStages-1 into that slot, with their arrivals
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
-//     each warp arrives on empty[slot of kt] and counts itself in freed[slot of kt]: the last of the 8
+//     each warp arrives on empty[slot of kt] and counts itself in freed[slot of kt]: the last of the 8 warps
 //     issues the TMA boxes of tile kt+kStages into the slot (the prologue issued tiles 0..kStages-1), so
 //     no thread waits for a slot to free before its TMA copies.
 #pragma once
@@ -400,7 +400,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       if constexpr (!kActTma) mbar_arrive(bars + 8 * (S + slot));
       // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
       // the last one's TMA writes into it
-      if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) & 7u) == 7u && kt + S < num_k_tiles) {
+      constexpr uint32_t kWarps = Cfg::kThreads / 32;
+      if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) + 1u) % kWarps == 0u && kt + S < num_k_tiles) {
         fence_proxy_async_smem();
         issue_tma(slot, kt + S);
       }
