@@ -286,14 +286,11 @@ def main(argv=None) -> int:
                 tpe = -(-t * base.top_k // base.num_experts)
                 if tpe <= 32:
                     choices += [("stream", tpp) for tpp in (8, 16, 32) if tpp <= 4 * max(tpe, 2)]
-                if t >= 512:
-                    choices += [("nogather", 0)]  # the plan's kernel, x staged per slot (no row gather in L1)
                 for kernel, tpp in choices:
                     if "w4a16" not in args.modes:
                         break
                     cfg = base.with_(act_mode="w4a16")
-                    be.kernel, be.tokens_per_pass = (args.kernel, 0) if kernel == "nogather" else (kernel, tpp)
-                    be.gather_input = kernel != "nogather"
+                    be.kernel, be.tokens_per_pass = kernel, tpp
                     key = f"sm90_w4a16_{kernel}{tpp or ''}_us"
                     try:
                         times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
@@ -303,7 +300,6 @@ def main(argv=None) -> int:
                         row[key.replace("_us", "_error")] = repr(exc)
                     finally:
                         be.kernel, be.tokens_per_pass = args.kernel, args.tokens_per_pass
-                        be.gather_input = True
             if tw13 is not None:
                 try:
                     times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,
@@ -413,7 +409,7 @@ def print_table(report, modes):
                       f"{r.get('torch_bf16_gemm_us', float('nan')):>9.1f} {r.get('torch_bf16_gemm_tflops', float('nan')):>6.1f} "
                       f"{r.get('torch_bf16_other_us', float('nan')):>8.1f}  {r.get('sm90_w4a16_gemm_kernels', '')}")
     keys = sorted({k for r in report["results"] for k in r
-                   if k.startswith("sm90_w4a16_") and k.endswith("_us") and k[11:-3].startswith(VARIANT_KERNELS + ("nogather",))
+                   if k.startswith("sm90_w4a16_") and k.endswith("_us") and k[11:-3].startswith(VARIANT_KERNELS)
                    and not k.endswith(("gemm_us", "other_us", "p10_us"))})
     if keys:
         print("variants (W4A16 us): " + " ".join(k[11:-3] for k in keys))

@@ -197,16 +197,13 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
     name = "cuda-sm90"
     copies_routed_weights = True  # the packed data in the sm90 word layout (prepare_weights)
 
-    def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0,
-                 gather_input: bool = True) -> None:
-        """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's);
-        ``gather_input=False``: the first GEMM reads x staged once per slot even when it could gather its rows."""
+    def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0) -> None:
+        """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's)."""
         self._device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self._device.type != "cuda":
             raise ValueError(f"cuda-sm90 runs on a CUDA device, got {self._device}")
         self.kernel = kernel
         self.tokens_per_pass = tokens_per_pass
-        self.gather_input = gather_input
         # Workspaces by batch shape, least recently used first. A service sees many token
         # counts, so only MAX_WORKSPACES stay allocated; one captured into a CUDA graph is
         # pinned (the graph replays its addresses) and never evicted.
@@ -388,8 +385,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         expected = -(-r // e)  # tokens per expert under uniform routing
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
-        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16",
-                         self.gather_input and x.dtype == torch.bfloat16)
+        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", x.dtype == torch.bfloat16)
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
                       grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
         if plan.gather_x:
