@@ -42,11 +42,14 @@
 //     cp.async copies: each thread arrives with cp.async.mbarrier.arrive after issuing them; then
 //     fence.proxy.async, since the wgmmas read what the generic proxy wrote)
 //   with copied rows every thread waits on empty[slot of kt-1] (every warp's wgmmas of tile kt-1
-//     finished), then issues its cp.async copies of tile kt+kStages-1 into that slot, with their arrivals
+//     finished), then thread 0 issues the TMA boxes of tile kt+kStages-1 into that slot and every thread
+//     its cp.async copies, with their arrivals
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
-//     each warp arrives on empty[slot of kt] and counts itself in freed[slot of kt]: the last of the 8 warps
-//     issues the TMA boxes of tile kt+kStages into the slot (the prologue issued tiles 0..kStages-1), so
-//     no thread waits for a slot to free before its TMA copies.
+//     with copied rows each warp arrives on empty[slot of kt]; with TMA rows it counts itself in
+//     freed[slot of kt] instead, and the last of the 8 warps issues the TMA boxes of tile kt+kStages into
+//     the slot (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free.
+// (Measured: the last-warp issue is 4-7% faster than thread 0 waiting on the empty barrier when every copy
+// is TMA, 1-3% slower with copied rows, where every thread waits on that barrier anyway.)
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -316,13 +319,13 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // full[s] (bars + 8 s): tile of slot s landed (thread 0's expect_tx arrival and the TMA bytes; with
   // copied rows also kThreads cp.async arrivals); empty[s] (bars + 8 (S + s)): every warp's wgmmas of that
   // stage finished (kThreads / 32 arrivals).
-  // The TMA boxes of tiles 0 .. S-1 fill the whole ring; then the last warp to finish tile kt (freed[slot]
+  // kActTma: the TMA boxes of tiles 0 .. S-1 fill the whole ring; then the last warp to finish tile kt (freed[slot]
   // counts the warps) issues those of tile kt + S into its slot, so no thread waits for a slot to free. Copied
-  // activation rows: every thread's cp.async copies of tile kt + A (A = S - 1 ahead) once every warp finished
-  // tile kt - 1 (empty barrier), as before.
+  // activation rows: every thread waits on the empty barrier of tile kt - 1 anyway before its cp.async copies of
+  // tile kt + A (A = S - 1 ahead), so thread 0 issues that tile's boxes right there.
   constexpr int A = S - 1;
   if (tid == 0)
-    for (int s = 0; s < S && s < num_k_tiles; ++s) issue_tma(s, s);
+    for (int s = 0; s < (kActTma ? S : A) && s < num_k_tiles; ++s) issue_tma(s, s);
 #pragma unroll
   for (int s = 0; s < A; ++s)
     if (s < num_k_tiles) load_act(s, s);
@@ -343,6 +346,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     if (!kActTma && pf < num_k_tiles) {
       // the slot's previous tile pf - S: every warp's wgmmas on it finished
       if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
+      if (tid == 0) issue_tma(pf_slot, pf);
       load_act(pf_slot, pf);
     }
 
@@ -397,13 +401,16 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     wgmma_wait<0>();
     __syncwarp();
     if (lane == 0) {
-      if constexpr (!kActTma) mbar_arrive(bars + 8 * (S + slot));
-      // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
-      // the last one's TMA writes into it
-      constexpr uint32_t kWarps = Cfg::kThreads / 32;
-      if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) + 1u) % kWarps == 0u && kt + S < num_k_tiles) {
-        fence_proxy_async_smem();
-        issue_tma(slot, kt + S);
+      if constexpr (!kActTma) {
+        mbar_arrive(bars + 8 * (S + slot));
+      } else {
+        // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
+        // the last one's TMA writes into it
+        constexpr uint32_t kWarps = Cfg::kThreads / 32;
+        if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) + 1u) % kWarps == 0u && kt + S < num_k_tiles) {
+          fence_proxy_async_smem();
+          issue_tma(slot, kt + S);
+        }
       }
     }
     slot = slot + 1 == S ? 0 : slot + 1;
