@@ -48,8 +48,9 @@
 //     with copied rows each warp arrives on empty[slot of kt]; with TMA rows it counts itself in
 //     freed[slot of kt] instead, and the last of the 8 warps issues the TMA boxes of tile kt+kStages into
 //     the slot (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free.
-// (Measured: the last-warp issue is 4-7% faster than thread 0 waiting on the empty barrier when every copy
-// is TMA, 1-3% slower with copied rows, where every thread waits on that barrier anyway.)
+// (Measured, docs/PERFORMANCE.md: when every copy is TMA the last-warp issue made the GEMM kernels 7% faster
+// than thread 0 waiting on the empty barrier; with copied rows, where every thread waits on that barrier
+// anyway, it made the forward 1-2% slower.)
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -316,7 +317,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
 
-  // full[s] (bars + 8 s): tile of slot s landed (thread 0's expect_tx arrival and the TMA bytes; with
+  // full[s] (bars + 8 s): tile of slot s landed (the issuing thread's expect_tx arrival and the TMA bytes; with
   // copied rows also kThreads cp.async arrivals); empty[s] (bars + 8 (S + s)): every warp's wgmmas of that
   // stage finished (kThreads / 32 arrivals).
   // kActTma: the TMA boxes of tiles 0 .. S-1 fill the whole ring; then the last warp to finish tile kt (freed[slot]
