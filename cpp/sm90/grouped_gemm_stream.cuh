@@ -68,7 +68,7 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
     const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
     if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
       const int64_t first = int64_t(expert) * a.N + n0, row_bytes = a.K / 2;
-      const int64_t srs = a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
+      const int64_t srs = scale_row_bytes(a);
       prefetch_l2_bulk(a.w_data + first * row_bytes, uint32_t(nrows * row_bytes));
       prefetch_l2_bulk(a.w_scale + first * srs, uint32_t(nrows * srs));
     }
@@ -88,11 +88,11 @@ __device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uin
 // g + 8*hh of the tile (kSiluMul: tile 0 the gate column rb*16 + g + 8*hh, tile 1 its up column).
 // A row past the end is marked invalid and points at row 0.
 __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int expert, unsigned rb, int g,
-                                                   bool silu_mul, int64_t N, int64_t Kb, int64_t row_bytes,
+                                                   bool silu_mul, int64_t N, int64_t row_bytes,
                                                    const uint8_t* (&wrow)[2][2], const uint8_t* (&srow)[2][2],
                                                    bool (&rvalid)[2][2]) {
   const int64_t I = N / 2;
-  const int64_t srs = a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : Kb;  // scale row stride
+  const int64_t srs = scale_row_bytes(a);
   const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
   const uint8_t* ws = a.w_scale + int64_t(expert) * N * srs;
 #pragma unroll
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
-  stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, Kb, row_bytes, wrow, srow, rvalid);
+  stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
@@ -343,7 +343,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
-  stream_weight_rows(a, expert, rb, g, silu_mul, N, Kb, row_bytes, wrow, srow, rvalid);
+  stream_weight_rows(a, expert, rb, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 

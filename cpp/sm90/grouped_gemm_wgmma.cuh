@@ -163,11 +163,10 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 }
 
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
-inline int64_t wg_scale_row_bytes(const GroupedGemmArgs& a) { return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16; }
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts && wg_scale_row_bytes(a) % 16 == 0 &&
-         wg_scale_row_bytes(a) >= a.K / 16;
+  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
+         scale_row_bytes(a) >= a.K / 16;
 }
 
 // The tokens of an m64nN D fragment below `rows`: for token m0 + 8j + 2tig + t, calls
@@ -442,6 +441,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
   // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far)
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
+  uint32_t* freed = reinterpret_cast<uint32_t*>(found + 1) + 4 * Cfg::kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
-      reinterpret_cast<uint32_t*>(found + 1)[4 * Cfg::kStages + s] = 0u;  // freed[s]
+      freed[s] = 0u;
     }
     mbar_fence_init();  // the initialized barriers are visible to the TMA unit
     tma_prefetch_map(&maps.w);
@@ -465,7 +465,8 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
 #define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, bars + 16 * Cfg::kStages, expert, row_begin, rows, m0)
+  wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, \
+                             static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
     else if (count <= 16) MEGAMOE_WG_TILE(16);
@@ -496,7 +497,7 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
     if (err != cudaSuccess) return err;
   }
   {
-    const uint64_t srs = uint64_t(wg_scale_row_bytes(a));
+    const uint64_t srs = uint64_t(scale_row_bytes(a));
     const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
     const uint32_t box[3] = {16, uint32_t(Cfg::kRows / 2), 1};
     const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
