@@ -1,7 +1,10 @@
 // NVFP4 activation quantization (docs/SPEC.md §1), plain and grouped per expert (docs/SPEC.md §2 row
-// offsets), and the dynamic global scale. One thread quantizes one 16-element block.
+// offsets), and the dynamic global scale. A CTA quantizes (a chunk of) one row, each thread a few
+// 16-element blocks of it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <algorithm>
 
 #include "megamoe/common_kernels.h"
 #include "megamoe/nvfp4_device.cuh"
@@ -54,31 +57,51 @@ struct RowPlace {
   bool valid;
 };
 
+__device__ __forceinline__ bool row_valid(const QuantizeArgs& a, int64_t r) {
+  return a.num_experts <= 0 || r < a.expert_offsets[a.num_experts];
+}
+
+// Where row r goes (the caller has checked row_valid).
 __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) {
   RowPlace p{r, 0, true};
   if (a.num_experts > 0) {
-    if (r >= a.expert_offsets[a.num_experts]) {
-      p.valid = false;
-      return p;
-    }
     p.expert = last_offset_at_or_below(a.expert_offsets, a.num_experts, r);  // the expert owning row r
     p.dst_row = int64_t(a.dst_offsets[p.expert]) + (r - a.expert_offsets[p.expert]);
   }
   return p;
 }
 
-// Block kb (16 elements: e2m1 codes, their e4m3 scale value) of a bf16 operand row: e2m1 * scale
-// (exact) in operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
-__device__ __forceinline__ void store_operand_block(const uint32_t (&code)[16], float scale, uint16_t* row, int64_t kb,
-                                                    bool lane_order) {
+// q[i] = x[i] / d rounded to nearest even (IEEE division) for a block's 16 values, d > 0, amax the
+// largest |x[i]|. In the guarded range the division is the compiler's own fast path for it (approximate
+// reciprocal, one Newton step, quotient, exact residual, correction), with the reciprocal computed once
+// for the block: it is correctly rounded there except where |x[i]| is so small that the quotient is
+// below 2^-60, which every consumer (E2M1 rounding) maps to 0 either way. Outside the range: the full
+// division per value.
+__device__ __forceinline__ void divide_block(const float (&x)[16], float d, float amax, float (&q)[16]) {
+  if (d >= 0x1p-60f && d <= 0x1p60f && amax <= 0x1p60f) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+    const float r = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float q0 = __fmaf_rn(r, x[i], 0.0f);
+      q[i] = __fmaf_rn(r, __fmaf_rn(-d, q0, x[i]), q0);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) q[i] = __fdiv_rn(x[i], d);
+  }
+}
+
+// Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
+// operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
+__device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
   uint32_t w[8];  // operand-order pairs of the block
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
 #pragma unroll
     for (int p = 0; p < 8; p += 2) {
-      const float v0 = e2m1_to_float(code[g * 8 + operand_order(p)]) * scale;  // exact
-      const float v1 = e2m1_to_float(code[g * 8 + operand_order(p + 1)]) * scale;
-      __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+      __nv_bfloat162 b = __floats2bfloat162_rn(v[g * 8 + operand_order(p)], v[g * 8 + operand_order(p + 1)]);
       w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
     }
   }
@@ -94,89 +117,134 @@ __device__ __forceinline__ void store_operand_block(const uint32_t (&code)[16], 
   }
 }
 
-// Quantizes block kb of a row already placed; docs/SPEC.md §1 in the reference's fp32 operation order.
+__device__ __forceinline__ float block_amax(const float (&x)[16]) {
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));  // fmaxf drops NaN
+  return m;
+}
+
+// Quantizes block kb of a placed row; docs/SPEC.md §1 in the reference's fp32 operation order.
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
                                                int64_t kb) {
   const int64_t blocks_per_row = a.cols / 16;
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));  // fmaxf drops NaN
+  const float amax = block_amax(x);
   const uint8_t scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
   const float scale = e4m3_to_float(scale_byte);
   const float denom = __fmul_rn(scale, gs);
 
-  uint32_t code[16];
+  float r[16];  // E2M1 values
+  if (denom == 0.f) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) code[i] = denom == 0.f ? 0u : e2m1_rne_satfinite(__fdiv_rn(x[i], denom));
+    for (int i = 0; i < 16; ++i) r[i] = 0.f;
+  } else {
+    divide_block(x, denom, amax, r);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(r[i]);
+  }
 
   if (a.data) {
     uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      lo |= code[i] << (4 * i);
-      hi |= code[8 + i] << (4 * i);
+      lo |= e2m1_code(r[i]) << (4 * i);
+      hi |= e2m1_code(r[8 + i]) << (4 * i);
     }
     *reinterpret_cast<uint2*>(a.data + dst_row * (a.cols / 2) + kb * 8) = make_uint2(lo, hi);
   }
   if (a.scale) a.scale[dst_row * blocks_per_row + kb] = scale_byte;
   if (a.scale_swz) a.scale_swz[sf_offset(dst_row, kb, (blocks_per_row + 3) / 4)] = scale_byte;
-  if (a.dequant) store_operand_block(code, scale, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+  if (a.dequant) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
+    store_operand_block(r, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+  }
 }
 
-// One thread per 16-element block (global scale known up front).
+// Each thread loads kPerThread blocks of one row before it quantizes any (the loads overlap).
+constexpr int kPerThread = 2;
+constexpr int kMaxThreads = 128;
+
+// Threads of a CTA for rows of `blocks_per_row` blocks: one pass of kPerThread blocks each over the row
+// when that fits in kMaxThreads, whole warps.
+int row_threads(int64_t blocks_per_row) {
+  const int64_t need = (blocks_per_row + kPerThread - 1) / kPerThread;
+  return int(std::min<int64_t>(kMaxThreads, (need + 31) / 32 * 32));
+}
+
+// Static global scale: blockIdx.x = row, blockIdx.y = a chunk of kPerThread * blockDim.x blocks of it.
 template <ElemType T>
-__global__ void quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
+__global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
+  const int64_t r = blockIdx.x;
+  if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= a.rows * blocks_per_row) return;
-  const int64_t r = idx / blocks_per_row;
-  const int64_t kb = idx - r * blocks_per_row;
+  const int64_t kb0 = int64_t(blockIdx.y) * kPerThread * blockDim.x + threadIdx.x;
+  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
+  const E* row = static_cast<const E*>(a.src) + src_row * a.src_row_stride;
+  float x[kPerThread][16];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t kb = kb0 + int64_t(j) * blockDim.x;
+    if (kb < blocks_per_row) load_block<T>(row + kb * 16, vec, x[j]);
+  }
   const RowPlace p = place_row(a, r);
-  if (!p.valid) return;
   const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(p.expert)
                      : a.gs_mode == GlobalScaleMode::kPerRow  ? r
                                                               : int64_t(0);
   const float gs = a.global_scale[gi];
-  const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
-  float x[16];
-  load_block<T>(static_cast<const E*>(a.src) + src_row * a.src_row_stride + kb * 16, vec, x);
-  quantize_block(a, x, gs, p.dst_row, kb);
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t kb = kb0 + int64_t(j) * blockDim.x;
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
+  }
 }
 
-// One block of kRowThreads per row: the row's amax first (dynamic per-row global scale),
-// then its blocks.
-constexpr int kRowThreads = 128;
+// Dynamic per-row global scale: one CTA per row; the row's amax first, then its blocks. The first
+// kPerThread * blockDim.x blocks stay in registers between the two; longer rows read the rest twice.
 template <ElemType T>
-__global__ void __launch_bounds__(kRowThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
+__global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
-  __shared__ float warp_max[kRowThreads / 32];
+  __shared__ float warp_max[kMaxThreads / 32];
   const int64_t r = blockIdx.x;
-  const RowPlace p = place_row(a, r);
-  if (!p.valid) return;
+  if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
   const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
   const E* row = static_cast<const E*>(a.src) + src_row * a.src_row_stride;
+  const int64_t held = int64_t(kPerThread) * blockDim.x;
+  float x[kPerThread][16];
   float m = 0.f;
-  for (int64_t kb = threadIdx.x; kb < blocks_per_row; kb += kRowThreads) {
-    float x[16];
-    load_block<T>(row + kb * 16, vec, x);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t kb = threadIdx.x + int64_t(j) * blockDim.x;
+    if (kb < blocks_per_row) {
+      load_block<T>(row + kb * 16, vec, x[j]);
+      m = fmaxf(m, block_amax(x[j]));
+    }
   }
+  for (int64_t kb = held + threadIdx.x; kb < blocks_per_row; kb += blockDim.x) {
+    float y[16];
+    load_block<T>(row + kb * 16, vec, y);
+    m = fmaxf(m, block_amax(y));
+  }
+  const RowPlace p = place_row(a, r);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
   __syncthreads();
   float amax = 0.f;
-#pragma unroll
-  for (int w = 0; w < kRowThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  for (int w = 0; w < int(blockDim.x >> 5); ++w) amax = fmaxf(amax, warp_max[w]);
   const float gs = amax > 0.f ? __fdiv_rn(amax, 6.0f * 448.0f) : 1.0f;
   if (threadIdx.x == 0 && a.row_scale_out) a.row_scale_out[p.dst_row] = gs;
-  for (int64_t kb = threadIdx.x; kb < blocks_per_row; kb += kRowThreads) {
-    float x[16];
-    load_block<T>(row + kb * 16, vec, x);
-    quantize_block(a, x, gs, p.dst_row, kb);
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int64_t kb = threadIdx.x + int64_t(j) * blockDim.x;
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
+  }
+  for (int64_t kb = held + threadIdx.x; kb < blocks_per_row; kb += blockDim.x) {
+    float y[16];
+    load_block<T>(row + kb * 16, vec, y);
+    quantize_block(a, y, gs, p.dst_row, kb);
   }
 }
 
@@ -188,10 +256,11 @@ __global__ void nvfp4_to_operand_kernel(const uint8_t* data, const uint8_t* scal
   if (idx >= rows * blocks_per_row) return;
   const int64_t r = idx / blocks_per_row, kb = idx - r * blocks_per_row;
   const uint2 packed = *reinterpret_cast<const uint2*>(data + r * (cols / 2) + kb * 8);
-  uint32_t code[16];
+  const float s = e4m3_to_float(scale[r * blocks_per_row + kb]);
+  float v[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) code[i] = ((i < 8 ? packed.x : packed.y) >> (4 * (i & 7))) & 0xFu;
-  store_operand_block(code, e4m3_to_float(scale[r * blocks_per_row + kb]), dst + r * cols, kb, lane_order);
+  for (int i = 0; i < 16; ++i) v[i] = e2m1_to_float(((i < 8 ? packed.x : packed.y) >> (4 * (i & 7))) & 0xFu) * s;
+  store_operand_block(v, dst + r * cols, kb, lane_order);
 }
 
 template <ElemType T>
@@ -244,14 +313,17 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   if (total == 0) return cudaSuccess;
   const int eb = elem_bytes(args.src_type);
   const bool vec = (reinterpret_cast<uintptr_t>(args.src) % 16 == 0) && ((args.src_row_stride * eb) % 16 == 0);
-  const int threads = 256;
-  const int64_t blocks = (total + threads - 1) / threads;
+  if (args.rows > 0x7fffffff) return cudaErrorInvalidValue;
+  const int64_t blocks_per_row = args.cols / 16;
+  const int threads = row_threads(blocks_per_row);
+  const int64_t chunks = (blocks_per_row + int64_t(kPerThread) * threads - 1) / (int64_t(kPerThread) * threads);
+  if (chunks > 65535) return cudaErrorInvalidValue;
   return dispatch_type(args.src_type, [&](auto t) {
     if (rowwise) {
-      if (args.rows > 0x7fffffff) return cudaErrorInvalidValue;
-      quantize_nvfp4_rowwise_kernel<decltype(t)::value><<<unsigned(args.rows), kRowThreads, 0, stream>>>(args, vec);
+      quantize_nvfp4_rowwise_kernel<decltype(t)::value><<<unsigned(args.rows), threads, 0, stream>>>(args, vec);
     } else {
-      quantize_nvfp4_kernel<decltype(t)::value><<<unsigned(blocks), threads, 0, stream>>>(args, vec);
+      const dim3 grid(unsigned(args.rows), unsigned(chunks));
+      quantize_nvfp4_kernel<decltype(t)::value><<<grid, threads, 0, stream>>>(args, vec);
     }
     return cudaGetLastError();
   });

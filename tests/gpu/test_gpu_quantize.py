@@ -31,7 +31,7 @@ def _nasty(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k", [(1, 16), (7, 64), (33, 464), (129, 256), (300, 2048)])
+@pytest.mark.parametrize("rows,k", [(1, 16), (7, 64), (33, 464), (129, 256), (300, 2048), (5, 5008)])
 def test_quantize_bytes_identical(dtype, rows, k, gen):
     be = backend_or_skip("cuda-sm90")
     x = _nasty(rows, k, gen).to(dtype)
@@ -43,6 +43,49 @@ def test_quantize_bytes_identical(dtype, rows, k, gen):
             f"{int((got.data.cpu() != ref.data).sum())} of {ref.data.numel()}"
         assert torch.equal(got.scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)), f"scale bytes differ (gs={gs})"
         assert torch.equal(got.global_scale.cpu(), ref.global_scale), "global scale differs"
+
+
+def _boundary_blocks(gs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """fp32 blocks whose quotients by their block's decode scale lie within a few ulps of the E2M1
+    rounding boundaries (and of the E2M1 values), with a few tiny and subnormal values: one row per
+    global scale, 64 blocks each."""
+    from megamoe.nvfp4 import FP4_MAX, FP8_MAX
+
+    rows, nb = gs.numel(), 64
+    # block amax = 6 * gs * S, S over the e4m3 range: the block's scale byte and decode scale d follow
+    s_raw = 2.0 ** (torch.rand((rows, nb), generator=gen) * 17 - 9)
+    amax = (FP4_MAX * gs[:, None] * s_raw).float()
+    scale = (amax / (torch.tensor(FP4_MAX) * gs[:, None])).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    d = scale.float() * gs[:, None]
+    marks = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
+    t = marks[torch.randint(0, marks.numel(), (rows, nb, 15), generator=gen)]
+    x = t * d[..., None]
+    steps = torch.randint(-3, 4, (rows, nb, 15), generator=gen)
+    for _ in range(3):  # walk each value up to 3 ulps off its mark
+        x = torch.where(steps > 0, torch.nextafter(x, torch.tensor(float("inf"))), x)
+        x = torch.where(steps < 0, torch.nextafter(x, torch.tensor(float("-inf"))), x)
+        steps = steps - steps.sign()
+    tiny = torch.rand((rows, nb, 15), generator=gen) < 0.05
+    x = torch.where(tiny, d[..., None] * 2.0 ** -80, x)
+    x[:, :, 0] = torch.where(torch.rand((rows, nb), generator=gen) < 0.1, torch.tensor(1e-45), x[:, :, 0])
+    x = x * torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)
+    return torch.cat([amax[..., None], x], dim=-1).reshape(rows, nb * 16)
+
+
+def test_quantize_rounding_boundaries_over_the_scale_range(gen):
+    """Quotients within 3 ulps of every E2M1 rounding boundary, under global scales from 2^-75 to 2^75
+    (block decode scales on both sides of the range where the quantizer divides through one reciprocal
+    per block), one global scale per row: bytes identical to the reference."""
+    be = backend_or_skip("cuda-sm90")
+    exps = torch.arange(-75, 76, 5).float()
+    gs = (2.0 ** exps) * (1 + torch.rand(exps.shape, generator=gen))
+    x = _boundary_blocks(gs, gen)
+    assert torch.isfinite(x).all()
+    ref = nvfp4.quantize(x, gs)
+    got = be.quantize(x.cuda(), gs.cuda())
+    assert torch.equal(got.scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)), "scale bytes differ"
+    bad = (got.data.cpu() != ref.data).any(dim=-1)
+    assert not bad.any(), f"data bytes differ in the rows of global scales {gs[bad].tolist()}"
 
 
 def test_quantize_inf_static_scale(gen):

@@ -20,21 +20,31 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t b) {
   return __half2float(__half(h));
 }
 
+// The E2M1 value nearest to v (ties to even), saturating at +-6, as an fp32: one of 0, +-0.5, +-1,
+// +-1.5, +-2, +-3, +-4, +-6. NaN and every value that rounds to zero give +0 (no negative zero).
+// Branch-free: adding and subtracting 1.5 * 2^k, whose ulp is the E2M1 spacing of |v|'s binade
+// (0.5 below 2, 1 below 4, 2 above), rounds to that spacing in the fp32 adder's own ties-to-even; the
+// exact sum of opposite values is +0.
+__device__ __forceinline__ float e2m1_round(float v) {
+  const float c = fminf(fmaxf(v, -6.0f), 6.0f);
+  const float a = fabsf(c);
+  const float m = a < 2.0f ? 0x1.8p22f : (a < 4.0f ? 0x1.8p23f : 0x1.8p24f);
+  const float s = copysignf(m, c);
+  const float r = __fsub_rn(__fadd_rn(c, s), s);
+  return v == v ? r : 0.0f;
+}
+
+// The 4-bit code of an E2M1 value given by e2m1_round (magnitude code 0..7, sign bit 8).
+__device__ __forceinline__ uint32_t e2m1_code(float r) {
+  const uint32_t b = __float_as_uint(r);
+  const uint32_t mag = b & 0x7fffffffu;  // 0, 0.5 = 0x3F000000, then (bits >> 22) - 252 from 1.0 on
+  const uint32_t m = mag >= 0x3F800000u ? (mag >> 22) - 252u : (mag != 0u ? 1u : 0u);
+  return m | ((b >> 28) & 8u);
+}
+
 // E2M1 code of v, round to nearest even on |v|, saturating at 6; NaN and any value that
 // rounds to zero encode as code 0 (no negative zero).
-__device__ __forceinline__ uint32_t e2m1_rne_satfinite(float v) {
-  const float a = fabsf(v);
-  uint32_t m;
-  if (!(a > 0.25f)) m = 0;  // also NaN
-  else if (a < 0.75f) m = 1;
-  else if (a <= 1.25f) m = 2;
-  else if (a < 1.75f) m = 3;
-  else if (a <= 2.5f) m = 4;
-  else if (a < 3.5f) m = 5;
-  else if (a <= 5.0f) m = 6;
-  else m = 7;
-  return (m != 0 && signbit(v)) ? (m | 8u) : m;
-}
+__device__ __forceinline__ uint32_t e2m1_rne_satfinite(float v) { return e2m1_code(e2m1_round(v)); }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
   const uint32_t m = code & 7u;
