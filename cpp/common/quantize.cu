@@ -161,30 +161,32 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
   }
 }
 
-// Each thread loads kPerThread blocks of one row before it quantizes any (the loads overlap).
+// Each thread loads kPer blocks of one row before it quantizes any (the loads overlap): 2, or 1 where the
+// grid is small (decode), so that more threads share the latency of the row.
 constexpr int kPerThread = 2;
+constexpr int64_t kOnePerThreadBelow = 1 << 17;  // blocks in all
 constexpr int kMaxThreads = 128;
 
-// Threads of a CTA for rows of `blocks_per_row` blocks: one pass of kPerThread blocks each over the row
+// Threads of a CTA for rows of `blocks_per_row` blocks: one pass of `per` blocks each over the row
 // when that fits in kMaxThreads, whole warps.
-int row_threads(int64_t blocks_per_row) {
-  const int64_t need = (blocks_per_row + kPerThread - 1) / kPerThread;
+int row_threads(int64_t blocks_per_row, int per) {
+  const int64_t need = (blocks_per_row + per - 1) / per;
   return int(std::min<int64_t>(kMaxThreads, (need + 31) / 32 * 32));
 }
 
-// Static global scale: blockIdx.x = row, blockIdx.y = a chunk of kPerThread * blockDim.x blocks of it.
-template <ElemType T>
+// Static global scale: blockIdx.x = row, blockIdx.y = a chunk of kPer * blockDim.x blocks of it.
+template <ElemType T, int kPer>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
-  const int64_t kb0 = int64_t(blockIdx.y) * kPerThread * blockDim.x + threadIdx.x;
+  const int64_t kb0 = int64_t(blockIdx.y) * kPer * blockDim.x + threadIdx.x;
   const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
   const E* row = static_cast<const E*>(a.src) + src_row * a.src_row_stride;
-  float x[kPerThread][16];
+  float x[kPer][16];
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     const int64_t kb = kb0 + int64_t(j) * blockDim.x;
     if (kb < blocks_per_row) load_block<T>(row + kb * 16, vec, x[j]);
   }
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArg
                                                               : int64_t(0);
   const float gs = a.global_scale[gi];
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     const int64_t kb = kb0 + int64_t(j) * blockDim.x;
     if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
   }
@@ -315,16 +317,16 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   const bool vec = (reinterpret_cast<uintptr_t>(args.src) % 16 == 0) && ((args.src_row_stride * eb) % 16 == 0);
   if (args.rows > 0x7fffffff) return cudaErrorInvalidValue;
   const int64_t blocks_per_row = args.cols / 16;
-  const int threads = row_threads(blocks_per_row);
-  const int64_t chunks = (blocks_per_row + int64_t(kPerThread) * threads - 1) / (int64_t(kPerThread) * threads);
+  const int per = rowwise || total >= kOnePerThreadBelow ? kPerThread : 1;
+  const int threads = row_threads(blocks_per_row, per);
+  const int64_t chunks = (blocks_per_row + int64_t(per) * threads - 1) / (int64_t(per) * threads);
   if (chunks > 65535) return cudaErrorInvalidValue;
   return dispatch_type(args.src_type, [&](auto t) {
-    if (rowwise) {
-      quantize_nvfp4_rowwise_kernel<decltype(t)::value><<<unsigned(args.rows), threads, 0, stream>>>(args, vec);
-    } else {
-      const dim3 grid(unsigned(args.rows), unsigned(chunks));
-      quantize_nvfp4_kernel<decltype(t)::value><<<grid, threads, 0, stream>>>(args, vec);
-    }
+    constexpr ElemType kT = decltype(t)::value;
+    const dim3 grid(unsigned(args.rows), unsigned(chunks));
+    if (rowwise) quantize_nvfp4_rowwise_kernel<kT><<<unsigned(args.rows), threads, 0, stream>>>(args, vec);
+    else if (per == 1) quantize_nvfp4_kernel<kT, 1><<<grid, threads, 0, stream>>>(args, vec);
+    else quantize_nvfp4_kernel<kT, kPerThread><<<grid, threads, 0, stream>>>(args, vec);
     return cudaGetLastError();
   });
 }

@@ -31,7 +31,7 @@ def _nasty(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k", [(1, 16), (7, 64), (33, 464), (129, 256), (300, 2048), (5, 5008)])
+@pytest.mark.parametrize("rows,k", [(1, 16), (7, 64), (33, 464), (129, 256), (300, 2048), (5, 5008), (1100, 2048)])
 def test_quantize_bytes_identical(dtype, rows, k, gen):
     be = backend_or_skip("cuda-sm90")
     x = _nasty(rows, k, gen).to(dtype)
@@ -81,11 +81,13 @@ def test_quantize_rounding_boundaries_over_the_scale_range(gen):
     gs = (2.0 ** exps) * (1 + torch.rand(exps.shape, generator=gen))
     x = _boundary_blocks(gs, gen)
     assert torch.isfinite(x).all()
-    ref = nvfp4.quantize(x, gs)
-    got = be.quantize(x.cuda(), gs.cuda())
-    assert torch.equal(got.scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)), "scale bytes differ"
-    bad = (got.data.cpu() != ref.data).any(dim=-1)
-    assert not bad.any(), f"data bytes differ in the rows of global scales {gs[bad].tolist()}"
+    for reps in (1, 70):  # a small grid (one block per thread) and a large one (two per thread)
+        xr, gr = x.repeat(reps, 1), gs.repeat(reps)
+        ref = nvfp4.quantize(xr, gr)
+        got = be.quantize(xr.cuda(), gr.cuda())
+        assert torch.equal(got.scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)), "scale bytes differ"
+        bad = (got.data.cpu() != ref.data).any(dim=-1)
+        assert not bad.any(), f"data bytes differ in the rows of global scales {gr[bad].tolist()} ({reps} copies)"
 
 
 def test_quantize_inf_static_scale(gen):
