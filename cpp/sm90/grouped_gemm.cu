@@ -56,7 +56,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   if (kernel == GemmKernel::kWgmma64 && !k_small) kernel = GemmKernel::kWgmma128;
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
-  plan.gather_x = p.w4a16 && p.gather_input;
+  plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kernel == GemmKernel::kWgmma32);
   if (kernel != GemmKernel::kStream) {
     plan.lane_order = true;
     plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kWgTiny
