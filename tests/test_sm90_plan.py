@@ -50,10 +50,11 @@ def test_switch_to_wgmma_and_its_tiles():
     assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
     assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (7, 24, 25, 32, 33, 64, 65, 5000):
+    for tpe in (7, 24, 25, 28, 29, 32, 33, 64, 65, 5000):
         p = plan(tpe)
-        # W4A16: L1 gathers the rows of x staged once ([T, H]) through row_token
-        assert p.gather_x and p.h_operand and p.tokens_per_pass == p.token_tile, p
+        # W4A16: tile 32 gathers the rows of x staged once ([T, H]) through row_token; tiles 64 and 128 read x
+        # staged per slot (contiguous rows: TMA boxes)
+        assert p.gather_x == (p.kernel == kind("wgmma32")) and p.h_operand and p.tokens_per_pass == p.token_tile, p
         # the wgmma kernels read lane-order activations, the streaming kernels operand order
         assert p.lane_order and plan(tpe, w4a16=False).lane_order, p
         assert not plan(tpe, w4a16=False).h_operand and not plan(tpe, w4a16=False).gather_x

@@ -56,6 +56,8 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   if (kernel == GemmKernel::kWgmma64 && !k_small) kernel = GemmKernel::kWgmma128;
   plan.kernel = kernel;
   plan.h_operand = p.w4a16;
+  // Tiles 64 and 128 read x staged per slot: their L1 takes whole TMA boxes of contiguous rows, which gains more
+  // than the staging costs (docs/PERFORMANCE.md); tile 32 and the streaming kernels gather.
   plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kernel == GemmKernel::kWgmma32);
   if (kernel != GemmKernel::kStream) {
     plan.lane_order = true;

@@ -71,8 +71,9 @@ struct GemmPlan {
   GemmKernel kernel = GemmKernel::kStream;  // never kAuto
   int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
   int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
-  bool gather_x = false;    // W4A16, bf16 x: L1 reads its rows through row_token (the streaming kernel from x
-                            // itself, wgmma from x staged once as [T, H] in lane order): no per-slot staging
+  bool gather_x = false;    // W4A16, bf16 x, streaming or wgmma tile 32: L1 reads its rows through row_token (the
+                            // streaming kernel from x itself, wgmma from x staged once as [T, H] in lane order), no
+                            // per-slot staging; tiles 64 and 128 read x staged per slot (TMA boxes of contiguous rows)
   bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
   bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
 };
