@@ -10,9 +10,10 @@ all on the current stream with no host synchronisation (CUDA-graph capturable fo
 fixed T):
 
 1. ``moe_align``      routing results -> rows grouped by expert (one kernel)
-2. L1 input           W4A16 with bf16 x: none (the L1 GEMM gathers its rows through row_token:
-                      the streaming kernel from x itself, the wgmma kernel from x staged
-                      once as the [T, H] bf16 operand); else gather + bf16 per slot (W4A16)
+2. L1 input           W4A16 with bf16 x up to wgmma tile 32: none (the L1 GEMM gathers its rows
+                      through row_token: the streaming kernel from x itself, the wgmma kernel
+                      from x staged once as the [T, H] bf16 operand); else gather + bf16 per
+                      slot (W4A16: TMA boxes of contiguous rows for wgmma tiles 64 and 128)
                       or gather + NVFP4 quantize per slot (W4A4; static per-expert or per-row
                       dynamic scale), exact e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
@@ -29,9 +30,10 @@ read their bf16 operand in lane order, the streaming kernels in operand order; `
 tells every producer of it (staging, the W4A4 quantizer's decode, the L1 epilogue). The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
-previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with bf16 x it gathers its
-rows (align, L1, L2, combine: 4 kernels with the streaming kernel, plus the one-time [T, H] staging
-of x with the wgmma kernel; align is two kernels above 8192 rows).
+previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with bf16 x up to wgmma tile
+32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, plus the
+one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows); tiles 64
+and 128 stage x per slot instead.
 """
 from __future__ import annotations
 
