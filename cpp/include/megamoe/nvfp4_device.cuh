@@ -34,17 +34,14 @@ __device__ __forceinline__ float e2m1_round(float v) {
   return v == v ? r : 0.0f;
 }
 
-// The 4-bit code of an E2M1 value given by e2m1_round (magnitude code 0..7, sign bit 8).
+// The 4-bit code of an E2M1 value given by e2m1_round (magnitude code 0..7, sign bit 8):
+// e2m1_code(e2m1_round(v)) is docs/SPEC.md §1's e2m1_rne_satfinite(v).
 __device__ __forceinline__ uint32_t e2m1_code(float r) {
   const uint32_t b = __float_as_uint(r);
   const uint32_t mag = b & 0x7fffffffu;  // 0, 0.5 = 0x3F000000, then (bits >> 22) - 252 from 1.0 on
   const uint32_t m = mag >= 0x3F800000u ? (mag >> 22) - 252u : (mag != 0u ? 1u : 0u);
   return m | ((b >> 28) & 8u);
 }
-
-// E2M1 code of v, round to nearest even on |v|, saturating at 6; NaN and any value that
-// rounds to zero encode as code 0 (no negative zero).
-__device__ __forceinline__ uint32_t e2m1_rne_satfinite(float v) { return e2m1_code(e2m1_round(v)); }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
   const uint32_t m = code & 7u;
