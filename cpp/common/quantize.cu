@@ -54,7 +54,6 @@ __device__ __forceinline__ void load_block(const typename Elem<T>::type* p, bool
 struct RowPlace {
   int64_t dst_row;
   int expert;
-  bool valid;
 };
 
 __device__ __forceinline__ bool row_valid(const QuantizeArgs& a, int64_t r) {
@@ -63,7 +62,7 @@ __device__ __forceinline__ bool row_valid(const QuantizeArgs& a, int64_t r) {
 
 // Where row r goes (the caller has checked row_valid).
 __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) {
-  RowPlace p{r, 0, true};
+  RowPlace p{r, 0};
   if (a.num_experts > 0) {
     p.expert = last_offset_at_or_below(a.expert_offsets, a.num_experts, r);  // the expert owning row r
     p.dst_row = int64_t(a.dst_offsets[p.expert]) + (r - a.expert_offsets[p.expert]);
@@ -71,12 +70,14 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
-// q[i] = x[i] / d rounded to nearest even (IEEE division) for a block's 16 values, d > 0, amax the
-// largest |x[i]|. In the guarded range the division is the compiler's own fast path for it (approximate
-// reciprocal, one Newton step, quotient, exact residual, correction), with the reciprocal computed once
-// for the block: it is correctly rounded there except where |x[i]| is so small that the quotient is
-// below 2^-60, which every consumer (E2M1 rounding) maps to 0 either way. Outside the range: the full
-// division per value.
+// q[i] = x[i] / d for a block's 16 values (d > 0, amax the largest |x[i]|), as E2M1 rounding needs it:
+// correctly rounded (IEEE division) wherever the quotient can round to a non-zero E2M1 value. With d and
+// amax within 2^+-60 the division is the instruction sequence of the compiler's own IEEE division fast path
+// (approximate reciprocal, one Newton step, quotient, exact residual, correction) with the reciprocal
+// computed once for the block; that path is exact unless the operands lie near the ends of the exponent range,
+// which in this range means a quotient far below 0.25 (E2M1 0 either way; tests/gpu/test_gpu_quantize.py
+// checks quotients within 3 ulps of every rounding boundary over global scales 2^-75..2^75). Outside the
+// range: the full division per value.
 __device__ __forceinline__ void divide_block(const float (&x)[16], float d, float amax, float (&q)[16]) {
   if (d >= 0x1p-60f && d <= 0x1p60f && amax <= 0x1p60f) {
     float r0;
