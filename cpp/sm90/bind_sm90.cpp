@@ -59,6 +59,24 @@ void register_sm90(nb::module_& m) {
       nb::arg("lane_order") = false,
       "dst = bf16 rows of src in operand order (lane_order: the wgmma kernels' lane order; cols % 64 == 0).");
 
+  m.def(
+      "sm90_scatter_bf16",
+      [](const Array& src, const Array& dst_rows, int top_k, const Array& dst, uintptr_t stream, bool lane_order) {
+        if (src.ndim() != 2 || src.stride(1) != 1 || dst.ndim() != 2)
+          throw std::invalid_argument("scatter_bf16: 2-D arrays");
+        if (dst.shape(1) != src.shape(1)) throw std::invalid_argument("scatter_bf16: column mismatch");
+        if (top_k <= 0 || numel(dst_rows) < int64_t(src.shape(0)) * top_k)
+          throw std::invalid_argument("scatter_bf16: dst_rows needs tokens * top_k entries");
+        check(sm90::launch_scatter_bf16(src.data(), elem_type(src, "src"), src.stride(0), int64_t(src.shape(0)),
+                                        ptr<const int32_t>(dst_rows, "dst_rows", 4), top_k, int64_t(dst.shape(1)),
+                                        ptr<uint16_t>(dst, "dst", 2), lane_order, stream_of(stream)),
+              "scatter_bf16");
+      },
+      nb::arg("src"), nb::arg("dst_rows"), nb::arg("top_k"), nb::arg("dst"), nb::arg("stream"),
+      nb::arg("lane_order") = false,
+      "dst[dst_rows[t*top_k + j]] = bf16 row t of src (entries < 0 skipped), in operand or lane order: each source\n"
+      "row read once (moe_align's entry_row places a token's rows).");
+
   nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
       .value("auto", sm90::GemmKernel::kAuto)
       .value("stream", sm90::GemmKernel::kStream)

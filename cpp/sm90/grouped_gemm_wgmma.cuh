@@ -17,7 +17,7 @@
 //    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
 //    the A registers and issues wgmma m64nNk16 with A in registers.
 // N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
-// instantiated widths, so a tile of 12 tokens runs n16 and one of 48 runs n64.
+// instantiated widths, so a tile of 12 tokens runs n16 and one of 40 n48.
 //
 // Lane-owned K. The weight words are in their natural order (the sm90 word layout of
 // gemm_common.cuh: word w of a row holds elements 8w..8w+7, dequant_word gives pairs
@@ -97,9 +97,13 @@ struct WgCfg {
                                                   : kKS == 128 ? CU_TENSOR_MAP_SWIZZLE_64B
                                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
   __host__ __device__ static constexpr int wswz(int r) { return kKS == 256 ? (r & 7) : kKS == 128 ? ((r >> 1) & 3) : 0; }
-  // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile.
-  static constexpr int kNumWidths = kMaxN == kWgMid ? 3 : kMaxN == kWgSmall ? 4 : 3;
-  __host__ __device__ static constexpr int width(int i) { return kMaxN == kWgMid ? 32 << i : 8 << i; }
+  // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile
+  // (tile 128: 32, 64, 96, 128; tile 64: 8, 16, 32, 48, 64; tile 32: 8, 16, 32), so an expert's last tile wastes
+  // at most 32 (tile 128) or 16 (tile 64) token columns of MMA work past its first width.
+  static constexpr int kNumWidths = kMaxN == kWgMid ? 4 : kMaxN == kWgSmall ? 5 : 3;
+  __host__ __device__ static constexpr int width(int i) {
+    return kMaxN == kWgMid ? 32 * (i + 1) : kMaxN == kWgSmall ? (i < 3 ? 8 << i : 16 * i) : 8 << i;
+  }
   __host__ __device__ static constexpr int width_index(int n) {
     int i = 0;
     while (i + 1 < kNumWidths && width(i) < n) ++i;
@@ -113,7 +117,7 @@ struct WgCfg {
 struct WgMaps {
   CUtensorMap w;
   CUtensorMap s;
-  CUtensorMap act[4];
+  CUtensorMap act[5];  // one per token width (WgCfg::kNumWidths)
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -430,6 +434,7 @@ template <int kMaxN, bool kActTma>
 __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
+  static_assert(WgCfg<kMaxN>::kNumWidths <= 5, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 and TMA swizzles are functions of address bits 4..9).
@@ -475,10 +480,12 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
     if (count <= 8) MEGAMOE_WG_TILE(8);
     else if (count <= 16) MEGAMOE_WG_TILE(16);
     else if (count <= 32) MEGAMOE_WG_TILE(32);
+    else if (count <= 48) MEGAMOE_WG_TILE(48);
     else MEGAMOE_WG_TILE(64);
   } else {
     if (count <= 32) MEGAMOE_WG_TILE(32);
     else if (count <= 64) MEGAMOE_WG_TILE(64);
+    else if (count <= 96) MEGAMOE_WG_TILE(96);
     else MEGAMOE_WG_TILE(128);
   }
 #undef MEGAMOE_WG_TILE

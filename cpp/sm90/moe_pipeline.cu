@@ -231,6 +231,22 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id
               entry_row);
 }
 
+// The converted 16-byte chunk c of a source row (the order: see stage_bf16_kernel below).
+template <typename T>
+__device__ __forceinline__ uint4 bf16_chunk(const T* row, int64_t c, bool lane_order) {
+  const int v = int(c & 7);
+  const int64_t first = lane_order ? (c >> 3) * 64 + 8 * (v >> 2) + (v & 3) : c * 8;
+  const int step = lane_order ? 16 : 1;  // elements between the pairs' first elements
+  const T* p = row + first;
+  uint32_t w[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[step * t]), static_cast<float>(p[step * t + 4]));
+    w[t] = *reinterpret_cast<uint32_t*>(&b);  // to float exact; one rounding to bf16 (none for bf16 sources)
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // One thread per 16-byte output chunk c of a row (4 bf16 pairs): gather, convert, store. Operand order:
 // chunk c is 8-element group c, pair q = elements (q, q + 4) of it. Lane order: chunk v = c % 8 of
 // 64-element block c / 8 holds the operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements
@@ -245,17 +261,26 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / chunks, c = idx - r * chunks;
     const int64_t sr = src_rows ? src_rows[r] : r;
-    const int v = int(c & 7);
-    const int64_t first = lane_order ? (c >> 3) * 64 + 8 * (v >> 2) + (v & 3) : c * 8;
-    const int step = lane_order ? 16 : 1;  // elements between the pairs' first elements
-    const T* p = src + sr * stride + first;
-    uint32_t w[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[step * t]), static_cast<float>(p[step * t + 4]));
-      w[t] = *reinterpret_cast<uint32_t*>(&b);  // to float exact; one rounding to bf16 (none for bf16 sources)
+    *reinterpret_cast<uint4*>(dst + r * cols + c * 8) = bf16_chunk(src + sr * stride, c, lane_order);
+  }
+}
+
+// Token order: one thread per 16-byte chunk c of token t's row, read once and stored into each of the token's
+// rows dst_rows[t * top_k + j] >= 0 (each source byte is read once; the gather in row order reads a token's
+// row once per slot, scattered over the whole tensor).
+template <typename T>
+__global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens, const int32_t* dst_rows, int top_k,
+                                    int64_t cols, uint16_t* dst, bool lane_order) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
+  const int64_t chunks = cols / 8;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < tokens * chunks;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / chunks, c = idx - t * chunks;
+    const uint4 v = bf16_chunk(src + t * stride, c, lane_order);
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = dst_rows[t * top_k + j];
+      if (r >= 0) *reinterpret_cast<uint4*>(dst + int64_t(r) * cols + c * 8) = v;
     }
-    *reinterpret_cast<uint4*>(dst + r * cols + c * 8) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -349,6 +374,27 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
       return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
                         static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
                         dst, lane_order);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_row_stride, int64_t tokens,
+                                const int32_t* dst_rows, int top_k, int64_t cols, uint16_t* dst, bool lane_order,
+                                cudaStream_t stream) {
+  if (cols % (lane_order ? 64 : 16) != 0 || top_k <= 0 || !dst_rows) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  const unsigned grid = grid_of(tokens * (cols / 8), 256);
+  switch (src_type) {
+    case ElemType::kFloat32:
+      return pdl_launch(scatter_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src),
+                        src_row_stride, tokens, dst_rows, top_k, cols, dst, lane_order);
+    case ElemType::kFloat16:
+      return pdl_launch(scatter_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
+                        src_row_stride, tokens, dst_rows, top_k, cols, dst, lane_order);
+    case ElemType::kBFloat16:
+      return pdl_launch(scatter_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
+                        static_cast<const __nv_bfloat16*>(src), src_row_stride, tokens, dst_rows, top_k, cols, dst,
+                        lane_order);
   }
   return cudaErrorInvalidValue;
 }

@@ -41,6 +41,13 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
                               const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
                               bool lane_order, cudaStream_t stream);
 
+// dst[dst_rows[t*top_k + j]] = bf16(src[t]) in operand order (lane_order: lane order) for every t < tokens and
+// j < top_k with dst_rows[t*top_k + j] >= 0 (moe_align's entry_row: each grouped row once); other rows are not
+// touched. Reads each source row once. cols % 16 == 0 (lane order: % 64).
+cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_row_stride, int64_t tokens,
+                                const int32_t* dst_rows, int top_k, int64_t cols, uint16_t* dst, bool lane_order,
+                                cudaStream_t stream);
+
 enum class Epilogue : int {
   kStore = 0,    // out[row, n] = alpha * acc  (fp32, ldo = N)
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
