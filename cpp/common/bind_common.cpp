@@ -57,7 +57,7 @@ void register_common(nb::module_& m) {
       "quantize_nvfp4",
       [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
-         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order, OptArray dst_rows, int top_k) {
+         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order) {
         if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
         QuantizeArgs a;
         a.src = src.data();
@@ -91,24 +91,13 @@ void register_common(nb::module_& m) {
           throw std::invalid_argument("quantize_nvfp4: a lane-order dequant needs cols % 64 == 0, got " +
                                       std::to_string(a.cols));
         a.row_scale_out = opt_ptr<float>(row_scale_out, "row_scale_out", 4);
-        if (dst_rows) {
-          if (src_rows) throw std::invalid_argument("quantize_nvfp4: dst_rows (token order) takes no src_rows");
-          if (top_k < 1 || top_k > 16)
-            throw std::invalid_argument("quantize_nvfp4: token order needs 1 <= top_k <= 16, got " + std::to_string(top_k));
-          if (numel(*dst_rows) < a.rows * top_k)
-            throw std::invalid_argument("quantize_nvfp4: dst_rows needs rows * top_k entries");
-          a.dst_rows = ptr<const int32_t>(*dst_rows, "dst_rows", 4);
-          a.top_k = top_k;
-        }
         check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
       },
       nb::arg("src"), nb::arg("global_scale").none(), nb::arg("gs_mode"), nb::arg("src_rows").none(),
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
       nb::arg("row_scale_out").none(), nb::arg("stream"), nb::arg("dequant_lane_order") = false,
-      nb::arg("dst_rows").none() = nb::none(), nb::arg("top_k") = 0,
-      "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h);\n"
-      "dst_rows [rows * top_k] with top_k: token order (row t read once, quantized into each of its input rows).");
+      "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h).");
 
   m.def(
       "nvfp4_to_operand",

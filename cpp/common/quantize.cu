@@ -125,69 +125,41 @@ __device__ __forceinline__ float block_amax(const float (&x)[16]) {
   return m;
 }
 
-// A block's E2M1 values (r, not yet multiplied by the scale) and its e4m3 scale; docs/SPEC.md §1 in the
-// reference's fp32 operation order.
-struct QBlock {
-  float r[16];
-  uint8_t scale_byte;
-  float scale;
-};
-
-__device__ __forceinline__ void quantize_values(const float (&x)[16], float gs, QBlock& q) {
+// Quantizes block kb of a placed row; docs/SPEC.md §1 in the reference's fp32 operation order.
+__device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
+                                               int64_t kb) {
+  const int64_t blocks_per_row = a.cols / 16;
   const float amax = block_amax(x);
-  q.scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
-  q.scale = e4m3_to_float(q.scale_byte);
-  const float denom = __fmul_rn(q.scale, gs);
+  const uint8_t scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
+  const float scale = e4m3_to_float(scale_byte);
+  const float denom = __fmul_rn(scale, gs);
+
+  float r[16];  // E2M1 values
   if (denom == 0.f) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) q.r[i] = 0.f;
+    for (int i = 0; i < 16; ++i) r[i] = 0.f;
   } else {
-    divide_block(x, denom, amax, q.r);
+    divide_block(x, denom, amax, r);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) q.r[i] = e2m1_round(q.r[i]);
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(r[i]);
   }
-}
 
-// Writes block kb of destination row dst_row into the requested outputs.
-__device__ __forceinline__ void store_block(const QuantizeArgs& a, const QBlock& q, int64_t dst_row, int64_t kb) {
-  const int64_t blocks_per_row = a.cols / 16;
   if (a.data) {
     uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      lo |= e2m1_code(q.r[i]) << (4 * i);
-      hi |= e2m1_code(q.r[8 + i]) << (4 * i);
+      lo |= e2m1_code(r[i]) << (4 * i);
+      hi |= e2m1_code(r[8 + i]) << (4 * i);
     }
     *reinterpret_cast<uint2*>(a.data + dst_row * (a.cols / 2) + kb * 8) = make_uint2(lo, hi);
   }
-  if (a.scale) a.scale[dst_row * blocks_per_row + kb] = q.scale_byte;
-  if (a.scale_swz) a.scale_swz[sf_offset(dst_row, kb, (blocks_per_row + 3) / 4)] = q.scale_byte;
+  if (a.scale) a.scale[dst_row * blocks_per_row + kb] = scale_byte;
+  if (a.scale_swz) a.scale_swz[sf_offset(dst_row, kb, (blocks_per_row + 3) / 4)] = scale_byte;
   if (a.dequant) {
-    float v[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(q.r[i], q.scale);  // exact, +0 stays +0
-    store_operand_block(v, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+    for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
+    store_operand_block(r, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
   }
-}
-
-__device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
-                                               int64_t kb) {
-  QBlock q;
-  quantize_values(x, gs, q);
-  store_block(a, q, dst_row, kb);
-}
-
-// The global scale of a placed input row r (not kPerRowDynamic).
-__device__ __forceinline__ float static_gs(const QuantizeArgs& a, const RowPlace& p, int64_t r) {
-  const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(p.expert)
-                     : a.gs_mode == GlobalScaleMode::kPerRow  ? r
-                                                              : int64_t(0);
-  return a.global_scale[gi];
-}
-
-// Input row of launch row r: r itself, or with dst_rows (token order) the entry j of token r (-1: none).
-__device__ __forceinline__ int64_t input_row(const QuantizeArgs& a, int64_t r, int j) {
-  return a.dst_rows ? int64_t(a.dst_rows[r * a.top_k + j]) : r;
 }
 
 // Each thread loads kPer blocks of one row before it quantizes any (the loads overlap): 2, or 1 where the
@@ -195,7 +167,6 @@ __device__ __forceinline__ int64_t input_row(const QuantizeArgs& a, int64_t r, i
 constexpr int kPerThread = 2;
 constexpr int64_t kOnePerThreadBelow = 1 << 17;  // blocks in all
 constexpr int kMaxThreads = 128;
-constexpr int kMaxPlaces = 16;  // top_k bound of the token-order (dst_rows) launches
 
 // Threads of a CTA for rows of `blocks_per_row` blocks: one pass of `per` blocks each over the row
 // when that fits in kMaxThreads, whole warps.
@@ -204,14 +175,12 @@ int row_threads(int64_t blocks_per_row, int per) {
   return int(std::min<int64_t>(kMaxThreads, (need + 31) / 32 * 32));
 }
 
-// Static global scale: blockIdx.x = row (with dst_rows: token), blockIdx.y = a chunk of kPer * blockDim.x blocks of
-// it; the blocks are loaded once and quantized for each of the row's places.
+// Static global scale: blockIdx.x = row, blockIdx.y = a chunk of kPer * blockDim.x blocks of it.
 template <ElemType T, int kPer>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
   const int64_t r = blockIdx.x;
-  const int places = a.dst_rows ? a.top_k : 1;
-  if (!a.dst_rows && !row_valid(a, r)) return;
+  if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
   const int64_t kb0 = int64_t(blockIdx.y) * kPer * blockDim.x + threadIdx.x;
   const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
@@ -222,30 +191,26 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArg
     const int64_t kb = kb0 + int64_t(j) * blockDim.x;
     if (kb < blocks_per_row) load_block<T>(row + kb * 16, vec, x[j]);
   }
-  for (int s = 0; s < places; ++s) {
-    const int64_t ir = input_row(a, r, s);
-    if (ir < 0 || !row_valid(a, ir)) continue;
-    const RowPlace p = place_row(a, ir);
-    const float gs = static_gs(a, p, ir);
+  const RowPlace p = place_row(a, r);
+  const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(p.expert)
+                     : a.gs_mode == GlobalScaleMode::kPerRow  ? r
+                                                              : int64_t(0);
+  const float gs = a.global_scale[gi];
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int64_t kb = kb0 + int64_t(j) * blockDim.x;
-      if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
-    }
+  for (int j = 0; j < kPer; ++j) {
+    const int64_t kb = kb0 + int64_t(j) * blockDim.x;
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
   }
 }
 
-// Dynamic per-row global scale: one CTA per row (with dst_rows: token); the row's amax first, then its blocks, each
-// quantized once and stored at each of the row's places. The first kPerThread * blockDim.x blocks stay in registers
-// between the two; longer rows read the rest twice.
+// Dynamic per-row global scale: one CTA per row; the row's amax first, then its blocks. The first
+// kPerThread * blockDim.x blocks stay in registers between the two; longer rows read the rest twice.
 template <ElemType T>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
   __shared__ float warp_max[kMaxThreads / 32];
-  __shared__ int64_t dst[kMaxPlaces];
   const int64_t r = blockIdx.x;
-  if (!a.dst_rows && !row_valid(a, r)) return;
-  const int places = a.dst_rows ? a.top_k : 1;
+  if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
   const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
   const E* row = static_cast<const E*>(a.src) + src_row * a.src_row_stride;
@@ -265,6 +230,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(Qua
     load_block<T>(row + kb * 16, vec, y);
     m = fmaxf(m, block_amax(y));
   }
+  const RowPlace p = place_row(a, r);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
@@ -272,33 +238,16 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(Qua
   float amax = 0.f;
   for (int w = 0; w < int(blockDim.x >> 5); ++w) amax = fmaxf(amax, warp_max[w]);
   const float gs = amax > 0.f ? __fdiv_rn(amax, 6.0f * 448.0f) : 1.0f;
-  // Destination rows of the row's places (-1: none); kMaxPlaces bounds top_k (launch_quantize_nvfp4).
-  if (threadIdx.x < places) {
-    const int64_t ir = input_row(a, r, int(threadIdx.x));
-    const int64_t d = ir >= 0 && row_valid(a, ir) ? place_row(a, ir).dst_row : -1;
-    dst[threadIdx.x] = d;
-    if (d >= 0 && a.row_scale_out) a.row_scale_out[d] = gs;
-  }
-  __syncthreads();
-  auto store_all = [&](const QBlock& q, int64_t kb) {
-    for (int s = 0; s < places; ++s)
-      if (dst[s] >= 0) store_block(a, q, dst[s], kb);
-  };
+  if (threadIdx.x == 0 && a.row_scale_out) a.row_scale_out[p.dst_row] = gs;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int64_t kb = threadIdx.x + int64_t(j) * blockDim.x;
-    if (kb < blocks_per_row) {
-      QBlock q;
-      quantize_values(x[j], gs, q);
-      store_all(q, kb);
-    }
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
   }
   for (int64_t kb = held + threadIdx.x; kb < blocks_per_row; kb += blockDim.x) {
     float y[16];
     load_block<T>(row + kb * 16, vec, y);
-    QBlock q;
-    quantize_values(y, gs, q);
-    store_all(q, kb);
+    quantize_block(a, y, gs, p.dst_row, kb);
   }
 }
 
@@ -363,7 +312,6 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
   if (args.dequant && args.dequant_lane_order && args.cols % 64 != 0) return cudaErrorInvalidValue;
   if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
-  if (args.dst_rows && (args.top_k <= 0 || args.top_k > kMaxPlaces || args.src_rows)) return cudaErrorInvalidValue;
   const int64_t total = args.rows * (args.cols / 16);
   if (total == 0) return cudaSuccess;
   const int eb = elem_bytes(args.src_type);

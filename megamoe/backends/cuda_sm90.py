@@ -13,11 +13,11 @@ fixed T):
 2. L1 input           W4A16 with bf16 x up to wgmma tile 32: none (the L1 GEMM gathers its rows
                       through row_token: the streaming kernel from x itself, the wgmma kernel
                       from x staged once as the [T, H] bf16 operand); else bf16 per slot
-                      (W4A16: TMA boxes of contiguous rows for wgmma tiles 64 and 128) or
-                      NVFP4 quantize per slot (W4A4; static per-expert or per-row dynamic
-                      scale), exact e2m1*e4m3 bf16 operand; from TOKEN_ORDER_FROM tokens in
-                      token order (each row of x read once, written to its k slots through
-                      entry_row), below it gathered per slot through row_token
+                      (W4A16: TMA boxes of contiguous rows for wgmma tiles 64 and 128; from
+                      TOKEN_ORDER_FROM tokens in token order: each row of x read once and
+                      written to its k slots through entry_row) or gather + NVFP4 quantize
+                      per slot (W4A4; static per-expert or per-row dynamic scale), exact
+                      e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
 4. L2 input           as 2, from h
 5. L2 GEMM            h @ w2^T -> y fp32 per (token, expert) row
@@ -53,8 +53,8 @@ __all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_word_layout", "sm90_word_lay
 
 
 
-# From this many tokens the per-slot L1 input is written in token order (each row of x read once and stored
-# into its k grouped rows) instead of gathered per slot (a token's row read k times, in expert order).
+# From this many tokens the per-slot W4A16 L1 input is written in token order (each row of x read once and
+# stored into its k grouped rows) instead of gathered per slot (a token's row read k times, in expert order).
 TOKEN_ORDER_FROM = 1024
 
 
@@ -360,13 +360,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                dst_rows=None):
         """Activation -> bf16 GEMM operand (W4A16) or NVFP4 decode (W4A4), in the plan's order.
 
-        Grouped row r reads row ``src_rows[r]`` of src (or r); with ``dst_rows`` (moe_align's entry_row) in token
-        order instead: row t of src goes to rows ``dst_rows[t * k + j]``. Returns (a_gs, per_expert, a_rs)."""
+        Grouped row r reads row ``src_rows[r]`` of src (or r); W4A16 with ``dst_rows`` (moe_align's entry_row) in
+        token order instead: row t of src goes to rows ``dst_rows[t * k + j]``. Returns (a_gs, per_expert, a_rs)."""
         total = ws_offsets[-1:]
-        k = cfg.top_k
         if cfg.act_mode == "w4a16":
             if dst_rows is not None:
-                _ext.ext.sm90_scatter_bf16(src, dst_rows, k, dst, stream, lane_order=lane_order)
+                _ext.ext.sm90_scatter_bf16(src, dst_rows, cfg.top_k, dst, stream, lane_order=lane_order)
             else:
                 _ext.ext.sm90_stage_bf16(src, src_rows, total, dst, stream, lane_order=lane_order)
             return None, False, None
@@ -374,8 +373,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         mode = GS_PER_ROW_DYNAMIC if dynamic else GS_PER_EXPERT
         common_ext().quantize_nvfp4(src, None if dynamic else static_scale, mode,
                                     src_rows, ws_offsets, None, None, None, None, 0, dst,
-                                    dst_rs if dynamic else None, stream, dequant_lane_order=lane_order,
-                                    dst_rows=dst_rows, top_k=k if dst_rows is not None else 0)
+                                    dst_rs if dynamic else None, stream, dequant_lane_order=lane_order)
         if dynamic:
             return None, False, dst_rs
         return static_scale, True, None
@@ -412,7 +410,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 a1 = ws.x_op[:t]
                 ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
         else:
-            token_order = t >= TOKEN_ORDER_FROM
+            token_order = cfg.act_mode == "w4a16" and t >= TOKEN_ORDER_FROM
             a_gs, per_e, a_rs = self._stage(x, None if token_order else ws.row_token[:r], ws.expert_offsets,
                                             ws.a1[:r], ws.a1_rs, cfg, prepared.w13_input_scale, stream,
                                             plan.lane_order, dst_rows=ws.entry_row[:r] if token_order else None)

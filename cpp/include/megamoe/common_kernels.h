@@ -31,8 +31,6 @@ enum class GlobalScaleMode : int {
 //     [expert_offsets[e], expert_offsets[e+1]) and writes them to
 //     dst_row = dst_offsets[e] + (r - expert_offsets[e]).
 //     For the docs/SPEC.md §2 grouped layout dst_offsets[e] = sum_{j<e} round_up(tokens_j, 128).
-//   - token order (dst_rows, top_k <= 16, no src_rows): row r is token r, read once and quantized into
-//     each input row dst_rows[r*top_k + j] >= 0 (moe_align's entry_row), placed as above; entries < 0 skipped.
 // Outputs (each optional, null to skip):
 //   data        uint8 [*, cols/2], low nibble first
 //   scale       uint8 (e4m3) [*, cols/16], linear
@@ -61,8 +59,6 @@ struct QuantizeArgs {
   uint16_t* dequant = nullptr;
   bool dequant_lane_order = false;
   float* row_scale_out = nullptr;  // kPerRowDynamic: the global scale of each destination row
-  const int32_t* dst_rows = nullptr;  // token order: [rows * top_k] input rows of each token (-1: none)
-  int top_k = 0;
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 
