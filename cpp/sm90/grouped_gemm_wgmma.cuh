@@ -98,8 +98,8 @@ struct WgCfg {
                                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
   __host__ __device__ static constexpr int wswz(int r) { return kKS == 256 ? (r & 7) : kKS == 128 ? ((r >> 1) & 3) : 0; }
   // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile
-  // (tile 128: 32, 64, 96, 128; tile 64: 8, 16, 32, 48, 64; tile 32: 8, 16, 32), so an expert's last tile wastes
-  // at most 32 (tile 128) or 16 (tile 64) token columns of MMA work past its first width.
+  // (tile 128: 32, 64, 96, 128; tile 64: 8, 16, 32, 48, 64; tile 32: 8, 16, 32), so a tile's wgmmas run fewer than
+  // 32 (tile 128) or 16 (tiles 64 and 32) token columns past its tokens.
   static constexpr int kNumWidths = kMaxN == kWgMid ? 4 : kMaxN == kWgSmall ? 5 : 3;
   __host__ __device__ static constexpr int width(int i) {
     return kMaxN == kWgMid ? 32 * (i + 1) : kMaxN == kWgSmall ? (i < 3 ? 8 << i : 16 * i) : 8 << i;

@@ -266,8 +266,8 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
 }
 
 // Token order: one thread per 16-byte chunk c of token t's row, read once and stored into each of the token's
-// rows dst_rows[t * top_k + j] >= 0 (each source byte is read once; the gather in row order reads a token's
-// row once per slot, scattered over the whole tensor).
+// rows dst_rows[t * top_k + j] >= 0. Each source byte is read once, where stage_bf16_kernel with src_rows reads a
+// token's row once per slot, in expert order.
 template <typename T>
 __global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens, const int32_t* dst_rows, int top_k,
                                     int64_t cols, uint16_t* dst, bool lane_order) {
