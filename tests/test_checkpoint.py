@@ -471,15 +471,18 @@ def test_w13_layout_declared_and_wrong_layout_fails_numerically(tmp_path, gen, o
     got = C.load(path, top_k=2, w13_layout=order)
     assert torch.equal(got.weights.w13.data, ref.weights.w13.data)
     assert torch.equal(got.weights.w13.scale.view(torch.uint8), ref.weights.w13.scale.view(torch.uint8))
-    x = torch.randn(16, 256, generator=gen)
-    from _helpers import cosine
+    # 256 tokens and the mean of the per-token cosines: one token with a large output cannot carry the check
+    # (with gate and up swapped the mean is 0.68-0.72 over seeds, with the interleaved order about 0)
+    x = torch.randn(256, 256, generator=gen)
     good = MoELayer(ref.weights, ref.config, backend="torch")(x)
     assert torch.equal(MoELayer(got.weights, got.config, backend="torch")(x), good)
     for other in C.W13_LAYOUTS:
         if other == order:
             continue
         bad = C.load(path, top_k=2, w13_layout=other)
-        assert cosine(MoELayer(bad.weights, bad.config, backend="torch")(x), good) < 0.9, other
+        per_token = torch.nn.functional.cosine_similarity(MoELayer(bad.weights, bad.config, backend="torch")(x), good,
+                                                          dim=1)
+        assert float(per_token.mean()) < 0.9, (other, float(per_token.mean()))
 
 
 def test_w13_layout_refused_for_separate_gate_up(tmp_path):
