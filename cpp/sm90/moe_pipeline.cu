@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
 #include "pdl.cuh"
@@ -312,6 +314,17 @@ __global__ void combine_kernel(const float* y, const int32_t* entry_row, const f
   }
 }
 
+// f(static_cast<C*>(nullptr)) for the C type of t (float, __half, __nv_bfloat16).
+template <typename F>
+cudaError_t with_elem_type(ElemType t, F&& f) {
+  switch (t) {
+    case ElemType::kFloat32: return f(static_cast<float*>(nullptr));
+    case ElemType::kFloat16: return f(static_cast<__half*>(nullptr));
+    case ElemType::kBFloat16: return f(static_cast<__nv_bfloat16*>(nullptr));
+  }
+  return cudaErrorInvalidValue;
+}
+
 unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
   int64_t b = (n + threads - 1) / threads;
   if (b < 1) b = 1;
@@ -363,19 +376,11 @@ cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_ro
   if (cols % (lane_order ? 64 : 16) != 0) return cudaErrorInvalidValue;
   if (max_rows == 0) return cudaSuccess;
   const unsigned grid = grid_of(max_rows * (cols / 8), 256);
-  switch (src_type) {
-    case ElemType::kFloat32:
-      return pdl_launch(stage_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src), src_row_stride,
-                        src_rows, num_rows, max_rows, cols, dst, lane_order);
-    case ElemType::kFloat16:
-      return pdl_launch(stage_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
-                        src_row_stride, src_rows, num_rows, max_rows, cols, dst, lane_order);
-    case ElemType::kBFloat16:
-      return pdl_launch(stage_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
-                        static_cast<const __nv_bfloat16*>(src), src_row_stride, src_rows, num_rows, max_rows, cols,
-                        dst, lane_order);
-  }
-  return cudaErrorInvalidValue;
+  return with_elem_type(src_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return pdl_launch(stage_bf16_kernel<T>, grid, 256, 0, stream, static_cast<const T*>(src), src_row_stride,
+                      src_rows, num_rows, max_rows, cols, dst, lane_order);
+  });
 }
 
 cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_row_stride, int64_t tokens,
@@ -384,19 +389,11 @@ cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_
   if (cols % (lane_order ? 64 : 16) != 0 || top_k <= 0 || !dst_rows) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   const unsigned grid = grid_of(tokens * (cols / 8), 256);
-  switch (src_type) {
-    case ElemType::kFloat32:
-      return pdl_launch(scatter_bf16_kernel<float>, grid, 256, 0, stream, static_cast<const float*>(src),
-                        src_row_stride, tokens, dst_rows, top_k, cols, dst, lane_order);
-    case ElemType::kFloat16:
-      return pdl_launch(scatter_bf16_kernel<__half>, grid, 256, 0, stream, static_cast<const __half*>(src),
-                        src_row_stride, tokens, dst_rows, top_k, cols, dst, lane_order);
-    case ElemType::kBFloat16:
-      return pdl_launch(scatter_bf16_kernel<__nv_bfloat16>, grid, 256, 0, stream,
-                        static_cast<const __nv_bfloat16*>(src), src_row_stride, tokens, dst_rows, top_k, cols, dst,
-                        lane_order);
-  }
-  return cudaErrorInvalidValue;
+  return with_elem_type(src_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return pdl_launch(scatter_bf16_kernel<T>, grid, 256, 0, stream, static_cast<const T*>(src), src_row_stride,
+                      tokens, dst_rows, top_k, cols, dst, lane_order);
+  });
 }
 
 cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
@@ -405,18 +402,11 @@ cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const f
   const int64_t n = tokens * (hidden / 4);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
-  switch (out_type) {
-    case ElemType::kFloat32:
-      return pdl_launch(combine_kernel<float>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
-                        hidden, static_cast<float*>(out));
-    case ElemType::kFloat16:
-      return pdl_launch(combine_kernel<__half>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k,
-                        hidden, static_cast<__half*>(out));
-    case ElemType::kBFloat16:
-      return pdl_launch(combine_kernel<__nv_bfloat16>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens,
-                        top_k, hidden, static_cast<__nv_bfloat16*>(out));
-  }
-  return cudaErrorInvalidValue;
+  return with_elem_type(out_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return pdl_launch(combine_kernel<T>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k, hidden,
+                      static_cast<T*>(out));
+  });
 }
 
 }  // namespace megamoe::sm90
