@@ -166,9 +166,16 @@ void register_sm90(nb::module_& m) {
         a.swiglu_clamp = swiglu_limit.has_value();
         a.swiglu_limit = swiglu_limit.value_or(0.f);
         a.epilogue = epilogue;
-        a.out = opt_ptr<float>(out, "out", 4);
+        if (out && elem_type(*out, "out") == ElemType::kBFloat16) {
+          if (epilogue != sm90::Epilogue::kStore)
+            throw std::invalid_argument("grouped_gemm: a bfloat16 out needs the store epilogue (silu_mul writes fp32 "
+                                        "out or out_operand)");
+          a.out_bf16 = ptr<uint16_t>(*out, "out", 2);
+        } else {
+          a.out = opt_ptr<float>(out, "out", 4);
+        }
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
-        if (!a.out && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
+        if (!a.out && !a.out_bf16 && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
         if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
           throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
         a.max_total_rows = max_total_rows;
@@ -189,7 +196,12 @@ void register_sm90(nb::module_& m) {
       "sm90_moe_combine",
       [](const Array& y, const Array& entry_row, const Array& topk_weights, const Array& out, uintptr_t stream) {
         if (topk_weights.ndim() != 2 || out.ndim() != 2) throw std::invalid_argument("moe_combine: 2-D arrays");
-        check(sm90::launch_moe_combine(ptr<const float>(y, "y", 4), ptr<const int32_t>(entry_row, "entry_row", 4),
+        const ElemType yt = elem_type(y, "y");
+        if (yt == ElemType::kFloat16) throw std::invalid_argument("moe_combine: y must be float32 or bfloat16");
+        if (y.ndim() != 2 || int64_t(y.shape(1)) != int64_t(out.shape(1)))
+          throw std::invalid_argument("moe_combine: y must be [rows, H] with the H of out");
+        check(sm90::launch_moe_combine(ptr<const void>(y, "y", yt == ElemType::kFloat32 ? 4 : 2),
+                                       yt == ElemType::kBFloat16, ptr<const int32_t>(entry_row, "entry_row", 4),
                                        ptr<const float>(topk_weights, "topk_weights", 4), int64_t(out.shape(0)),
                                        int(topk_weights.shape(1)), int64_t(out.shape(1)), out.data(),
                                        elem_type(out, "out"), stream_of(stream)),

@@ -123,6 +123,16 @@ __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_
       *reinterpret_cast<const uint16_t*>(&b);
 }
 
+// Element idx of the kStore output: fp32 out, or bf16 out_bf16 rounded once (GroupedGemmArgs::out_bf16).
+__device__ __forceinline__ void store_out(const GroupedGemmArgs& a, int64_t idx, float v) {
+  if (a.out_bf16) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    a.out_bf16[idx] = *reinterpret_cast<const uint16_t*>(&b);
+  } else {
+    a.out[idx] = v;
+  }
+}
+
 // Byte stride between the scale rows of the weights (GroupedGemmArgs::w_scale_row_bytes, or K/16 when unset).
 __host__ __device__ __forceinline__ int64_t scale_row_bytes(const GroupedGemmArgs& a) {
   return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;

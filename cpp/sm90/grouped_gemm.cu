@@ -82,11 +82,13 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
       !a.expert_offsets || a.grid_experts <= 0)
     return cudaErrorInvalidValue;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2)) return cudaErrorInvalidValue;
+  if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2 || a.out_bf16)) return cudaErrorInvalidValue;
+  // exactly one output: fp32 out or bf16 out_bf16 (kStore), or out / out_operand (kSiluMul)
+  if (a.out && a.out_bf16) return cudaErrorInvalidValue;
+  if (!a.out && !a.out_bf16 && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
-    if (!(a.out || (silu_mul && a.out_operand))) return cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma32)
       return wg_gemm_supported<kWgTiny>(a) ? launch_wg_gemm<kWgTiny>(a, stream) : cudaErrorInvalidValue;
     if (a.kernel == GemmKernel::kWgmma64)
@@ -94,7 +96,6 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
     return wg_gemm_supported<kWgMid>(a) ? launch_wg_gemm<kWgMid>(a, stream) : cudaErrorInvalidValue;
   }
   if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;
-  if (!a.out && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   const int nt = a.tokens_per_pass / 8;
   if (nt != 1 && nt != 2 && nt != 4 && nt != 8) return cudaErrorInvalidValue;
 

@@ -240,7 +240,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           for (int mt = 0; mt < 2; ++mt) {
             if (!rvalid[mt][hh]) continue;
             const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
-            a.out[out_row * N + n] = scaled(sum[mt][2 * hh + t], alpha0, rs);
+            store_out(a, out_row * N + n, scaled(sum[mt][2 * hh + t], alpha0, rs));
           }
         }
       }

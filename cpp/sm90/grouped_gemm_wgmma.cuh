@@ -223,7 +223,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int64_t n = n0 + 8 * hh;
-        if (n < Nw) a.out[out_row * Nw + n] = scaled(acc[c + 2 * hh], alpha0, rs);
+        if (n < Nw) store_out(a, out_row * Nw + n, scaled(acc[c + 2 * hh], alpha0, rs));
       }
     });
   }

@@ -286,10 +286,21 @@ __global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens
   }
 }
 
-// One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of y, the
-// bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
-template <typename T>
-__global__ void combine_kernel(const float* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
+// Four partial values of y (fp32 or bf16) at element idx (a multiple of 4), as fp32.
+__device__ __forceinline__ float4 load_partial4(const float* y, int64_t idx) {
+  return __ldcs(reinterpret_cast<const float4*>(y + idx));
+}
+__device__ __forceinline__ float4 load_partial4(const __nv_bfloat16* y, int64_t idx) {
+  const uint2 u = __ldcs(reinterpret_cast<const uint2*>(y + idx));
+  // bf16 -> fp32 is exact: the bf16 bits in the high half of a word
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xFFFF0000u));
+}
+
+// One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of fp32 y, 8-byte loads of
+// bf16 y; the bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
+template <typename T, typename Y>
+__global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
                                int64_t hidden, T* out) {
   griddep_sync_and_release();  // no-op unless launched with PDL
   const int64_t quads = hidden / 4, n = tokens * quads;
@@ -300,7 +311,7 @@ __global__ void combine_kernel(const float* y, const int32_t* entry_row, const f
       const int32_t r = entry_row[t * top_k + j];
       if (r < 0) continue;
       const float wj = w[t * top_k + j];
-      const float4 v = __ldcs(reinterpret_cast<const float4*>(y + int64_t(r) * hidden + c));
+      const float4 v = load_partial4(y, int64_t(r) * hidden + c);
       acc.x += wj * v.x;
       acc.y += wj * v.y;
       acc.z += wj * v.z;
@@ -396,16 +407,20 @@ cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_
   });
 }
 
-cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
-                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream) {
+cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
+                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
+                               cudaStream_t stream) {
   if (hidden % 4 != 0) return cudaErrorInvalidValue;
   const int64_t n = tokens * (hidden / 4);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
   return with_elem_type(out_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return pdl_launch(combine_kernel<T>, grid, 256, 0, stream, y, entry_row, topk_weights, tokens, top_k, hidden,
-                      static_cast<T*>(out));
+    if (y_bf16)
+      return pdl_launch(combine_kernel<T, __nv_bfloat16>, grid, 256, 0, stream, static_cast<const __nv_bfloat16*>(y),
+                        entry_row, topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
+    return pdl_launch(combine_kernel<T, float>, grid, 256, 0, stream, static_cast<const float*>(y), entry_row,
+                      topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
   });
 }
 

@@ -20,8 +20,9 @@ fixed T):
                       e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
 4. L2 input           as 2, from h
-5. L2 GEMM            h @ w2^T -> y fp32 per (token, expert) row
-6. combine            out[t] = sum_j w[t,j] * y[row(t,j)]
+5. L2 GEMM            h @ w2^T -> y per (token, expert) row: bf16 when x is bf16 (the output's own
+                      precision; half the bytes of the combine's input), else fp32
+6. combine            out[t] = sum_j w[t,j] * y[row(t,j)] in fp32, rounded once to x's dtype
 
 Workspace grows with T (rows = T*k), never with E.
 
@@ -186,7 +187,7 @@ class _Workspace:
         self._shapes = {"align_scratch": ((scratch,), torch.int32), "x_op": ((max(t, 1), h), torch.bfloat16),
                         "a1": ((r, h), torch.bfloat16),
                         "a1_rs": ((r,), torch.float32), "h": ((r, i), torch.float32), "a2_rs": ((r,), torch.float32),
-                        "y": ((r, h), torch.float32)}
+                        "y": ((r, h), torch.float32), "y16": ((r, h), torch.bfloat16)}
 
     def __getattr__(self, name: str) -> torch.Tensor:
         """First use of a buffer: allocate it and keep it as a plain attribute (later reads do not come here)."""
@@ -380,7 +381,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     def moe_forward(self, prepared: PreparedSm90, cfg, x: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts of docs/SPEC.md §3; returns ``[T, H]`` in x's dtype (fp32 sums, one rounding)."""
+        """Routed experts of docs/SPEC.md §3; returns ``[T, H]`` in x's dtype (fp32 sums; with bf16 x each expert's
+        output row is rounded to bf16 before the weighted sum, the precision of the result)."""
         ext = _ext.ext
         t, h = x.shape
         e, k = cfg.num_experts, cfg.top_k
@@ -425,11 +427,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
                                             cfg, prepared.w2_input_scale, stream, plan.lane_order)
+        y = ws.y16 if x.dtype == torch.bfloat16 else ws.y  # fp16 / fp32 x: fp32 rows (more than bf16's precision)
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=ws.y, **common)
+                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
-        ext.sm90_moe_combine(ws.y, ws.entry_row, topk_weights, out, stream)
+        ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
 
     @staticmethod

@@ -1,6 +1,7 @@
 """cuda-sm90 align step of the forward chain (routing -> grouped rows): one block, and the two-kernel
 multi-block form it takes above 8192 entries, both give a valid grouping of exactly the valid entries,
-and the forward is bit-identical with either; the per-slot W4A16 L1 input in token order equals the gathered one."""
+and the forward is bit-identical with either; the per-slot W4A16 L1 input in token order equals the gathered one;
+the combine reads bf16 expert rows exactly."""
 from __future__ import annotations
 
 import pytest
@@ -132,3 +133,37 @@ def test_forward_same_bits_in_token_order(x_dtype, gen, monkeypatch):
     assert torch.equal(token_order, gathered)
     c = cosine(token_order.float(), ref.forward(x, ids, w, validate=False).float())
     assert c >= 0.9999, c
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_combine_reads_bf16_rows_exactly(out_dtype, gen):
+    """The combine of bf16 expert rows (what the L2 GEMM writes with bf16 x) equals the combine of the same values
+    held in fp32, bit for bit (bf16 -> fp32 is exact; same fp32 sum in j order), dropped entries skipped; an fp16
+    y and a y whose width is not out's are refused."""
+    backend_or_skip("cuda-sm90")
+    from megamoe import _ext
+    from megamoe.backends.cuda_common import current_stream
+
+    t, k, h, e = 257, 6, 520, 40
+    ids = torch.randint(-1, e + 2, (t, k), generator=gen).int()
+    _, _, _, _, entry_row = _align(ids.cuda(), e, None)
+    r = t * k
+    y = (torch.randn((r, h), generator=gen) * torch.exp(torch.randn((r, 1), generator=gen) * 3)).to(torch.bfloat16)
+    w = torch.rand((t, k), generator=gen).cuda()
+    stream = current_stream()
+    outs = []
+    for yin in (y.cuda(), y.float().cuda()):
+        out = torch.full((t, h), float("nan"), dtype=out_dtype, device="cuda")
+        _ext.ext.sm90_moe_combine(yin, entry_row.cuda(), w, out, stream)
+        outs.append(out.cpu())
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(outs[0], outs[1])
+    valid = (entry_row.view(t, k) >= 0)
+    rows = entry_row.view(t, k).clamp(min=0).long()
+    want = (w.cpu().unsqueeze(-1) * y.float()[rows] * valid.unsqueeze(-1)).sum(1)
+    tol = 8e-3 if out_dtype == torch.bfloat16 else 1e-5  # the output's rounding
+    assert (outs[0].float() - want).abs().max() <= tol * want.abs().max()
+    with pytest.raises(Exception, match="moe_combine"):
+        _ext.ext.sm90_moe_combine(y.half().cuda(), entry_row.cuda(), w, out.cuda(), stream)
+    with pytest.raises(Exception, match="moe_combine"):
+        _ext.ext.sm90_moe_combine(y[:, :-4].contiguous().cuda(), entry_row.cuda(), w, out.cuda(), stream)

@@ -116,24 +116,30 @@ def test_cuda_graph_replay_equals_eager(t, mode, gen):
 def test_fused_w4a16_equals_staged(shape, gen):
     """W4A16 with bf16 x: with the streaming kernel L1 gathers x itself, and L1 writes h as the bf16 L2
     operand with every kernel; float32 x holding the same bf16 values is staged first. Same sums, same
-    roundings: bit-identical over T = 1..40 and a few larger T (streaming one tile per pass, wgmma or the
-    streaming fallback with several tiles per pass above: E = 16, k = 3), workspace poisoned before each
-    forward."""
+    roundings up to the L2 GEMM: its bf16 input (h) is bit-identical and its output rows, bf16 with bf16 x and
+    fp32 with fp32 x, are the same values rounded (the bf16 row is the fp32 row rounded to nearest even), over
+    T = 1..40 and a few larger T (streaming one tile per pass, wgmma or the streaming fallback with several tiles
+    per pass above: E = 16, k = 3), workspace poisoned before each forward."""
     gpu, ref = _layers("tiny", act_mode="w4a16", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16,
                        top_k=3)
     for t in list(range(1, 41)) + [47, 97, 128, 700]:
         x, ids, w = _route(gpu, t, gen)
-        outs = []
+        outs, h_ops = [], []
+        ws = gpu.backend.workspace(t, gpu.config)
         for xin in (x, x.float()):
-            ws = gpu.backend.workspace(t, gpu.config)
-            for buf in (ws.h, ws.a1, ws.a2, ws.y, ws.x_op):
+            for buf in (ws.h, ws.a1, ws.a2, ws.y, ws.y16, ws.x_op):
                 buf.fill_(float("nan"))
             outs.append(gpu.forward(xin, ids, w, validate=False).to(torch.bfloat16))
+            r = int(ws.expert_offsets[-1])  # grouped rows written (every routed slot)
+            h_ops.append(ws.a2[:r].clone())
         assert torch.isfinite(outs[0].float()).all(), t
-        assert torch.equal(outs[0], outs[1]), t
+        assert torch.equal(h_ops[0].view(torch.int16), h_ops[1].view(torch.int16)), t
+        assert torch.equal(ws.y16[:r].view(torch.int16), ws.y[:r].to(torch.bfloat16).view(torch.int16)), t
+        assert cosine(outs[0].float(), outs[1].float()) >= 0.99999, t
         if t in (1, 8, 26, 33, 128):
-            c = cosine(outs[0].float(), ref.forward(x, ids, w, validate=False).float())
-            assert c >= 0.9999, (t, c)
+            for out in outs:
+                c = cosine(out.float(), ref.forward(x, ids, w, validate=False).float())
+                assert c >= 0.9999, (t, c)
 
 
 # ---------------------------------------------------------------- every kernel of the plan, forced

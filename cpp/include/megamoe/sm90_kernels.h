@@ -49,7 +49,7 @@ cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_
                                 cudaStream_t stream);
 
 enum class Epilogue : int {
-  kStore = 0,    // out[row, n] = alpha * acc  (fp32, ldo = N)
+  kStore = 0,    // out[row, n] = alpha * acc  (fp32, or bf16 with GroupedGemmArgs::out_bf16; ldo = N)
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
 };
 
@@ -123,6 +123,7 @@ struct GroupedGemmArgs {
   int64_t N = 0, K = 0;
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
+  uint16_t* out_bf16 = nullptr;     // kStore only: out as bf16 [rows, N] (round to nearest even) instead of fp32
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in the kernel's own order instead
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
@@ -133,8 +134,9 @@ struct GroupedGemmArgs {
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
-// dropped entries skipped), cast to out_type. y fp32 [rows, H].
-cudaError_t launch_moe_combine(const float* y, const int32_t* entry_row, const float* topk_weights, int64_t tokens,
-                               int top_k, int64_t hidden, void* out, ElemType out_type, cudaStream_t stream);
+// dropped entries skipped), cast to out_type. y [rows, H], fp32 or (y_bf16) bf16.
+cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
+                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
+                               cudaStream_t stream);
 
 }  // namespace megamoe::sm90
