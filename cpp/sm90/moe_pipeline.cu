@@ -286,42 +286,56 @@ __global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens
   }
 }
 
-// Four partial values of y (fp32 or bf16) at element idx (a multiple of 4), as fp32.
-__device__ __forceinline__ float4 load_partial4(const float* y, int64_t idx) {
-  return __ldcs(reinterpret_cast<const float4*>(y + idx));
+// Eight partial values of y (fp32 or bf16) at element idx (a multiple of 8), as fp32: two 16-byte loads of fp32
+// rows, one of bf16 rows (bf16 -> fp32 is exact: the bf16 bits in the high half of a word).
+__device__ __forceinline__ void load_partial8(const float* y, int64_t idx, float (&v)[8]) {
+  const float4 a = __ldcs(reinterpret_cast<const float4*>(y + idx));
+  const float4 b = __ldcs(reinterpret_cast<const float4*>(y + idx + 4));
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
-__device__ __forceinline__ float4 load_partial4(const __nv_bfloat16* y, int64_t idx) {
-  const uint2 u = __ldcs(reinterpret_cast<const uint2*>(y + idx));
-  // bf16 -> fp32 is exact: the bf16 bits in the high half of a word
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xFFFF0000u));
+__device__ __forceinline__ void load_partial8(const __nv_bfloat16* y, int64_t idx, float (&v)[8]) {
+  const uint4 u = __ldcs(reinterpret_cast<const uint4*>(y + idx));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+// Eight output values at o (16-byte aligned), each rounded once to T (round to nearest even for __half and bf16).
+__device__ __forceinline__ void store8(float* o, const float (&v)[8]) {
+  reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T>
+__device__ __forceinline__ void store8(T* o, const float (&v)[8]) {
+  T t[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t[i] = T(v[i]);
+  *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(t);
 }
 
-// One thread per 4 consecutive columns of one token (hidden % 4 == 0: 16-byte loads of fp32 y, 8-byte loads of
-// bf16 y; the bytes of the k partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
+// One thread per 8 consecutive columns of one token (hidden % 8 == 0: 16-byte loads and stores; the bytes of the k
+// partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
 template <typename T, typename Y>
 __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
                                int64_t hidden, T* out) {
   griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t quads = hidden / 4, n = tokens * quads;
+  const int64_t octs = hidden / 8, n = tokens * octs;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / quads, c = (idx - t * quads) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t t = idx / octs, c = (idx - t * octs) * 8;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < top_k; ++j) {
       const int32_t r = entry_row[t * top_k + j];
       if (r < 0) continue;
       const float wj = w[t * top_k + j];
-      const float4 v = load_partial4(y, int64_t(r) * hidden + c);
-      acc.x += wj * v.x;
-      acc.y += wj * v.y;
-      acc.z += wj * v.z;
-      acc.w += wj * v.w;
+      float v[8];
+      load_partial8(y, int64_t(r) * hidden + c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += wj * v[i];
     }
-    T* o = out + t * hidden + c;  // T(float): round to nearest even for __half and bf16
-    o[0] = T(acc.x);
-    o[1] = T(acc.y);
-    o[2] = T(acc.z);
-    o[3] = T(acc.w);
+    store8(out + t * hidden + c, acc);
   }
 }
 
@@ -410,8 +424,9 @@ cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_
 cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
                                int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
                                cudaStream_t stream) {
-  if (hidden % 4 != 0) return cudaErrorInvalidValue;
-  const int64_t n = tokens * (hidden / 4);
+  if (hidden % 8 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const int64_t n = tokens * (hidden / 8);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
   return with_elem_type(out_type, [&](auto* tag) {

@@ -134,7 +134,8 @@ struct GroupedGemmArgs {
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
-// dropped entries skipped), cast to out_type. y [rows, H], fp32 or (y_bf16) bf16.
+// dropped entries skipped), cast to out_type. y [rows, H], fp32 or (y_bf16) bf16; H % 8 == 0, y and out
+// 16-byte aligned.
 cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
                                int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
                                cudaStream_t stream);
