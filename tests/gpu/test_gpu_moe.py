@@ -117,7 +117,8 @@ def test_fused_w4a16_equals_staged(shape, gen):
     """W4A16 with bf16 x: with the streaming kernel L1 gathers x itself, and L1 writes h as the bf16 L2
     operand with every kernel; float32 x holding the same bf16 values is staged first. Same sums, same
     roundings up to the L2 GEMM: its bf16 input (h) is bit-identical and its output rows, bf16 with bf16 x and
-    fp32 with fp32 x, are the same values rounded (the bf16 row is the fp32 row rounded to nearest even), over
+    fp32 with fp32 x, are the same values rounded (the bf16 row is the fp32 row rounded to nearest even; rows
+    compared per (token, slot) through entry_row), over
     T = 1..40 and a few larger T (streaming one tile per pass, wgmma or the streaming fallback with several tiles
     per pass above: E = 16, k = 3), workspace poisoned before each forward."""
     gpu, ref = _layers("tiny", act_mode="w4a16", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16,
@@ -130,9 +131,11 @@ def test_fused_w4a16_equals_staged(shape, gen):
             for buf in (ws.h, ws.a1, ws.a2, ws.y, ws.y16, ws.x_op):
                 buf.fill_(float("nan"))
             outs.append(gpu.forward(xin, ids, w, validate=False).to(torch.bfloat16))
-            r = int(ws.expert_offsets[-1])  # grouped rows written (every routed slot)
-            h_ops.append(ws.a2[:r].clone())
-            y_rows.append((ws.y16 if xin.dtype == torch.bfloat16 else ws.y)[:r].clone())
+            # each (token, slot)'s grouped row (the order of rows inside an expert is not fixed)
+            rows = ws.entry_row[: t * gpu.config.top_k].long()
+            rows = rows[rows >= 0]
+            h_ops.append(ws.a2[rows].clone())
+            y_rows.append((ws.y16 if xin.dtype == torch.bfloat16 else ws.y)[rows].clone())
         assert torch.isfinite(outs[0].float()).all(), t
         assert torch.equal(h_ops[0].view(torch.int16), h_ops[1].view(torch.int16)), t
         assert torch.isfinite(y_rows[0].float()).all(), t
