@@ -117,8 +117,7 @@ struct WgCfg {
 struct WgMaps {
   CUtensorMap w;
   CUtensorMap s;
-  CUtensorMap act[5];       // one per token width (WgCfg::kNumWidths)
-  CUtensorMap act_half[4];  // tile 128 in a CTA pair: boxes of width(i) / 2 rows (each CTA multicasts one half)
+  CUtensorMap act[5];  // one per token width (WgCfg::kNumWidths)
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -232,7 +231,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
-template <int N, int kMaxN, bool kActTma, bool kPair>
+template <int N, int kMaxN, bool kActTma>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0) {
@@ -260,10 +259,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   constexpr int kWidth = Cfg::width_index(N);
   static_assert(Cfg::width(kWidth) == N, "N is one of the instantiated widths");
   constexpr uint32_t kTx = uint32_t(Cfg::kWBytes) + (kActTma ? uint32_t(kB * N * 128) : 0u);
-  // kPair: the two CTAs of a cluster (same expert tile, weight-row blocks 2j and 2j + 1) share the activation tile:
-  // each issues half of its boxes (tile 64: one of the stage's two 64-element sub-tiles; tile 128: half of the
-  // tokens), multicast into both, so each stage's activations cross from L2 once per pair instead of once per CTA.
-  const uint32_t rank = kPair ? cluster_ctarank() : 0u;
   auto issue_tma = [&](int slot, int kt) {
     const uint32_t bar = bars + 8 * slot;
     const bool chunk = kt % Cfg::kChunkStages == 0;
@@ -277,18 +272,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
       tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
     }
-    if constexpr (kPair) {
-      if constexpr (kB == 1) {
-        tma_load_2d_multicast(sa + rank * uint32_t(N / 2 * 128), &maps.act_half[kWidth], kt * kKS,
-                              row_begin + m0 + int(rank) * (N / 2), bar, uint16_t(3));
-      } else {
-#pragma unroll
-        for (int sub = 0; sub < kB; ++sub)
-          if (uint32_t(sub & 1) == rank)
-            tma_load_2d_multicast(sa + sub * (kMaxN * 128), &maps.act[kWidth], kt * kKS + kWgK * sub, row_begin + m0,
-                                  bar, uint16_t(3));
-      }
-    } else if constexpr (kActTma) {
+    if constexpr (kActTma) {
 #pragma unroll
       for (int sub = 0; sub < kB; ++sub)
         tma_load_2d(sa + sub * (kMaxN * 128), &maps.act[kWidth], kt * kKS + kWgK * sub, row_begin + m0, bar);
@@ -344,7 +328,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // activation rows: every thread waits on the empty barrier of tile kt - 1 anyway before its cp.async copies of
   // tile kt + A (A = S - 1 ahead), so thread 0 issues that tile's boxes right there.
   constexpr int A = S - 1;
-  if constexpr (kPair) cluster_sync();  // the peer's barriers are initialized before a box signals them
   if (tid == 0)
     for (int s = 0; s < (kActTma ? S : A) && s < num_k_tiles; ++s) issue_tma(s, s);
 #pragma unroll
@@ -429,14 +412,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         // the last one's TMA writes into it
         constexpr uint32_t kWarps = Cfg::kThreads / 32;
         if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) + 1u) % kWarps == 0u && kt + S < num_k_tiles) {
-          if constexpr (kPair) {
-            // both CTAs done with the slot (the boxes write into both): arrive on this CTA's and the peer's
-            // empty[slot] (2 arrivals a phase), wait for the peer's
-            const uint32_t empty = bars + 8 * (S + slot);
-            mbar_arrive(empty);
-            mbar_arrive_cluster(cluster_shared_addr(empty, rank ^ 1u));
-            mbar_wait_cluster(empty, phase);
-          }
           fence_proxy_async_smem();
           issue_tma(slot, kt + S);
         }
@@ -451,16 +426,13 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     }
   }
   acc_fence(acc);  // every copy of the tile has landed: each loaded tile's full barrier was waited on
-  if constexpr (kPair) cluster_sync();  // no box or arrival of the peer still targets this CTA when it exits
 
   wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
-// kPair (TMA activation rows, tiles 64 and 128): launched in clusters of two CTAs along blockIdx.x (grid.x even).
-template <int kMaxN, bool kActTma, bool kPair>
+template <int kMaxN, bool kActTma>
 __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
-  static_assert(!kPair || (kActTma && kMaxN != kWgTiny), "CTA pairs: TMA activation rows, tiles 64 and 128");
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
   static_assert(WgCfg<kMaxN>::kNumWidths <= 5, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN>;
@@ -481,7 +453,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   if (tid == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
-      mbar_init(bars + 8 * (Cfg::kStages + s), kPair ? 2 : Cfg::kThreads / 32);
+      mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
       freed[s] = 0u;
     }
     mbar_fence_init();  // the initialized barriers are visible to the TMA unit
@@ -498,7 +470,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
 #define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kActTma, kPair>(a, maps, stages, scales, scale_lut, bars, \
+  wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, \
                              static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
@@ -547,25 +519,19 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
       const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, a.act, dims,
                                                 strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
       if (err != cudaSuccess) return err;
-      if (kMaxN == kWgMid) {
-        const uint32_t half[2] = {uint32_t(kWgK), uint32_t(Cfg::width(i) / 2)};
-        const cudaError_t e2 = encode_tensor_map(&maps.act_half[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, a.act, dims,
-                                                 strides, half, CU_TENSOR_MAP_SWIZZLE_128B);
-        if (e2 != cudaSuccess) return e2;
-      }
     }
   }
   return cudaSuccess;
 }
 
-template <int kMaxN, bool kActTma, bool kPair>
+template <int kMaxN, bool kActTma>
 inline cudaError_t wg_set_attributes() {
   static bool attr_set = false;
   if (attr_set) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma, kPair>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN>::kSmem);
+  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         WgCfg<kMaxN>::kSmem);
   if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma, kPair>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   if (err == cudaSuccess) attr_set = true;
   return err;
@@ -581,38 +547,19 @@ inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream)
   WgMaps maps{};
   cudaError_t err = wg_encode_maps<kMaxN>(a, act_tma, maps);
   if (err != cudaSuccess) return err;
-  constexpr bool kPairTile = kMaxN != kWgTiny;  // TMA activation rows of tiles 64 and 128 run in CTA pairs
-  err = act_tma ? wg_set_attributes<kMaxN, true, kPairTile>() : wg_set_attributes<kMaxN, false, false>();
+  err = act_tma ? wg_set_attributes<kMaxN, true>() : wg_set_attributes<kMaxN, false>();
   if (err != cudaSuccess) return err;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
-  unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
-  // CTA pairs: an even grid.x (a block past N computes zeros of rows past the expert's end and stores nothing)
-  if (act_tma && kPairTile) gx += gx & 1u;
+  const unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
   const dim3 grid(gx, unsigned(tiles));
-  if (act_tma && kPairTile) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = Cfg::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, wg_gemm_kernel<kMaxN, true, kPairTile>, a, maps);
-    return err != cudaSuccess ? err : cudaGetLastError();
-  }
   if (act_tma)
-    wg_gemm_kernel<kMaxN, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
   else
-    wg_gemm_kernel<kMaxN, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
   return cudaGetLastError();
 }
 
