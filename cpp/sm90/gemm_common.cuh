@@ -44,12 +44,16 @@ namespace megamoe::sm90 {
 
 constexpr float kDequantAlpha = 128.0f;  // 2^7, see above
 
+// The bits of bf16(v), rounded to nearest even.
+__device__ __forceinline__ uint16_t bf16_bits(float v) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  return *reinterpret_cast<const uint16_t*>(&b);
+}
+
 // bf16x2 (both halves) of e4m3 scale * 2^119.
 __device__ __forceinline__ uint32_t scale_bf16x2(uint8_t e4m3) {
   __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(e4m3), __NV_E4M3);
-  const float s = __half2float(__half(h)) * 0x1p119f;
-  __nv_bfloat16 b = __float2bfloat16_rn(s);
-  const uint32_t u = *reinterpret_cast<uint16_t*>(&b);
+  const uint32_t u = bf16_bits(__half2float(__half(h)) * 0x1p119f);
   return u | (u << 16);
 }
 
@@ -117,17 +121,14 @@ __device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int ex
 // lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
                                                    float hv, bool lane_order) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(hv);
   const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
-  out_operand[out_row * I + (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op)] =
-      *reinterpret_cast<const uint16_t*>(&b);
+  out_operand[out_row * I + (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op)] = bf16_bits(hv);
 }
 
 // Element idx of the kStore output: fp32 out, or bf16 out_bf16 rounded once (GroupedGemmArgs::out_bf16).
 __device__ __forceinline__ void store_out(const GroupedGemmArgs& a, int64_t idx, float v) {
   if (a.out_bf16) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(v);
-    a.out_bf16[idx] = *reinterpret_cast<const uint16_t*>(&b);
+    a.out_bf16[idx] = bf16_bits(v);
   } else {
     a.out[idx] = v;
   }
