@@ -46,8 +46,10 @@
 //     its cp.async copies, with their arrivals
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
 //     with copied rows each warp arrives on empty[slot of kt]; with TMA rows it counts itself in
-//     freed[slot of kt] instead, and the last of the 8 warps issues the TMA boxes of tile kt+kStages into
-//     the slot (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free.
+//     freed[slot of kt] instead (an atomic whose result it reads one stage later), and the last of the 8
+//     warps issues the TMA boxes of tile kt+kStages into the slot during its next stage, while that stage's
+//     wgmmas run (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free, or for the
+//     atomic.
 // (Measured, docs/PERFORMANCE.md: when every copy is TMA the last-warp issue made the GEMM kernels 7% faster
 // than thread 0 waiting on the empty barrier; with copied rows, where every thread waits on that barrier
 // anyway, it made the forward 1-2% slower.)
@@ -89,7 +91,8 @@ struct WgCfg {
   static constexpr int kScBytes = kRows * 16;
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
                                256 * 4 /*scale LUT*/ + 32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
-                               16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/;
+                               16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/ +
+                               4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
   // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
@@ -343,6 +346,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   int slot = 0, pf_slot = A;  // kt % S and (kt + A) % S
   uint32_t phase = 0;         // (kt / S) & 1
   int sc_slot = 0, sc_pos = 0;  // scale slot of tile kt's chunk, and kt's stage within the chunk
+  // kActTma, lane 0: the warp's count in freed[] for the stage before (the counter's old value) and the tile the
+  // last warp issues into that slot (-1: none); checked one stage later, while this stage's wgmmas run, so the
+  // warp never waits for the atomic's result.
+  uint32_t pend_old = 0u;
+  int pend_kt = -1, pend_slot = 0;
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     mbar_wait(bars + 8 * slot, phase);                   // tile kt landed
     if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
@@ -398,24 +406,30 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
     wgmma_commit();
     acc_fence(acc);
+    if constexpr (kActTma) {
+      // the last of the 8 warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
+      constexpr uint32_t kWarps = Cfg::kThreads / 32;
+      if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
+        fence_proxy_async_smem();
+        issue_tma(pend_slot, pend_kt);
+      }
+    }
     // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
     // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
     // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
     // rejected variants).
     wgmma_wait<0>();
     __syncwarp();
-    if (lane == 0) {
-      if constexpr (!kActTma) {
-        mbar_arrive(bars + 8 * (S + slot));
-      } else {
-        // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
-        // the last one's TMA writes into it
-        constexpr uint32_t kWarps = Cfg::kThreads / 32;
-        if ((atom_add_acq_rel_shared(freed + 4 * slot, 1u) + 1u) % kWarps == 0u && kt + S < num_k_tiles) {
-          fence_proxy_async_smem();
-          issue_tma(slot, kt + S);
-        }
-      }
+    if constexpr (!kActTma) {
+      if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+    } else {
+      // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
+      // the last one's TMA writes into it (issued during the next stage, above). Every lane executes the atomic,
+      // lane 0 on the slot's counter and the others on a scratch word of their own (a warp-uniform condition
+      // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
+      pend_old = atom_add_acq_rel_shared(lane == 0 ? freed + 4 * slot : freed + 4 * (S + lane), lane == 0 ? 1u : 0u);
+      pend_kt = kt + S < num_k_tiles ? kt + S : -1;
+      pend_slot = slot;
     }
     slot = slot + 1 == S ? 0 : slot + 1;
     phase ^= slot == 0 ? 1u : 0u;
@@ -444,7 +458,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);
   int32_t* warp_sums = reinterpret_cast<int32_t*>(scale_lut + 256);              // [32] scan scratch
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
-  // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far)
+  // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far) and 32 scratch words
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
   uint32_t* freed = reinterpret_cast<uint32_t*>(found + 1) + 4 * Cfg::kStages;
 
