@@ -347,10 +347,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   uint32_t phase = 0;         // (kt / S) & 1
   int sc_slot = 0, sc_pos = 0;  // scale slot of tile kt's chunk, and kt's stage within the chunk
   // kActTma, lane 0: the warp's count in freed[] for the stage before (the counter's old value) and the tile the
-  // last warp issues into that slot (-1: none); checked one stage later, while this stage's wgmmas run, so the
-  // warp never waits for the atomic's result.
+  // last warp issues into that stage's slot, pend_kt % S (-1: none); checked one stage later, while this stage's
+  // wgmmas run, so the warp never waits for the atomic's result.
   uint32_t pend_old = 0u;
-  int pend_kt = -1, pend_slot = 0;
+  int pend_kt = -1;
   for (int kt = 0; kt < num_k_tiles; ++kt) {
     mbar_wait(bars + 8 * slot, phase);                   // tile kt landed
     if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
@@ -411,7 +411,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       constexpr uint32_t kWarps = Cfg::kThreads / 32;
       if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
         fence_proxy_async_smem();
-        issue_tma(pend_slot, pend_kt);
+        issue_tma(pend_kt % S, pend_kt);
       }
     }
     // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
@@ -429,7 +429,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
       pend_old = atom_add_acq_rel_shared(lane == 0 ? freed + 4 * slot : freed + 4 * (S + lane), lane == 0 ? 1u : 0u);
       pend_kt = kt + S < num_k_tiles ? kt + S : -1;
-      pend_slot = slot;
     }
     slot = slot + 1 == S ? 0 : slot + 1;
     phase ^= slot == 0 ? 1u : 0u;
