@@ -1,4 +1,5 @@
-"""The cuda-sm90 workspace cache (host-side logic, no GPU): bounded, graph-captured ones kept."""
+"""The cuda-sm90 workspace cache (host-side logic, no GPU): bounded, graph-captured ones kept; where the L1 input
+is written in token order."""
 import torch
 
 from megamoe.backends import cuda_sm90
@@ -41,3 +42,30 @@ def test_graph_captured_workspace_is_never_evicted(monkeypatch):
         be.workspace(t, cfg)
     assert be.workspace(7, cfg) is captured
     assert len(be._workspaces) == be.MAX_WORKSPACES
+
+
+def test_one_value():
+    assert cuda_sm90.one_value(torch.full((5,), 0.25))
+    assert not cuda_sm90.one_value(torch.tensor([0.25, 0.25, 0.5]))
+    assert not cuda_sm90.one_value(torch.tensor([float("nan")] * 2))
+    assert not cuda_sm90.one_value(torch.empty(0))
+    assert not cuda_sm90.one_value(None)
+
+
+def test_w4a4_token_order_only_where_a_tokens_slots_quantize_alike():
+    """W4A16 from TOKEN_ORDER_FROM tokens; W4A4 from there only with a per-row dynamic scale or one static scale
+    for every expert (per-expert scales quantize each slot differently: gathered per slot)."""
+    cfg = get_preset("tiny").with_(act_mode="w4a4")
+    t = cuda_sm90.TOKEN_ORDER_FROM
+
+    def prep(scale):
+        return cuda_sm90.PreparedSm90(None, None, None, None, None, None, w13_input_scale=scale, w2_input_scale=None,
+                                      w13_input_scale_uniform=cuda_sm90.one_value(scale))
+
+    order = cuda_sm90.CudaSm90Backend._token_order
+    per_expert, one = prep(torch.tensor([0.5, 0.25])), prep(torch.tensor([0.5, 0.5]))
+    assert not order(per_expert, cfg, t)
+    assert order(one, cfg, t) and not order(one, cfg, t - 1)
+    assert order(per_expert, cfg.with_(dynamic_act_scale=True), t)
+    assert order(prep(None), cfg, t)
+    assert order(per_expert, cfg.with_(act_mode="w4a16"), t) and not order(per_expert, cfg.with_(act_mode="w4a16"), t - 1)

@@ -57,7 +57,7 @@ void register_common(nb::module_& m) {
       "quantize_nvfp4",
       [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
-         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order) {
+         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order, OptArray scatter_rows, int scatter_k) {
         if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
         QuantizeArgs a;
         a.src = src.data();
@@ -91,12 +91,22 @@ void register_common(nb::module_& m) {
           throw std::invalid_argument("quantize_nvfp4: a lane-order dequant needs cols % 64 == 0, got " +
                                       std::to_string(a.cols));
         a.row_scale_out = opt_ptr<float>(row_scale_out, "row_scale_out", 4);
+        if (scatter_rows) {
+          if (scatter_k < 1 || numel(*scatter_rows) < a.rows * scatter_k)
+            throw std::invalid_argument("quantize_nvfp4: scatter_rows needs rows * scatter_k entries (scatter_k >= 1)");
+          if (expert_offsets || src_rows || data || scale || scale_swz)
+            throw std::invalid_argument(
+                "quantize_nvfp4: scatter_rows writes plain rows to dequant and row_scale_out only");
+          a.scatter_rows = ptr<const int32_t>(*scatter_rows, "scatter_rows", 4);
+          a.scatter_k = scatter_k;
+        }
         check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
       },
       nb::arg("src"), nb::arg("global_scale").none(), nb::arg("gs_mode"), nb::arg("src_rows").none(),
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
       nb::arg("row_scale_out").none(), nb::arg("stream"), nb::arg("dequant_lane_order") = false,
+      nb::arg("scatter_rows").none() = nb::none(), nb::arg("scatter_k") = 0,
       "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h).");
 
   m.def(

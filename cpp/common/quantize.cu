@@ -158,7 +158,14 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
   if (a.dequant) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
-    store_operand_block(r, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+    if (a.scatter_rows) {
+      for (int j = 0; j < a.scatter_k; ++j) {
+        const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
+        if (d >= 0) store_operand_block(r, a.dequant + int64_t(d) * a.cols, kb, a.dequant_lane_order);
+      }
+    } else {
+      store_operand_block(r, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+    }
   }
 }
 
@@ -238,7 +245,16 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(Qua
   float amax = 0.f;
   for (int w = 0; w < int(blockDim.x >> 5); ++w) amax = fmaxf(amax, warp_max[w]);
   const float gs = amax > 0.f ? __fdiv_rn(amax, 6.0f * 448.0f) : 1.0f;
-  if (threadIdx.x == 0 && a.row_scale_out) a.row_scale_out[p.dst_row] = gs;
+  if (threadIdx.x == 0 && a.row_scale_out) {
+    if (a.scatter_rows) {
+      for (int j = 0; j < a.scatter_k; ++j) {
+        const int32_t d = a.scatter_rows[p.dst_row * a.scatter_k + j];
+        if (d >= 0) a.row_scale_out[d] = gs;
+      }
+    } else {
+      a.row_scale_out[p.dst_row] = gs;
+    }
+  }
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int64_t kb = threadIdx.x + int64_t(j) * blockDim.x;
@@ -312,6 +328,9 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
   if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
   if (args.dequant && args.dequant_lane_order && args.cols % 64 != 0) return cudaErrorInvalidValue;
   if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
+  if (args.scatter_rows && (args.scatter_k < 1 || args.num_experts > 0 || args.src_rows || args.data || args.scale ||
+                            args.scale_swz))
+    return cudaErrorInvalidValue;
   const int64_t total = args.rows * (args.cols / 16);
   if (total == 0) return cudaSuccess;
   const int eb = elem_bytes(args.src_type);

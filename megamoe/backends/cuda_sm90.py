@@ -16,8 +16,10 @@ fixed T):
                       (W4A16: TMA boxes of contiguous rows for wgmma tiles 64 and 128; from
                       TOKEN_ORDER_FROM tokens in token order: each row of x read once and
                       written to its k slots through entry_row) or gather + NVFP4 quantize
-                      per slot (W4A4; static per-expert or per-row dynamic scale), exact
-                      e2m1*e4m3 bf16 operand
+                      per slot (W4A4; static per-expert or per-row dynamic scale; from
+                      TOKEN_ORDER_FROM tokens, where a token's slots quantize alike -- a
+                      dynamic scale, or one static scale for every expert -- once per token
+                      into its k slots), exact e2m1*e4m3 bf16 operand
 3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
 4. L2 input           as 2, from h
 5. L2 GEMM            h @ w2^T -> y per (token, expert) row: bf16 when x is bf16 (the output's own
@@ -47,15 +49,16 @@ import torch
 
 from megamoe import _ext, nvfp4
 from megamoe.backends.base import Backend
-from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
+from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_SINGLE, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
                                           current_stream)
 
 __all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_word_layout", "sm90_word_layout_inverse"]
 
 
 
-# From this many tokens the per-slot W4A16 L1 input is written in token order (each row of x read once and
-# stored into its k grouped rows) instead of gathered per slot (a token's row read k times, in expert order).
+# From this many tokens the per-slot L1 input is written in token order (each row of x read once and stored into
+# its k grouped rows; W4A4 where the slots of a token quantize alike: quantized once) instead of gathered per slot
+# (a token's row read, and with W4A4 quantized, k times, in expert order). See CudaSm90Backend._token_order.
 TOKEN_ORDER_FROM = 1024
 
 
@@ -167,6 +170,14 @@ class PreparedSm90:
     w2_gs: torch.Tensor      # f32 [E]
     w13_input_scale: torch.Tensor | None
     w2_input_scale: torch.Tensor | None
+    # every expert's L1 input scale is the same value (e.g. a checkpoint loaded with input_scales="max"): a token's
+    # NVFP4 L1 input is then the same in all its k slots, so from TOKEN_ORDER_FROM tokens it is quantized once
+    w13_input_scale_uniform: bool = False
+
+
+def one_value(t: torch.Tensor | None) -> bool:
+    """Whether t holds one value in every element (False for None or empty; NaN is never equal)."""
+    return t is not None and t.numel() > 0 and bool((t == t.flatten()[0]).all())
 
 
 class _Workspace:
@@ -329,6 +340,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
     def prepare_weights(self, weights) -> PreparedSm90:
         dev = self.device
         w = weights
+        in1 = None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous()
         return PreparedSm90(
             w13_data=sm90_word_layout(w.w13.data.to(dev)),
             w13_scale=sm90_scale_rows(w.w13.scale.to(dev)),
@@ -336,8 +348,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w2_data=sm90_word_layout(w.w2.data.to(dev)),
             w2_scale=sm90_scale_rows(w.w2.scale.to(dev)),
             w2_gs=w.w2.global_scale.to(dev, torch.float32).reshape(-1).contiguous(),
-            w13_input_scale=None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous(),
+            w13_input_scale=in1,
             w2_input_scale=None if w.w2_input_scale is None else w.w2_input_scale.to(dev, torch.float32).contiguous(),
+            w13_input_scale_uniform=one_value(in1),
         )
 
     MAX_WORKSPACES = 8
@@ -361,8 +374,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                dst_rows=None):
         """Activation -> bf16 GEMM operand (W4A16) or NVFP4 decode (W4A4), in the plan's order.
 
-        Grouped row r reads row ``src_rows[r]`` of src (or r); W4A16 with ``dst_rows`` (moe_align's entry_row) in
-        token order instead: row t of src goes to rows ``dst_rows[t * k + j]``. Returns (a_gs, per_expert, a_rs)."""
+        Grouped row r reads row ``src_rows[r]`` of src (or r); with ``dst_rows`` (moe_align's entry_row) in token
+        order instead: row t of src goes to rows ``dst_rows[t * k + j]`` (W4A4: quantized once, with the per-row
+        dynamic scale or the experts' one static scale). Returns (a_gs, per_expert, a_rs)."""
         total = ws_offsets[-1:]
         if cfg.act_mode == "w4a16":
             if dst_rows is not None:
@@ -371,10 +385,15 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 _ext.ext.sm90_stage_bf16(src, src_rows, total, dst, stream, lane_order=lane_order)
             return None, False, None
         dynamic = cfg.dynamic_act_scale or static_scale is None
-        mode = GS_PER_ROW_DYNAMIC if dynamic else GS_PER_EXPERT
-        common_ext().quantize_nvfp4(src, None if dynamic else static_scale, mode,
-                                    src_rows, ws_offsets, None, None, None, None, 0, dst,
-                                    dst_rs if dynamic else None, stream, dequant_lane_order=lane_order)
+        if dst_rows is not None:  # every slot of a token gets the same quantization (see _token_order)
+            common_ext().quantize_nvfp4(src, None if dynamic else static_scale[:1],
+                                        GS_PER_ROW_DYNAMIC if dynamic else GS_SINGLE, None, None, None, None, None,
+                                        None, 0, dst, dst_rs if dynamic else None, stream,
+                                        dequant_lane_order=lane_order, scatter_rows=dst_rows, scatter_k=cfg.top_k)
+        else:
+            common_ext().quantize_nvfp4(src, None if dynamic else static_scale, GS_PER_ROW_DYNAMIC if dynamic
+                                        else GS_PER_EXPERT, src_rows, ws_offsets, None, None, None, None, 0, dst,
+                                        dst_rs if dynamic else None, stream, dequant_lane_order=lane_order)
         if dynamic:
             return None, False, dst_rs
         return static_scale, True, None
@@ -412,7 +431,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 a1 = ws.x_op[:t]
                 ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
         else:
-            token_order = cfg.act_mode == "w4a16" and t >= TOKEN_ORDER_FROM
+            token_order = self._token_order(prepared, cfg, t)
             a_gs, per_e, a_rs = self._stage(x, None if token_order else ws.row_token[:r], ws.expert_offsets,
                                             ws.a1[:r], ws.a1_rs, cfg, prepared.w13_input_scale, stream,
                                             plan.lane_order, dst_rows=ws.entry_row[:r] if token_order else None)
@@ -434,6 +453,17 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
+
+    @staticmethod
+    def _token_order(prepared: PreparedSm90, cfg, t: int) -> bool:
+        """Whether the per-slot L1 input is written in token order (each row of x read once and stored into the
+        token's k slots through entry_row) rather than gathered slot by slot: from TOKEN_ORDER_FROM tokens, for W4A16,
+        and for W4A4 when all k slots of a token quantize alike (a per-row dynamic scale, or one static scale)."""
+        if t < TOKEN_ORDER_FROM:
+            return False
+        if cfg.act_mode == "w4a16":
+            return True
+        return cfg.dynamic_act_scale or prepared.w13_input_scale is None or prepared.w13_input_scale_uniform
 
     @staticmethod
     def expert_flops(cfg, t: int) -> float:

@@ -1,7 +1,7 @@
 """cuda-sm90 align step of the forward chain (routing -> grouped rows): one block, and the two-kernel
 multi-block form it takes above 8192 entries, both give a valid grouping of exactly the valid entries,
-and the forward is bit-identical with either; the per-slot W4A16 L1 input in token order equals the gathered one;
-the combine reads bf16 expert rows exactly."""
+and the forward is bit-identical with either; the per-slot L1 input in token order (W4A16, and W4A4 quantized once
+per token) equals the gathered one; the combine reads bf16 expert rows exactly."""
 from __future__ import annotations
 
 import pytest
@@ -108,6 +108,90 @@ def test_token_order_l1_input_equals_gathered(k, src_dtype, gen):
         assert torch.equal(g.view(torch.int16), s.view(torch.int16)), (k, lane)
     with pytest.raises(Exception, match="scatter_bf16"):
         _ext.ext.sm90_scatter_bf16(x, entry_row[: r - 1].cuda(), k, scattered, stream)
+
+
+@pytest.mark.parametrize("k,dynamic,src_dtype", [(6, False, torch.bfloat16), (8, True, torch.bfloat16),
+                                                 (3, False, torch.float32), (16, True, torch.float16)])
+def test_token_order_w4a4_l1_input_equals_gathered(k, dynamic, src_dtype, gen):
+    """The W4A4 L1 input quantized once per token and stored into its k grouped rows through entry_row
+    (``scatter_rows``) equals the per-slot quantization gathered through row_token, bit for bit, in operand and
+    lane order: with one static scale for every expert, and with the per-row dynamic scale (whose row scales
+    match too). Random ids with dropped ones; rows past the valid ones keep their poison; bad arguments raise."""
+    backend_or_skip("cuda-sm90")
+    from megamoe.backends.cuda_common import GS_PER_EXPERT, GS_PER_ROW_DYNAMIC, GS_SINGLE, common_ext, current_stream
+
+    q = common_ext().quantize_nvfp4
+    t, h, e = 300, 448, 40
+    ids = torch.randint(-1, e + 2, (t, k), generator=gen).int()
+    off, _, _, row_token, entry_row = _align(ids.cuda(), e, None)
+    r, total = t * k, int(off[-1])
+    x = (torch.randn((t, h), generator=gen) * torch.exp(torch.randn((t, 1), generator=gen) * 2)).to(src_dtype).cuda()
+    gs = torch.full((e,), float(x.float().abs().max()) / (6 * 448) * 0.7, device="cuda")  # some blocks saturate
+    stream = current_stream()
+    for lane in (False, True):
+        outs = []
+        for token_order in (False, True):
+            dq = torch.full((r, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+            rs = torch.full((r,), float("nan"), device="cuda")
+            if token_order:
+                q(x, None if dynamic else gs[:1], GS_PER_ROW_DYNAMIC if dynamic else GS_SINGLE, None, None, None, None,
+                  None, None, 0, dq, rs if dynamic else None, stream, dequant_lane_order=lane,
+                  scatter_rows=entry_row.cuda(), scatter_k=k)
+            else:
+                q(x, None if dynamic else gs, GS_PER_ROW_DYNAMIC if dynamic else GS_PER_EXPERT, row_token.cuda(),
+                  off.cuda(), None, None, None, None, 0, dq, rs if dynamic else None, stream, dequant_lane_order=lane)
+            outs.append((dq.cpu(), rs.cpu()))
+        (g, grs), (s_, srs) = outs
+        assert not torch.isnan(g[:total]).any() and torch.isnan(g[total:]).all(), (k, lane)
+        assert (g[:total] != 0).float().mean() > 0.5, (k, lane)  # not a zero operand
+        assert torch.equal(g.view(torch.int16), s_.view(torch.int16)), (k, lane, dynamic)
+        if dynamic:
+            assert torch.isfinite(grs[:total]).all() and torch.isnan(grs[total:]).all()
+            assert torch.equal(grs.view(torch.int32), srs.view(torch.int32))  # bits: the poison is NaN
+    dq = torch.empty((r, h), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(Exception, match="scatter_rows"):
+        q(x, gs[:1], GS_SINGLE, None, None, None, None, None, None, 0, dq, None, stream,
+          scatter_rows=entry_row[: r - 1].cuda(), scatter_k=k)
+    with pytest.raises(Exception, match="scatter_rows"):
+        q(x, gs[:1], GS_SINGLE, None, None, None, torch.empty((t, h // 2), dtype=torch.uint8, device="cuda"), None,
+          None, 0, dq, None, stream, scatter_rows=entry_row.cuda(), scatter_k=k)
+
+
+@pytest.mark.parametrize("mode", ["w4a4-one-scale", "w4a4-dynamic", "w4a4-per-expert"])
+def test_w4a4_forward_same_bits_in_token_order(mode, gen, monkeypatch):
+    """From TOKEN_ORDER_FROM tokens a W4A4 L1 input that is the same in all of a token's slots (one static scale
+    for every expert, or the per-row dynamic scale) is quantized once per token; the forward equals the per-slot
+    one bit for bit (wgmma tile 128), with dropped entries among the ids, and the torch backend within cosine
+    0.9999. Per-expert static scales keep the per-slot quantization."""
+    from megamoe.backends import cuda_sm90
+    from megamoe.moe import MoELayer
+
+    gpu, _ = _layers("tiny", act_mode="w4a4", num_experts=16, top_k=3, dynamic_act_scale=mode == "w4a4-dynamic")
+    w = gpu.weights
+    assert w.w13_input_scale is not None and w.w13_input_scale.unique().numel() > 1  # per-expert as calibrated
+    if mode == "w4a4-one-scale":
+        import dataclasses
+
+        w = dataclasses.replace(w, w13_input_scale=torch.full_like(w.w13_input_scale, float(w.w13_input_scale.max())))
+        gpu = MoELayer(w, gpu.config, backend="cuda-sm90")
+    ref = MoELayer(w, gpu.config, backend="torch", device="cuda")
+    t = cuda_sm90.TOKEN_ORDER_FROM + 37
+    assert gpu.backend._token_order(gpu._prepared, gpu.config, t) == (mode != "w4a4-per-expert")
+    assert not gpu.backend._token_order(gpu._prepared, gpu.config, cuda_sm90.TOKEN_ORDER_FROM - 1)
+    gpu.backend.kernel = "wgmma128"
+    try:
+        x, ids, tw = routed_inputs(gpu, t, gen)
+        ids = ids.clone()
+        ids[5, 1], ids[77, 0] = -1, 16  # dropped entries
+        token_order = gpu.forward(x, ids, tw, validate=False).clone()
+        monkeypatch.setattr(cuda_sm90, "TOKEN_ORDER_FROM", 1 << 40)
+        gathered = gpu.forward(x, ids, tw, validate=False)
+    finally:
+        gpu.backend.kernel = "auto"
+    assert torch.isfinite(token_order.float()).all()
+    assert torch.equal(token_order, gathered)
+    c = cosine(token_order.float(), ref.forward(x, ids, tw, validate=False).float())
+    assert c >= 0.9999, c
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])

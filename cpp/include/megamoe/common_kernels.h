@@ -59,6 +59,11 @@ struct QuantizeArgs {
   uint16_t* dequant = nullptr;
   bool dequant_lane_order = false;
   float* row_scale_out = nullptr;  // kPerRowDynamic: the global scale of each destination row
+  // Token order (plain rows only, dequant and row_scale_out only): the outputs of row r go to every row
+  // scatter_rows[r * scatter_k + j] >= 0 (j < scatter_k) instead of row r; the row is quantized once for all of
+  // them (e.g. a token's row of x into its k expert slots, when they share one global scale).
+  const int32_t* scatter_rows = nullptr;
+  int scatter_k = 0;
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 
