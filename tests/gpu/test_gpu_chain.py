@@ -157,6 +157,28 @@ def test_token_order_w4a4_l1_input_equals_gathered(k, dynamic, src_dtype, gen):
           None, 0, dq, None, stream, scatter_rows=entry_row.cuda(), scatter_k=k)
 
 
+def _assert_token_order_forward_equals_gathered(gpu, ref, t, gen, monkeypatch, dtype=torch.bfloat16):
+    """gpu's forward of t tokens (wgmma tile 128, two dropped entries among the ids) equals, bit for bit, the one
+    with the L1 input gathered per slot (TOKEN_ORDER_FROM out of reach), and ref's within cosine 0.9999. The
+    layer has 16 experts."""
+    from megamoe.backends import cuda_sm90
+
+    gpu.backend.kernel = "wgmma128"
+    try:
+        x, ids, w = routed_inputs(gpu, t, gen, dtype=dtype)
+        ids = ids.clone()
+        ids[5, 1], ids[77, 0] = -1, 16  # dropped entries
+        token_order = gpu.forward(x, ids, w, validate=False).clone()
+        monkeypatch.setattr(cuda_sm90, "TOKEN_ORDER_FROM", 1 << 40)
+        gathered = gpu.forward(x, ids, w, validate=False)
+    finally:
+        gpu.backend.kernel = "auto"
+    assert torch.isfinite(token_order.float()).all()
+    assert torch.equal(token_order, gathered)
+    c = cosine(token_order.float(), ref.forward(x, ids, w, validate=False).float())
+    assert c >= 0.9999, c
+
+
 @pytest.mark.parametrize("mode", ["w4a4-one-scale", "w4a4-dynamic", "w4a4-per-expert"])
 def test_w4a4_forward_same_bits_in_token_order(mode, gen, monkeypatch):
     """From TOKEN_ORDER_FROM tokens a W4A4 L1 input that is the same in all of a token's slots (one static scale
@@ -178,20 +200,7 @@ def test_w4a4_forward_same_bits_in_token_order(mode, gen, monkeypatch):
     t = cuda_sm90.TOKEN_ORDER_FROM + 37
     assert gpu.backend._token_order(gpu._prepared, gpu.config, t) == (mode != "w4a4-per-expert")
     assert not gpu.backend._token_order(gpu._prepared, gpu.config, cuda_sm90.TOKEN_ORDER_FROM - 1)
-    gpu.backend.kernel = "wgmma128"
-    try:
-        x, ids, tw = routed_inputs(gpu, t, gen)
-        ids = ids.clone()
-        ids[5, 1], ids[77, 0] = -1, 16  # dropped entries
-        token_order = gpu.forward(x, ids, tw, validate=False).clone()
-        monkeypatch.setattr(cuda_sm90, "TOKEN_ORDER_FROM", 1 << 40)
-        gathered = gpu.forward(x, ids, tw, validate=False)
-    finally:
-        gpu.backend.kernel = "auto"
-    assert torch.isfinite(token_order.float()).all()
-    assert torch.equal(token_order, gathered)
-    c = cosine(token_order.float(), ref.forward(x, ids, tw, validate=False).float())
-    assert c >= 0.9999, c
+    _assert_token_order_forward_equals_gathered(gpu, ref, t, gen, monkeypatch)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
@@ -202,21 +211,7 @@ def test_forward_same_bits_in_token_order(x_dtype, gen, monkeypatch):
     from megamoe.backends import cuda_sm90
 
     gpu, ref = _layers("tiny", act_mode="w4a16", num_experts=16, top_k=3)
-    gpu.backend.kernel = "wgmma128"
-    try:
-        t = cuda_sm90.TOKEN_ORDER_FROM + 37
-        x, ids, w = routed_inputs(gpu, t, gen, dtype=x_dtype)
-        ids = ids.clone()
-        ids[5, 1], ids[77, 0] = -1, 16  # dropped entries
-        token_order = gpu.forward(x, ids, w, validate=False).clone()
-        monkeypatch.setattr(cuda_sm90, "TOKEN_ORDER_FROM", 1 << 40)
-        gathered = gpu.forward(x, ids, w, validate=False)
-    finally:
-        gpu.backend.kernel = "auto"
-    assert torch.isfinite(token_order.float()).all()
-    assert torch.equal(token_order, gathered)
-    c = cosine(token_order.float(), ref.forward(x, ids, w, validate=False).float())
-    assert c >= 0.9999, c
+    _assert_token_order_forward_equals_gathered(gpu, ref, cuda_sm90.TOKEN_ORDER_FROM + 37, gen, monkeypatch, x_dtype)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
