@@ -69,12 +69,15 @@ constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these ke
 // Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
 // dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain -- per weight byte);
-// 64: K 128, 4 stages; 128: K 64, 4 stages.
-template <int kMaxN>
+// 64: K 128, 4 stages; 128: K 128, 2 stages (the ring of two blocks per SM holds no more), or K 64 and
+// 4 stages for a K that is a multiple of 64 only (launch_wg_gemm picks).
+__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgTiny ? 256 : 128; }
+template <int kMaxN, int kStageK = wg_stage_k(kMaxN)>
 struct WgCfg {
-  static constexpr int kKS = kMaxN == kWgTiny ? 256 : kMaxN == kWgSmall ? 128 : 64;  // K per stage
+  static constexpr int kKS = kStageK;      // K per stage
+  static_assert(kKS == 64 || kKS == 128 || kKS == 256, "K 64, 128 or 256 per stage");
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : 4;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall || kKS == 64 ? 4 : 2;
   static constexpr int kThreads = 256;  // 2 warpgroups
   static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
   static constexpr int kMinBlocks = 2;
@@ -172,7 +175,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  return a.K % WgCfg<kMaxN>::kKS == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
+  return a.K % (kMaxN == kWgMid ? kWgK : WgCfg<kMaxN>::kKS) == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
          scale_row_bytes(a) >= a.K / 16;
 }
 
@@ -234,11 +237,11 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
-template <int N, int kMaxN, bool kActTma>
+template <int N, int kMaxN, int kStageK, bool kActTma>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0) {
-  using Cfg = WgCfg<kMaxN>;
+  using Cfg = WgCfg<kMaxN, kStageK>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
@@ -443,12 +446,12 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
 }
 
-template <int kMaxN, bool kActTma>
-__global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBlocks)
+template <int kMaxN, int kStageK, bool kActTma>
+__global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
-  static_assert(WgCfg<kMaxN>::kNumWidths <= 5, "WgMaps holds one activation map per width");
-  using Cfg = WgCfg<kMaxN>;
+  static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 5, "WgMaps holds one activation map per width");
+  using Cfg = WgCfg<kMaxN, kStageK>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 and TMA swizzles are functions of address bits 4..9).
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
@@ -483,7 +486,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
 #define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kActTma>(a, maps, stages, scales, scale_lut, bars, \
+  wg_tile<n, kMaxN, kStageK, kActTma>(a, maps, stages, scales, scale_lut, bars, \
                              static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
@@ -505,9 +508,9 @@ __global__ void __launch_bounds__(WgCfg<kMaxN>::kThreads, WgCfg<kMaxN>::kMinBloc
 }
 
 // Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
-template <int kMaxN>
+template <int kMaxN, int kStageK>
 inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
-  using Cfg = WgCfg<kMaxN>;
+  using Cfg = WgCfg<kMaxN, kStageK>;
   const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
   {
     const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
@@ -537,30 +540,36 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
   return cudaSuccess;
 }
 
-template <int kMaxN, bool kActTma>
+template <int kMaxN, int kStageK, bool kActTma>
 inline cudaError_t wg_set_attributes() {
   static bool attr_set = false;
   if (attr_set) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         WgCfg<kMaxN>::kSmem);
+  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
   if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kActTma>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   if (err == cudaSuccess) attr_set = true;
   return err;
 }
 
-template <int kMaxN>
-inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  using Cfg = WgCfg<kMaxN>;
+template <int kMaxN, int kStageK>
+inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
+  using Cfg = WgCfg<kMaxN, kStageK>;
   // TMA boxes read 16-byte aligned tensors; an unaligned activation view is copied by the threads instead.
   const bool act_tma = !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
-  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0)
+  constexpr bool kTmaOnly = kMaxN == kWgMid && kStageK == 128;  // launch_wg_gemm runs copied rows with K 64
+  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
+      (kTmaOnly && !act_tma))
     return cudaErrorInvalidValue;
   WgMaps maps{};
-  cudaError_t err = wg_encode_maps<kMaxN>(a, act_tma, maps);
+  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
   if (err != cudaSuccess) return err;
-  err = act_tma ? wg_set_attributes<kMaxN, true>() : wg_set_attributes<kMaxN, false>();
+  if constexpr (kTmaOnly) {
+    err = wg_set_attributes<kMaxN, kStageK, true>();
+  } else {
+    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true>() : wg_set_attributes<kMaxN, kStageK, false>();
+  }
   if (err != cudaSuccess) return err;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
@@ -569,11 +578,23 @@ inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream)
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
   const dim3 grid(gx, unsigned(tiles));
-  if (act_tma)
-    wg_gemm_kernel<kMaxN, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
-  else
-    wg_gemm_kernel<kMaxN, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  if (act_tma) {
+    wg_gemm_kernel<kMaxN, kStageK, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  } else if constexpr (!kTmaOnly) {
+    wg_gemm_kernel<kMaxN, kStageK, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  }
   return cudaGetLastError();
+}
+
+// Tile 128 steps K by 128 (2 stages) when K allows it and the activation rows come by TMA, else by 64 (4 stages: the
+// copied-rows loop of K 128 spills); tiles 32 and 64 by their one K per stage.
+template <int kMaxN>
+inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  if constexpr (kMaxN == kWgMid) {
+    const bool act_tma = !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;  // as launch_wg_gemm_k
+    if (a.K % 128 != 0 || !act_tma) return launch_wg_gemm_k<kMaxN, kWgK>(a, stream);
+  }
+  return launch_wg_gemm_k<kMaxN, wg_stage_k(kMaxN)>(a, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -59,7 +59,7 @@ enum class GemmKernel : int {
   kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
   kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
   kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
-  kWgmma128 = 3,  // token tiles of up to 128 tokens, K 64 per stage
+  kWgmma128 = 3,  // token tiles of up to 128 tokens, K 128 per stage (K 64 when K % 128 != 0 or rows are copied)
 };
 
 // What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
