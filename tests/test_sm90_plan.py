@@ -40,7 +40,8 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(28).kernel, plan(28).token_tile) == (kind("wgmma32"), 32)
     assert (plan(29).kernel, plan(29).token_tile) == (kind("wgmma64"), 64)
     assert (plan(32).kernel, plan(32).token_tile) == (kind("wgmma64"), 64)
-    assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(63).kernel, plan(63).token_tile) == (kind("wgmma64"), 64)
+    assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma128"), 128)
     # tile 32 steps K by 256, tile 64 by 128: a K that is a multiple of 128 only runs tile 64 in tile 32's
     # range, one that is a multiple of 64 only runs tile 128 in both ranges
     assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma64"), 64)
@@ -50,7 +51,7 @@ def test_switch_to_wgmma_and_its_tiles():
     assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
     assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
-    for tpe in (7, 24, 25, 28, 29, 32, 33, 64, 65, 5000):
+    for tpe in (7, 24, 25, 28, 29, 32, 33, 63, 64, 65, 5000):
         p = plan(tpe)
         # W4A16: tile 32 gathers the rows of x staged once ([T, H]) through row_token; tiles 64 and 128 read x
         # staged per slot (contiguous rows: TMA boxes)

@@ -175,7 +175,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  return a.K % (kMaxN == kWgMid ? kWgK : WgCfg<kMaxN>::kKS) == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
+  const int k_step = kMaxN == kWgMid ? kWgK : WgCfg<kMaxN>::kKS;  // tile 128 falls back to K 64 per stage
+  return a.K % k_step == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
          scale_row_bytes(a) >= a.K / 16;
 }
 

@@ -94,7 +94,7 @@ struct GemmPlan {
 // wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
 constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
 constexpr int64_t kWgmma32UpTo = 28;
-constexpr int64_t kWgmma64UpTo = 64;
+constexpr int64_t kWgmma64UpTo = 63;
 constexpr int64_t kStreamOneTileUpTo = 8;
 GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
