@@ -554,11 +554,16 @@ inline cudaError_t wg_set_attributes() {
   return err;
 }
 
+// Whether the activation rows come by TMA: contiguous rows (no act_rows gather) of a 16-byte aligned view (TMA boxes
+// read 16-byte aligned tensors); otherwise the threads copy them.
+inline bool wg_act_tma(const GroupedGemmArgs& a) {
+  return !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
+}
+
 template <int kMaxN, int kStageK>
 inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN, kStageK>;
-  // TMA boxes read 16-byte aligned tensors; an unaligned activation view is copied by the threads instead.
-  const bool act_tma = !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
+  const bool act_tma = wg_act_tma(a);
   constexpr bool kTmaOnly = kMaxN == kWgMid && kStageK == 128;  // launch_wg_gemm runs copied rows with K 64
   if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
       (kTmaOnly && !act_tma))
@@ -592,8 +597,7 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if constexpr (kMaxN == kWgMid) {
-    const bool act_tma = !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;  // as launch_wg_gemm_k
-    if (a.K % 128 != 0 || !act_tma) return launch_wg_gemm_k<kMaxN, kWgK>(a, stream);
+    if (a.K % 128 != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kWgK>(a, stream);
   }
   return launch_wg_gemm_k<kMaxN, wg_stage_k(kMaxN)>(a, stream);
 }

@@ -384,7 +384,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             else:
                 _ext.ext.sm90_stage_bf16(src, src_rows, total, dst, stream, lane_order=lane_order)
             return None, False, None
-        dynamic = cfg.dynamic_act_scale or static_scale is None
+        dynamic = self._dynamic_scale(cfg, static_scale)
         if dst_rows is not None:  # every slot of a token gets the same quantization (see _token_order)
             common_ext().quantize_nvfp4(src, None if dynamic else static_scale[:1],
                                         GS_PER_ROW_DYNAMIC if dynamic else GS_SINGLE, None, None, None, None, None,
@@ -455,6 +455,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return out
 
     @staticmethod
+    def _dynamic_scale(cfg, static_scale: torch.Tensor | None) -> bool:
+        """W4A4: whether the activations take the per-row dynamic global scale (asked for, or no static scale)."""
+        return cfg.dynamic_act_scale or static_scale is None
+
+    @staticmethod
     def _token_order(prepared: PreparedSm90, cfg, t: int) -> bool:
         """Whether the per-slot L1 input is written in token order (each row of x read once and stored into the
         token's k slots through entry_row) rather than gathered slot by slot: from TOKEN_ORDER_FROM tokens, for W4A16,
@@ -463,7 +468,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             return False
         if cfg.act_mode == "w4a16":
             return True
-        return cfg.dynamic_act_scale or prepared.w13_input_scale is None or prepared.w13_input_scale_uniform
+        return CudaSm90Backend._dynamic_scale(cfg, prepared.w13_input_scale) or prepared.w13_input_scale_uniform
 
     @staticmethod
     def expert_flops(cfg, t: int) -> float:
