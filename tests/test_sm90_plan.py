@@ -1,6 +1,6 @@
 """The cuda-sm90 dispatch plan (megamoe._C.sm90_plan, cpp/sm90/grouped_gemm.cu): host only, no GPU.
 
-Boundaries of the one decision that picks kernel, token tile, tokens per pass and W4A16 fusion,
+Boundaries of the one decision that picks kernel, token tile, tokens per pass and the fusions,
 and the backend asking it instead of deciding itself."""
 import pytest
 
@@ -81,6 +81,16 @@ def test_fusion_only_for_w4a16():
     assert not plan(3, w4a16=False).gather_x and not plan(3, w4a16=False).h_operand
     assert not plan(3, gather_input=False).gather_x and plan(3, gather_input=False).h_operand
     assert plan(3, kernel=kind("stream"), tokens_per_pass=32).gather_x
+
+
+@pytest.mark.parametrize("tpe", [1, 4, 5, 40, 100, 5000])
+def test_w4a4_quantizes_h_in_l1_only_with_a_static_scale(tpe):
+    """W4A4: L1 writes h as the L2 operand (its NVFP4 decode) when h takes a static scale; the per-row dynamic
+    scale needs the whole row of h first, so h goes through the quantize kernel. x is never gathered by W4A4."""
+    static, dynamic = plan(tpe, w4a16=False, h_static_scale=True), plan(tpe, w4a16=False)
+    assert static.h_operand and not dynamic.h_operand, (static, dynamic)
+    assert not static.gather_x and (static.kernel, static.token_tile) == (dynamic.kernel, dynamic.token_tile)
+    assert plan(tpe, h_static_scale=True).h_operand and plan(tpe).h_operand  # W4A16 fuses either way
 
 
 def test_explicit_choices_are_kept():

@@ -70,30 +70,6 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
-// q[i] = x[i] / d for a block's 16 values (d > 0, amax the largest |x[i]|), as E2M1 rounding needs it:
-// correctly rounded (IEEE division) wherever the quotient can round to a non-zero E2M1 value. With d and
-// amax within 2^+-60 the division is the instruction sequence of the compiler's own IEEE division fast path
-// (approximate reciprocal, one Newton step, quotient, exact residual, correction) with the reciprocal
-// computed once for the block; that path is exact unless the operands lie near the ends of the exponent range,
-// which in this range means a quotient far below 0.25 (E2M1 0 either way; tests/gpu/test_gpu_quantize.py
-// checks quotients within 3 ulps of every rounding boundary over global scales 2^-75..2^75). Outside the
-// range: the full division per value.
-__device__ __forceinline__ void divide_block(const float (&x)[16], float d, float amax, float (&q)[16]) {
-  if (d >= 0x1p-60f && d <= 0x1p60f && amax <= 0x1p60f) {
-    float r0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
-    const float r = __fmaf_rn(r0, __fmaf_rn(-d, r0, 1.0f), r0);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float q0 = __fmaf_rn(r, x[i], 0.0f);
-      q[i] = __fmaf_rn(r, __fmaf_rn(-d, q0, x[i]), q0);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) q[i] = __fdiv_rn(x[i], d);
-  }
-}
-
 // Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
 // operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
 __device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
@@ -129,19 +105,20 @@ __device__ __forceinline__ float block_amax(const float (&x)[16]) {
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
                                                int64_t kb) {
   const int64_t blocks_per_row = a.cols / 16;
-  const float amax = block_amax(x);
-  const uint8_t scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
-  const float scale = e4m3_to_float(scale_byte);
-  const float denom = __fmul_rn(scale, gs);
+  const Nvfp4Block b = nvfp4_block(block_amax(x), gs);
+  const uint8_t scale_byte = b.scale_byte;
+  const float scale = b.scale;
 
-  float r[16];  // E2M1 values
-  if (denom == 0.f) {
+  float r[16];  // E2M1 values (the division's two paths as whole loops: nvfp4_quotient)
+  if (b.denom == 0.f) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) r[i] = 0.f;
-  } else {
-    divide_block(x, denom, amax, r);
+  } else if (b.fast) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(r[i]);
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(nvfp4_quotient_fast(b, x[i]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(__fdiv_rn(x[i], b.denom));
   }
 
   if (a.data) {

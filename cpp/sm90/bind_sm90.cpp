@@ -103,7 +103,7 @@ void register_sm90(nb::module_& m) {
   m.def(
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
-         sm90::GemmKernel kernel, int tokens_per_pass) {
+         sm90::GemmKernel kernel, int tokens_per_pass, bool h_static_scale) {
         if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
                                       std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
@@ -121,20 +121,22 @@ void register_sm90(nb::module_& m) {
         p.gather_input = gather_input;
         p.kernel = kernel;
         p.tokens_per_pass = tokens_per_pass;
+        p.h_static_scale = h_static_scale;
         return sm90::plan_moe_gemms(p);
       },
       nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
-      nb::arg("tokens_per_pass") = 0,
-      "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.");
+      nb::arg("tokens_per_pass") = 0, nb::arg("h_static_scale") = false,
+      "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.\n"
+      "h_static_scale (W4A4): h takes a static global scale, so the first GEMM may quantize it (h_operand).");
 
   m.def(
       "sm90_grouped_gemm",
       [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
-         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, int64_t max_total_rows,
-         const sm90::GemmPlan& plan, uintptr_t stream) {
+         std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray h_quant_scale,
+         int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
@@ -178,6 +180,16 @@ void register_sm90(nb::module_& m) {
         if (!a.out && !a.out_bf16 && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
         if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
           throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
+        if (h_quant_scale) {
+          if (!a.out_operand)
+            throw std::invalid_argument("grouped_gemm: h_quant_scale (h quantized to NVFP4) needs out_operand");
+          const int64_t n = numel(*h_quant_scale);
+          if (n != 1 && n != a.num_experts)
+            throw std::invalid_argument("grouped_gemm: h_quant_scale must have 1 or E = " +
+                                        std::to_string(a.num_experts) + " entries, got " + std::to_string(n));
+          a.h_quant_gs = ptr<const float>(*h_quant_scale, "h_quant_scale", 4);
+          a.h_gs_per_expert = n != 1;
+        }
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;
@@ -188,7 +200,8 @@ void register_sm90(nb::module_& m) {
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
       nb::arg("a_global_scale").none() = nb::none(), nb::arg("a_gs_per_expert") = false,
       nb::arg("a_row_scale").none() = nb::none(), nb::arg("epilogue"), nb::arg("swiglu_limit").none() = nb::none(),
-      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(), nb::arg("max_total_rows"),
+      nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(),
+      nb::arg("h_quant_scale").none() = nb::none(), nb::arg("max_total_rows"),
       nb::arg("plan"), nb::arg("stream"),
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only.");
 

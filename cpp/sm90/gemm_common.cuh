@@ -117,6 +117,11 @@ __device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int ex
   alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
 }
 
+// The global scale h is quantized with (GroupedGemmArgs::h_quant_gs; 1 when unset).
+__device__ __forceinline__ float h_quant_scale(const GroupedGemmArgs& a, int expert) {
+  return a.h_quant_gs ? a.h_quant_gs[a.h_gs_per_expert ? expert : 0] : 1.0f;
+}
+
 // h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
 // lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,

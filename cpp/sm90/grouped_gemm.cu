@@ -55,7 +55,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   if (kernel == GemmKernel::kWgmma32 && !k_tiny) kernel = GemmKernel::kWgmma64;
   if (kernel == GemmKernel::kWgmma64 && !k_small) kernel = GemmKernel::kWgmma128;
   plan.kernel = kernel;
-  plan.h_operand = p.w4a16;
+  plan.h_operand = p.w4a16 || p.h_static_scale;
   // Tiles 64 and 128 read x staged per slot: their L1 takes whole TMA boxes of contiguous rows, which gains more
   // than the staging costs (docs/PERFORMANCE.md); tile 32 and the streaming kernels gather.
   plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kernel == GemmKernel::kWgmma32);
@@ -86,6 +86,7 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // exactly one output: fp32 out or bf16 out_bf16 (kStore), or out / out_operand (kSiluMul)
   if (a.out && a.out_bf16) return cudaErrorInvalidValue;
   if (!a.out && !a.out_bf16 && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
+  if (a.h_quant_gs && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).

@@ -188,15 +188,56 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
   }
 }
 
+// kSiluMul with a.h_quant_gs (W4A4 with a static scale for h; gs its value for this expert) for the 8 tokens from
+// tok of one token tile: h quantized to NVFP4 and written as its exact bf16 decode in operand order, the W4A4 L2
+// input, bit for bit what quantize_nvfp4 makes of the fp32 h written otherwise. The block's 16 columns
+// rb * 16 + g + 8 hh are one NVFP4 block, all in this warp: a token's amax is the max over hh and the shuffles
+// over g. Called by the whole warp; tokens past `rows` are computed as 0 and not stored, the columns are valid or
+// not as a whole (I % 16 == 0).
+__device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const float (&sum)[2][4], int tok, int rows,
+                                               int row_begin, unsigned rb, int g, int tig, const bool (&rvalid)[2][2],
+                                               int64_t I, float alpha0, float alpha1, float gs) {
+  float hv[2][2], m[2] = {0.f, 0.f};
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int tk = tok + 2 * tig + t;
+      float v = 0.f;
+      if (tk < rows && rvalid[0][hh]) {
+        const float rs = a.a_row_scale ? a.a_row_scale[int64_t(row_begin) + tk] : 1.0f;
+        v = swiglu(scaled(sum[0][2 * hh + t], alpha0, rs), scaled(sum[1][2 * hh + t], alpha1, rs), a.swiglu_clamp,
+                   a.swiglu_limit);
+      }
+      hv[hh][t] = v;
+      m[t] = fmaxf(m[t], fabsf(v));  // fmaxf drops NaN, as the quantizer's block amax does
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) m[t] = fmaxf(m[t], __shfl_xor_sync(0xffffffffu, m[t], o));
+    const int tk = tok + 2 * tig + t;
+    if (tk >= rows) continue;
+    const Nvfp4Block b = nvfp4_block(m[t], gs);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      if (rvalid[0][hh])
+        store_operand_bf16(a.out_operand, int64_t(row_begin) + tk, I, int64_t(rb) * 16 + g + 8 * hh,
+                           nvfp4_dequantized(b, hv[hh][t]), false);
+  }
+}
+
 // End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the 4 warps' partial sums are added in shared
 // memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
-// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set.
+// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set (its NVFP4 decode with
+// a.h_quant_gs: stream_h_nvfp4).
 template <int NT, bool kOperandOut>
 __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
                                                      float (&partial)[4][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
                                                      bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
-                                                     float alpha0, float alpha1) {
+                                                     float alpha0, float alpha1, float h_gs) {
   const int64_t I = N / 2;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -216,6 +257,10 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
         sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
                      partial[3][mt][nt][i][lane];
     // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
+    if (kOperandOut && silu_mul && a.out_operand && a.h_quant_gs) {
+      stream_h_nvfp4(a, sum, tok0 + nt * 8, rows, row_begin, rb, g, tig, rvalid, I, alpha0, alpha1, h_gs);
+      continue;
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -318,17 +363,18 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       }
     }
     stream_pass_epilogue<NT, true>(a, acc, partial, tok0, rows, row_begin, blockIdx.x, warp, lane, g, tig, silu_mul,
-                                   rvalid, N, alpha0, alpha1);
+                                   rvalid, N, alpha0, alpha1, h_quant_scale(a, expert));
   }
 }
 
 // One token tile per pass, staged operand-order activations: the layout measured fastest at
 // decode (62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
-// kFused (W4A16 only): the activation rows are gathered from x (a.act_rows, natural
-// order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
-// write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
-// align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
-// h is rounded to bf16 once either way), so results are bit-identical to it.
+// kFused: the activation rows may be gathered from x (a.act_rows, W4A16: natural order,
+// interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may write h
+// straight as the bf16 L2 operand (a.out_operand; W4A4: its NVFP4 decode, stream_h_nvfp4), so no
+// staging kernel runs between align, L1 and L2. Same sums, same roundings as the staged path (bf16
+// x is staged unchanged; h is rounded to bf16, or quantized, once either way), so results are
+// bit-identical to it.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
 template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
@@ -385,7 +431,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
       }
     }
     stream_pass_epilogue<1, kFused>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
-                                    N, alpha0, alpha1);
+                                    N, alpha0, alpha1, h_quant_scale(a, expert));
   }
 }
 

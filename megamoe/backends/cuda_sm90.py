@@ -20,8 +20,11 @@ fixed T):
                       TOKEN_ORDER_FROM tokens, where a token's slots quantize alike -- a
                       dynamic scale, or one static scale for every expert -- once per token
                       into its k slots), exact e2m1*e4m3 bf16 operand
-3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h fp32
-4. L2 input           as 2, from h
+3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h: the bf16 L2
+                      operand (W4A16), h quantized to NVFP4 in the epilogue and written as that
+                      operand (W4A4 with static input scales), else fp32
+4. L2 input           fp32 h only (W4A4 with the per-row dynamic scale, which needs the whole row
+                      first): as 2, from h
 5. L2 GEMM            h @ w2^T -> y per (token, expert) row: bf16 when x is bf16 (the output's own
                       precision; half the bytes of the combine's input), else fp32
 6. combine            out[t] = sum_j w[t,j] * y[row(t,j)] in fp32, rounded once to x's dtype
@@ -35,7 +38,8 @@ read their bf16 operand in lane order, the streaming kernels in operand order; `
 tells every producer of it (staging, the W4A4 quantizer's decode, the L1 epilogue). The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
-previous kernel's tail. W4A16: L1 writes h as the bf16 L2 operand, and with bf16 x up to wgmma tile
+previous kernel's tail. W4A16, and W4A4 with static input scales: L1 writes h as the bf16 L2 operand
+(W4A4: its NVFP4 decode, bit for bit what the quantizer makes of fp32 h). W4A16 with bf16 x up to wgmma tile
 32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, plus the
 one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows); tiles 64
 and 128 stage x per slot instead.
@@ -232,14 +236,16 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._pinned: set[tuple] = set()
         self._plans: dict[tuple, object] = {}
 
-    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool):
+    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool,
+             h_static_scale: bool = False):
         """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached."""
-        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, str(self.kernel), self.tokens_per_pass)
+        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, h_static_scale, str(self.kernel),
+               self.tokens_per_pass)
         plan = self._plans.get(key)
         if plan is None:
             plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
                                       w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
-                                      tokens_per_pass=self.tokens_per_pass)
+                                      tokens_per_pass=self.tokens_per_pass, h_static_scale=h_static_scale)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -420,7 +426,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         expected = -(-r // e)  # tokens per expert under uniform routing
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
-        plan = self.plan(expected, h, cfg.intermediate_size, e, cfg.act_mode == "w4a16", x.dtype == torch.bfloat16)
+        w4a16 = cfg.act_mode == "w4a16"
+        # W4A4 with a static scale for h: L1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
+        h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
+        plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static)
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
                       grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
         if plan.gather_x:
@@ -440,9 +449,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
+                              h_quant_scale=prepared.w2_input_scale if plan.h_operand and not w4a16 else None,
                               **common)
-        if plan.h_operand:
-            a_gs, per_e, a_rs = None, False, None
+        if plan.h_operand:  # W4A16: bf16 h; W4A4: h quantized with the experts' static scales (L2's alpha)
+            a_gs, per_e, a_rs = (None, False, None) if w4a16 else (prepared.w2_input_scale, True, None)
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
                                             cfg, prepared.w2_input_scale, stream, plan.lane_order)

@@ -147,6 +147,47 @@ def test_fused_w4a16_equals_staged(shape, gen):
                 assert c >= 0.9999, (t, c)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "stream", "wgmma32", "wgmma64", "wgmma128"])
+@pytest.mark.parametrize("shape", [(1040, 464), (1280, 768)], ids=["K%64!=0", "K%256==0"])
+def test_w4a4_h_quantized_in_l1_equals_the_quantizer(kernel, shape, gen, forced_kernel, monkeypatch):
+    """W4A4 with static input scales: the L1 epilogue quantizes h to NVFP4 itself (plan.h_operand) and writes its
+    bf16 decode as the L2 input. Against the same forward with that fusion off (L1 writes fp32 h, the quantize
+    kernel makes the L2 input): the L2 input bit for bit (each (token, slot)'s grouped row, workspace poisoned with
+    NaN first) and so the output too, over T across the token tiles of every kernel (K % 64 != 0: the streaming
+    kernel whatever is asked), with fp32 and bf16 x."""
+    gpu, ref = _layers("tiny", act_mode="w4a4", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16,
+                       top_k=3)
+    assert gpu.weights.w2_input_scale is not None
+    if kernel != "auto":
+        forced_kernel(gpu, kernel)
+    be = gpu.backend
+    plan = be.plan
+    ws_cfg = gpu.config
+    for t in (1, 2, 7, 21, 40, 97, 300, 700):
+        x, ids, w = _route(gpu, t, gen)
+        for xin in (x, x.float()):
+            outs, h_ops = [], []
+            for fused in (True, False):
+                if fused:
+                    monkeypatch.setattr(be, "plan", plan)
+                else:  # the plan without the static-scale fusion: h through the quantize kernel
+                    monkeypatch.setattr(be, "plan", lambda *a: plan(*a[:6], False))
+                ws = be.workspace(t, ws_cfg)
+                for buf in (ws.h, ws.a1, ws.a2, ws.y, ws.y16):
+                    buf.fill_(float("nan"))
+                outs.append(gpu.forward(xin, ids, w, validate=False))
+                assert be.plan(-(-t * ws_cfg.top_k // ws_cfg.num_experts), shape[0], shape[1], ws_cfg.num_experts,
+                               False, xin.dtype == torch.bfloat16, True).h_operand == fused
+                rows = ws.entry_row[: t * ws_cfg.top_k].long()
+                h_ops.append(ws.a2[rows[rows >= 0]].clone())
+            assert torch.isfinite(h_ops[0].float()).all(), t
+            assert torch.equal(h_ops[0].view(torch.int16), h_ops[1].view(torch.int16)), (t, xin.dtype)
+            assert torch.equal(outs[0], outs[1]), (t, xin.dtype)
+        if t in (7, 300):
+            c = cosine(outs[0].float(), ref.forward(x, ids, w, validate=False).float())
+            assert c >= 0.9999, (t, c)
+
+
 # ---------------------------------------------------------------- every kernel of the plan, forced
 @pytest.fixture
 def forced_kernel(request):

@@ -49,6 +49,50 @@ __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
   return (code & 8u) ? -a : a;
 }
 
+// One 16-element block of NVFP4 quantization (docs/SPEC.md §1, the reference's fp32 operations in its order) once
+// its amax (the largest |x|, NaN dropped) is known: the e4m3 scale byte and value, and the divisor of the block's
+// values, scale * gs.
+struct Nvfp4Block {
+  uint8_t scale_byte;
+  float scale, denom;
+  float rcp;  // the divisor's reciprocal for the fast path of nvfp4_quotient
+  bool fast;  // whether that path is exact here (see nvfp4_quotient)
+};
+
+__device__ __forceinline__ Nvfp4Block nvfp4_block(float amax, float gs) {
+  Nvfp4Block b;
+  b.scale_byte = e4m3_rne_satfinite(__fdiv_rn(amax, __fmul_rn(6.0f, gs)));
+  b.scale = e4m3_to_float(b.scale_byte);
+  b.denom = __fmul_rn(b.scale, gs);
+  b.fast = b.denom >= 0x1p-60f && b.denom <= 0x1p60f && amax <= 0x1p60f;
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(b.denom));
+  b.rcp = __fmaf_rn(r0, __fmaf_rn(-b.denom, r0, 1.0f), r0);
+  return b;
+}
+
+// x / b.denom as E2M1 rounding needs it: correctly rounded (IEEE division) wherever the quotient can round to a
+// non-zero E2M1 value. With the divisor and amax within 2^+-60 (b.fast) it is the instruction sequence of the
+// compiler's own IEEE division fast path (approximate reciprocal, one Newton step, quotient, exact residual,
+// correction) with the reciprocal computed once for the block; that path is exact unless the operands lie near
+// the ends of the exponent range, which in this range means a quotient far below 0.25 (E2M1 0 either way;
+// tests/gpu/test_gpu_quantize.py checks quotients within 3 ulps of every rounding boundary over global scales
+// 2^-75..2^75). Outside the range: the full division.
+__device__ __forceinline__ float nvfp4_quotient_fast(const Nvfp4Block& b, float x) {
+  const float q0 = __fmaf_rn(b.rcp, x, 0.0f);
+  return __fmaf_rn(b.rcp, __fmaf_rn(-b.denom, q0, x), q0);
+}
+__device__ __forceinline__ float nvfp4_quotient(const Nvfp4Block& b, float x) {
+  return b.fast ? nvfp4_quotient_fast(b, x) : __fdiv_rn(x, b.denom);
+}
+
+// x of block b quantized and decoded again: e2m1 * scale, exact in fp32 and in bf16 (+0 in a block whose divisor
+// is 0). The bf16 GEMM operand of an NVFP4 activation holds these values.
+__device__ __forceinline__ float nvfp4_dequantized(const Nvfp4Block& b, float x) {
+  const float r = b.denom == 0.f ? 0.f : e2m1_round(nvfp4_quotient(b, x));
+  return __fmul_rn(r, b.scale);
+}
+
 // Stored position p of an 8-element group holds element kOperandOrder[p]: the order in
 // which the sm90 GEMMs' weight dequantization produces bf16 pairs (see cpp/sm90/gemm_common.cuh).
 __device__ __forceinline__ int operand_order(int p) { return (p >> 1) + ((p & 1) << 2); }

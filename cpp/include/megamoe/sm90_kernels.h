@@ -69,6 +69,8 @@ struct GemmProblem {
   int num_experts = 0;
   bool w4a16 = true;              // activations bf16 (false: NVFP4, W4A4)
   bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
+  bool h_static_scale = false;    // W4A4: h takes a static global scale (not the per-row dynamic one), so the
+                                  // first GEMM can quantize it in its epilogue
   GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
   int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
 };
@@ -81,7 +83,8 @@ struct GemmPlan {
   bool gather_x = false;    // W4A16, bf16 x, streaming or wgmma tile 32: L1 reads its rows through row_token (the
                             // streaming kernel from x itself, wgmma from x staged once as [T, H] in lane order), no
                             // per-slot staging; tiles 64 and 128 read x staged per slot (TMA boxes of contiguous rows)
-  bool h_operand = false;   // W4A16: L1 writes h as the bf16 L2 operand (no staging kernel between L1 and L2)
+  bool h_operand = false;   // L1 writes h as the bf16 L2 operand, no staging kernel between L1 and L2: W4A16, and
+                            // W4A4 with a static scale for h (h_static_scale; L1 quantizes h, GroupedGemmArgs::h_quant_gs)
   bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
 };
 
@@ -125,6 +128,10 @@ struct GroupedGemmArgs {
   float* out = nullptr;
   uint16_t* out_bf16 = nullptr;     // kStore only: out as bf16 [rows, N] (round to nearest even) instead of fp32
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in the kernel's own order instead
+  const float* h_quant_gs = nullptr;  // with out_operand: h quantized to NVFP4 with this global scale ([E] with
+                                      // h_gs_per_expert, else [1]) and written as its exact bf16 decode (e2m1 *
+                                      // e4m3 scale: W4A4's L2 input, bit for bit what quantize_nvfp4 writes of h)
+  bool h_gs_per_expert = false;
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
