@@ -95,8 +95,9 @@ struct WgCfg {
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
                                256 * 4 /*scale LUT*/ + 32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
                                16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/ +
-                               4 * 32 /*atomic scratch*/ + 4 * (kThreads / 32) * kMaxN /*h amax exchange*/;
+                               4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
+  static_assert(kStageBytes * kStages >= kMaxN * 68 * 4, "the ring holds a tile of h (wg_epilogue_h_nvfp4)");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
   // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
   static constexpr CUtensorMapSwizzle kWSwizzle = kKS == 256   ? CU_TENSOR_MAP_SWIZZLE_128B
@@ -200,58 +201,55 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
   }
 }
 
-// Named barrier of the two warps wq and wq ^ 1 of a warpgroup (id 1..4; 0 is the block barrier).
-__device__ __forceinline__ void warp_pair_sync(int warp) {
-  asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");
-}
-
 // kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its
 // exact bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that
-// wg_epilogue writes otherwise. A 16-column block of h is columns wq * 8 + g (g < 8) of the warps wq and wq ^ 1 of
-// a warpgroup: each warp takes its 8 columns' largest |h| per token (shuffles over g), the two exchange them in
-// shared memory (amax: [warps][kMaxN]), and each thread quantizes its own values. Every thread of the block comes
-// here (the barrier); tokens past `rows` and columns past I are computed as 0 and not stored (I % 16 == 0, so a
-// block of 16 columns is valid or not as a whole).
+// wg_epilogue writes otherwise. The block's tile of h (64 columns x the tile's tokens) goes through shared memory,
+// the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every copy landed):
+// token rows of kHRow floats (64 and 4 of padding, so that the 8 columns x 4 tokens a warp writes at once fall
+// on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize kernel
+// does, and stores their 16 bf16 values as 8 pairs at their lane-order places. Every thread of the block comes
+// here (the barriers). Tokens past `rows` and blocks past I (I % 16 == 0) are not stored.
 template <int N, int kMaxN>
-__device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* amax,
-                                                    int64_t I, int expert, int row_begin, int rows, int m0, int warp,
-                                                    int wg, int wq, int g, int tig) {
+__device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* tile,
+                                                    int64_t I, int expert, int row_begin, int rows, int m0, int wg,
+                                                    int wq, int g, int tig) {
+  constexpr int kHRow = 68, kCols = WgCfg<kMaxN>::kRows / 2;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, true, alpha0, alpha1);
-  const float gs = h_quant_scale(a, expert);
-  const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
-  const bool col_ok = col < I;
-  float hv[N / 4];  // token 8j + 2tig + t of the tile: hv[2j + t]
+  const int c = wg * 32 + wq * 8 + g;  // the thread's column within the block's 64
+  __syncthreads();
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const int tok = m0 + 8 * j + 2 * tig + t;
+      const int i = 8 * j + 2 * tig + t;
       float v = 0.f;
-      if (col_ok && tok < rows) {
-        const float rs = a.a_row_scale ? a.a_row_scale[int64_t(row_begin) + tok] : 1.0f;
+      if (m0 + i < rows) {
+        const float rs = a.a_row_scale ? a.a_row_scale[int64_t(row_begin) + m0 + i] : 1.0f;
         v = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + t + 2], alpha1, rs), a.swiglu_clamp,
                    a.swiglu_limit);
       }
-      hv[2 * j + t] = v;
-      float m = fmaxf(0.f, fabsf(v));  // fmaxf drops NaN, as the quantizer's block amax does
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (g == 0) amax[warp * kMaxN + 8 * j + 2 * tig + t] = m;
+      tile[i * kHRow + c] = v;
     }
   }
-  warp_pair_sync(warp);
+  __syncthreads();
+  const float gs = h_quant_scale(a, expert);
+  const int64_t col0 = int64_t(blockIdx.x) * kCols;
+  for (int q = threadIdx.x; q < N * (kCols / 16); q += WgCfg<kMaxN>::kThreads) {
+    const int i = q / (kCols / 16), kb = q % (kCols / 16);
+    if (m0 + i >= rows || col0 + 16 * kb >= I) continue;
+    float x[16];
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int i = 8 * j + 2 * tig + t, tok = m0 + i;
-      if (col_ok && tok < rows) {
-        const Nvfp4Block b = nvfp4_block(fmaxf(amax[warp * kMaxN + i], amax[(warp ^ 1) * kMaxN + i]), gs);
-        store_operand_bf16(a.out_operand, int64_t(row_begin) + tok, I, col, nvfp4_dequantized(b, hv[2 * j + t]),
-                           true);
-      }
+    for (int v = 0; v < 4; ++v) {
+      const float4 f = *reinterpret_cast<const float4*>(tile + i * kHRow + 16 * kb + 4 * v);
+      x[4 * v] = f.x; x[4 * v + 1] = f.y; x[4 * v + 2] = f.z; x[4 * v + 3] = f.w;
     }
+    uint8_t scale_byte;
+    float scale, r[16];
+    nvfp4_quantize_block(x, gs, scale_byte, scale, r);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) r[e] = __fmul_rn(r[e], scale);  // exact, +0 stays +0
+    store_operand_block(r, a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0, kb, true);
   }
 }
 
@@ -296,7 +294,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 template <int N, int kMaxN, int kStageK, bool kActTma>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
-                                        float* amax, int expert, int row_begin, int rows, int m0) {
+                                        int expert, int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
@@ -500,7 +498,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   acc_fence(acc);  // every copy of the tile has landed: each loaded tile's full barrier was waited on
 
   if (silu_mul && a.h_quant_gs) {
-    wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, amax, I, expert, row_begin, rows, m0, warp, wg, wq, g, tig);
+    wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, reinterpret_cast<float*>(stages), I, expert, row_begin, rows, m0, wg, wq, g,
+                                  tig);
   } else {
     wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
   }
@@ -523,7 +522,6 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far) and 32 scratch words
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
   uint32_t* freed = reinterpret_cast<uint32_t*>(found + 1) + 4 * Cfg::kStages;
-  float* h_amax = reinterpret_cast<float*>(freed + Cfg::kStages + 32);  // [warps][kMaxN] (wg_epilogue_h_nvfp4)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
@@ -548,7 +546,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
 
 #define MEGAMOE_WG_TILE(n) \
   wg_tile<n, kMaxN, kStageK, kActTma>(a, maps, stages, scales, scale_lut, bars, \
-                             static_cast<uint32_t>(__cvta_generic_to_shared(freed)), h_amax, expert, row_begin, rows, m0)
+                             static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
     else if (count <= 16) MEGAMOE_WG_TILE(16);

@@ -107,4 +107,54 @@ __device__ __forceinline__ int lane_order_position(int p) {
   return ((((u & 7) << 2) | (u >> 3)) << 1) | (p & 1);
 }
 
+// Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
+// operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
+__device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
+  uint32_t w[8];  // operand-order pairs of the block
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+#pragma unroll
+    for (int p = 0; p < 8; p += 2) {
+      __nv_bfloat162 b = __floats2bfloat162_rn(v[g * 8 + operand_order(p)], v[g * 8 + operand_order(p + 1)]);
+      w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
+    }
+  }
+  if (lane_order) {
+    uint16_t* blk = row + (kb >> 2) * 64;
+    const int p0 = int(kb & 3) * 16;  // operand position of the first pair within the 64-block
+#pragma unroll
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(blk + lane_order_position(p0 + 2 * i)) = w[i];
+  } else {
+    uint4* dst = reinterpret_cast<uint4*>(row + kb * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+__device__ __forceinline__ float block_amax(const float (&x)[16]) {
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));  // fmaxf drops NaN
+  return m;
+}
+
+// Quantizes one block of 16 values with global scale gs (docs/SPEC.md §1): its e4m3 scale byte and value, and in r
+// its 16 E2M1 values (the division's two paths as whole loops: nvfp4_quotient).
+__device__ __forceinline__ void nvfp4_quantize_block(const float (&x)[16], float gs, uint8_t& scale_byte, float& scale,
+                                                     float (&r)[16]) {
+  const Nvfp4Block b = nvfp4_block(block_amax(x), gs);
+  scale_byte = b.scale_byte;
+  scale = b.scale;
+  if (b.denom == 0.f) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = 0.f;
+  } else if (b.fast) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(nvfp4_quotient_fast(b, x[i]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r[i] = e2m1_round(__fdiv_rn(x[i], b.denom));
+  }
+}
+
 }  // namespace megamoe
