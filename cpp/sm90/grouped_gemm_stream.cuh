@@ -232,7 +232,7 @@ __device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const f
 // memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
 // the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set (its NVFP4 decode with
 // a.h_quant_gs: stream_h_nvfp4).
-template <int NT, bool kOperandOut>
+template <int NT, bool kOperandOut, bool kQuantH>
 __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
                                                      float (&partial)[4][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
@@ -257,7 +257,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
         sum[mt][i] = ((partial[0][mt][nt][i][lane] + partial[1][mt][nt][i][lane]) + partial[2][mt][nt][i][lane]) +
                      partial[3][mt][nt][i][lane];
     // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
-    if (kOperandOut && silu_mul && a.out_operand && a.h_quant_gs) {
+    if (kQuantH && silu_mul && a.out_operand && a.h_quant_gs) {
       stream_h_nvfp4(a, sum, tok0 + nt * 8, rows, row_begin, rb, g, tig, rvalid, I, alpha0, alpha1, h_gs);
       continue;
     }
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
         }
       }
     }
-    stream_pass_epilogue<NT, true>(a, acc, partial, tok0, rows, row_begin, blockIdx.x, warp, lane, g, tig, silu_mul,
+    stream_pass_epilogue<NT, true, true>(a, acc, partial, tok0, rows, row_begin, blockIdx.x, warp, lane, g, tig, silu_mul,
                                    rvalid, N, alpha0, alpha1, h_quant_scale(a, expert));
   }
 }
@@ -376,7 +376,8 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // x is staged unchanged; h is rounded to bf16, or quantized, once either way), so results are
 // bit-identical to it.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-template <bool kVec, bool kFused>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+// kQuantH: the epilogue may quantize h (a.h_quant_gs; an instantiation of its own, so that the others keep their registers).
+template <bool kVec, bool kFused, bool kQuantH>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
                                                 const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
@@ -430,17 +431,17 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
         }
       }
     }
-    stream_pass_epilogue<1, kFused>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
+    stream_pass_epilogue<1, kFused, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
                                     N, alpha0, alpha1, h_quant_scale(a, expert));
   }
 }
 
-template <bool kVec, bool kFused>
+template <bool kVec, bool kFused, bool kQuantH = false>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
   __shared__ uint32_t scale_lut[256];
   __shared__ float partial[4][2][1][4][32];
   stream_block_start(a, scale_lut);
-  stream_nt1_item<kVec, kFused>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
+  stream_nt1_item<kVec, kFused, kQuantH>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
 }
 
 template <bool kVec>
@@ -449,9 +450,9 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 }
 
 // The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
-template <bool kVec>
+template <bool kVec, bool kQuantH>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, true>(a);
+  stream_gemm_nt1_body<kVec, true, kQuantH>(a);
 }
 
 }  // namespace megamoe::sm90

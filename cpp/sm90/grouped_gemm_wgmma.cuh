@@ -289,9 +289,10 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
   }
 }
 
-// Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kActTma: the activation rows
+// Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kQuantH: the kSiluMul epilogue quantizes
+// h (wg_epilogue_h_nvfp4; its own instantiation, so that the other kernels keep their registers); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
-template <int N, int kMaxN, int kStageK, bool kActTma>
+template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0) {
@@ -497,7 +498,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   }
   acc_fence(acc);  // every copy of the tile has landed: each loaded tile's full barrier was waited on
 
-  if (silu_mul && a.h_quant_gs) {
+  if constexpr (kQuantH) {
     wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, reinterpret_cast<float*>(stages), I, expert, row_begin, rows, m0, wg, wq, g,
                                   tig);
   } else {
@@ -505,7 +506,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   }
 }
 
-template <int kMaxN, int kStageK, bool kActTma>
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
@@ -545,7 +546,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
 #define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kStageK, kActTma>(a, maps, stages, scales, scale_lut, bars, \
+  wg_tile<n, kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, scale_lut, bars, \
                              static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);
@@ -599,14 +600,15 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
   return cudaSuccess;
 }
 
-template <int kMaxN, int kStageK, bool kActTma>
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 inline cudaError_t wg_set_attributes() {
   static bool attr_set = false;
   if (attr_set) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma>,
+  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
   if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
+                               cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   if (err == cudaSuccess) attr_set = true;
   return err;
@@ -623,16 +625,19 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   using Cfg = WgCfg<kMaxN, kStageK>;
   const bool act_tma = wg_act_tma(a);
   constexpr bool kTmaOnly = kMaxN == kWgMid && kStageK == 128;  // launch_wg_gemm runs copied rows with K 64
+  const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's L1 input is staged per slot)
   if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
-      (kTmaOnly && !act_tma))
+      ((kTmaOnly || quant) && !act_tma))
     return cudaErrorInvalidValue;
   WgMaps maps{};
   cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
   if (err != cudaSuccess) return err;
-  if constexpr (kTmaOnly) {
-    err = wg_set_attributes<kMaxN, kStageK, true>();
+  if (quant) {
+    err = wg_set_attributes<kMaxN, kStageK, true, true>();
+  } else if constexpr (kTmaOnly) {
+    err = wg_set_attributes<kMaxN, kStageK, true, false>();
   } else {
-    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true>() : wg_set_attributes<kMaxN, kStageK, false>();
+    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
   }
   if (err != cudaSuccess) return err;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
@@ -642,10 +647,12 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;
   const dim3 grid(gx, unsigned(tiles));
-  if (act_tma) {
-    wg_gemm_kernel<kMaxN, kStageK, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  if (quant) {
+    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  } else if (act_tma) {
+    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
   } else if constexpr (!kTmaOnly) {
-    wg_gemm_kernel<kMaxN, kStageK, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
   }
   return cudaGetLastError();
 }
