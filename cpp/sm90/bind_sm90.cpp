@@ -187,9 +187,9 @@ void register_sm90(nb::module_& m) {
           if (n != 1 && n != a.num_experts)
             throw std::invalid_argument("grouped_gemm: h_quant_scale must have 1 or E = " +
                                         std::to_string(a.num_experts) + " entries, got " + std::to_string(n));
-          if (act_rows && plan.kernel != sm90::GemmKernel::kStream)
-            throw std::invalid_argument("grouped_gemm: h_quant_scale with the wgmma kernels needs contiguous activation "
-                                        "rows (no act_rows)");
+          if (act_rows && (plan.kernel != sm90::GemmKernel::kStream || plan.tokens_per_pass == 8))
+            throw std::invalid_argument("grouped_gemm: h_quant_scale needs activation rows without act_rows here (the "
+                                        "wgmma and one-tile streaming kernels quantize h only for staged rows)");
           a.h_quant_gs = ptr<const float>(*h_quant_scale, "h_quant_scale", 4);
           a.h_gs_per_expert = n != 1;
         }

@@ -110,11 +110,14 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (nt == 1) {
     const bool fused = a.act_rows || a.out_operand;
     const bool quant = a.h_quant_gs != nullptr;
-    if (vec && quant) return pdl_launch(stream_gemm_nt1_fused_kernel<true, true>, grid, kStreamThreads, 0, stream, sa);
-    if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true, false>, grid, kStreamThreads, 0, stream, sa);
+    if (quant && !a.act_rows) {  // W4A4 (no gather): the staged-rows kernel with the quantizing epilogue
+      if (vec) return pdl_launch(stream_gemm_nt1_quant_kernel<true>, grid, kStreamThreads, 0, stream, sa);
+      return pdl_launch(stream_gemm_nt1_quant_kernel<false>, grid, kStreamThreads, 0, stream, sa);
+    }
+    if (quant) return cudaErrorInvalidValue;  // a gather with the quantizing epilogue is not instantiated
+    if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true>, grid, kStreamThreads, 0, stream, sa);
     if (vec) return pdl_launch(stream_gemm_nt1_kernel<true>, grid, kStreamThreads, 0, stream, sa);
-    if (quant) return pdl_launch(stream_gemm_nt1_fused_kernel<false, true>, grid, kStreamThreads, 0, stream, sa);
-    if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false, false>, grid, kStreamThreads, 0, stream, sa);
+    if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false>, grid, kStreamThreads, 0, stream, sa);
     return pdl_launch(stream_gemm_nt1_kernel<false>, grid, kStreamThreads, 0, stream, sa);
   }
   if (vec) {

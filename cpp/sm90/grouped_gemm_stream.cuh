@@ -431,7 +431,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
         }
       }
     }
-    stream_pass_epilogue<1, kFused, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
+    stream_pass_epilogue<1, kFused || kQuantH, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
                                     N, alpha0, alpha1, h_quant_scale(a, expert));
   }
 }
@@ -450,9 +450,16 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(Grouped
 }
 
 // The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
-template <bool kVec, bool kQuantH>
+template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
-  stream_gemm_nt1_body<kVec, true, kQuantH>(a);
+  stream_gemm_nt1_body<kVec, true>(a);
+}
+
+// W4A4 with a static scale for h: the staged-rows kernel whose epilogue quantizes h and writes it as the L2 input
+// (a.out_operand, a.h_quant_gs).
+template <bool kVec>
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(GroupedGemmArgs a) {
+  stream_gemm_nt1_body<kVec, false, true>(a);
 }
 
 }  // namespace megamoe::sm90
