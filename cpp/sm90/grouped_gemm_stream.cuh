@@ -369,14 +369,14 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 
 // One token tile per pass, staged operand-order activations: the layout measured fastest at
 // decode (62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
-// kFused: the activation rows may be gathered from x (a.act_rows, W4A16: natural order,
-// interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may write h
-// straight as the bf16 L2 operand (a.out_operand; W4A4: its NVFP4 decode, stream_h_nvfp4), so no
-// staging kernel runs between align, L1 and L2. Same sums, same roundings as the staged path (bf16
-// x is staged unchanged; h is rounded to bf16, or quantized, once either way), so results are
-// bit-identical to it.
+// kFused (W4A16 only): the activation rows are gathered from x (a.act_rows, natural
+// order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
+// write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
+// align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
+// h is rounded to bf16 once either way), so results are bit-identical to it.
+// kQuantH (W4A4 with a static scale for h, staged rows): the kSiluMul epilogue quantizes h and writes its NVFP4
+// decode as the L2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-// kQuantH: the epilogue may quantize h (a.h_quant_gs; an instantiation of its own, so that the others keep their registers).
 template <bool kVec, bool kFused, bool kQuantH>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
                                                 const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
@@ -431,8 +431,9 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
         }
       }
     }
-    stream_pass_epilogue<1, kFused || kQuantH, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g, tig, silu_mul, rvalid,
-                                    N, alpha0, alpha1, h_quant_scale(a, expert));
+    stream_pass_epilogue<1, kFused || kQuantH, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g,
+                                                        tig, silu_mul, rvalid, N, alpha0, alpha1,
+                                                        h_quant_scale(a, expert));
   }
 }
 
