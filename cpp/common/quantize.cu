@@ -51,6 +51,9 @@ __device__ __forceinline__ void load_block(const typename Elem<T>::type* p, bool
   }
 }
 
+constexpr int kMaxThreads = 128;
+constexpr int kLaneOrderQuads = kMaxThreads / 4;
+
 struct RowPlace {
   int64_t dst_row;
   int expert;
@@ -70,9 +73,25 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
-// Quantizes block kb of a placed row; docs/SPEC.md §1 in the reference's fp32 operation order.
+// Shared memory of a CTA for lane_order_chunks(): 32 words per quad of threads.
+struct LaneOrderStage {
+  uint32_t words[kLaneOrderQuads][32];
+};
+
+// The quad's stage and its bank rotation: quad m of a warp at 4 * pi(m), pi = 0 4 1 5 2 6 3 7, so that the 8
+// quads' stores of one pair fall on distinct banks and the two quads of each 16-byte read phase on distinct chunks.
+__device__ __forceinline__ uint32_t* lane_order_stage(LaneOrderStage& st, int& rot) {
+  const int m = (threadIdx.x & 31) >> 2;
+  rot = 4 * ((m >> 1) + 4 * (m & 1));
+  return st.words[threadIdx.x >> 2];
+}
+
+// Quantizes block kb of a placed row; docs/SPEC.md §1 in the reference's fp32 operation order. The lane-order
+// decode (a.dequant_lane_order) is stored in whole 16-byte chunks through `st` (lane_order_chunks): it needs
+// kb & 3 == threadIdx.x & 3 and the 4 threads of the quad calling together (both kernels below: blockDim.x is a
+// multiple of 32, blocks_per_row of 4, so a quad's blocks are valid or not together).
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
-                                               int64_t kb) {
+                                               int64_t kb, LaneOrderStage& st) {
   const int64_t blocks_per_row = a.cols / 16;
   uint8_t scale_byte;
   float scale, r[16];  // E2M1 values
@@ -92,13 +111,35 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
   if (a.dequant) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
-    if (a.scatter_rows) {
+    if (a.dequant_lane_order) {
+      uint32_t w[8];
+      operand_pairs(r, w);
+      const int tig = int(threadIdx.x & 3);
+      int rot;
+      uint32_t* stage = lane_order_stage(st, rot);
+      uint4 chunk[2];
+      lane_order_chunks(w, stage, rot, tig, 0xFu << (threadIdx.x & 28), chunk);
+      const int64_t o0 = lane_order_chunk_offset(kb, tig, 0), o1 = lane_order_chunk_offset(kb, tig, 1);
+      if (a.scatter_rows) {
+        for (int j = 0; j < a.scatter_k; ++j) {
+          const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
+          if (d < 0) continue;
+          uint16_t* row = a.dequant + int64_t(d) * a.cols;
+          *reinterpret_cast<uint4*>(row + o0) = chunk[0];
+          *reinterpret_cast<uint4*>(row + o1) = chunk[1];
+        }
+      } else {
+        uint16_t* row = a.dequant + dst_row * a.cols;
+        *reinterpret_cast<uint4*>(row + o0) = chunk[0];
+        *reinterpret_cast<uint4*>(row + o1) = chunk[1];
+      }
+    } else if (a.scatter_rows) {
       for (int j = 0; j < a.scatter_k; ++j) {
         const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
-        if (d >= 0) store_operand_block(r, a.dequant + int64_t(d) * a.cols, kb, a.dequant_lane_order);
+        if (d >= 0) store_operand_block(r, a.dequant + int64_t(d) * a.cols, kb, false);
       }
     } else {
-      store_operand_block(r, a.dequant + dst_row * a.cols, kb, a.dequant_lane_order);
+      store_operand_block(r, a.dequant + dst_row * a.cols, kb, false);
     }
   }
 }
@@ -107,7 +148,6 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
 // grid is small (decode), so that more threads share the latency of the row.
 constexpr int kPerThread = 2;
 constexpr int64_t kOnePerThreadBelow = 1 << 17;  // blocks in all
-constexpr int kMaxThreads = 128;
 
 // Threads of a CTA for rows of `blocks_per_row` blocks: one pass of `per` blocks each over the row
 // when that fits in kMaxThreads, whole warps.
@@ -120,6 +160,7 @@ int row_threads(int64_t blocks_per_row, int per) {
 template <ElemType T, int kPer>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
+  __shared__ LaneOrderStage st;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
@@ -140,7 +181,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArg
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int64_t kb = kb0 + int64_t(j) * blockDim.x;
-    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb, st);
   }
 }
 
@@ -150,6 +191,7 @@ template <ElemType T>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
   __shared__ float warp_max[kMaxThreads / 32];
+  __shared__ LaneOrderStage st;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;
@@ -192,12 +234,12 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(Qua
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int64_t kb = threadIdx.x + int64_t(j) * blockDim.x;
-    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb);
+    if (kb < blocks_per_row) quantize_block(a, x[j], gs, p.dst_row, kb, st);
   }
   for (int64_t kb = held + threadIdx.x; kb < blocks_per_row; kb += blockDim.x) {
     float y[16];
     load_block<T>(row + kb * 16, vec, y);
-    quantize_block(a, y, gs, p.dst_row, kb);
+    quantize_block(a, y, gs, p.dst_row, kb, st);
   }
 }
 

@@ -207,13 +207,15 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
 // the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every copy landed):
 // token rows of kHRow floats (64 and 4 of padding, so that the 8 columns x 4 tokens a warp writes at once fall
 // on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize kernel
-// does, and stores their 16 bf16 values as 8 pairs at their lane-order places. Every thread of the block comes
-// here (the barriers). Tokens past `rows` and blocks past I (I % 16 == 0) are not stored.
+// does, and the 4 threads of a token row store its 64 bf16 values in lane order as 16-byte chunks
+// (lane_order_chunks). Every thread of the block comes here (the barriers). Tokens past `rows` and blocks past I
+// are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a row store or skip it together).
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* tile,
                                                     int64_t I, int expert, int row_begin, int rows, int m0, int wg,
                                                     int wq, int g, int tig) {
   constexpr int kHRow = 68, kCols = WgCfg<kMaxN>::kRows / 2;
+  static_assert(kCols == 64 && WgCfg<kMaxN>::kThreads % 32 == 0, "a quad of threads per token row (lane_order_chunks)");
   float alpha0, alpha1;
   epilogue_alphas(a, expert, true, alpha0, alpha1);
   const int c = wg * 32 + wq * 8 + g;  // the thread's column within the block's 64
@@ -249,7 +251,15 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
     nvfp4_quantize_block(x, gs, scale_byte, scale, r);
 #pragma unroll
     for (int e = 0; e < 16; ++e) r[e] = __fmul_rn(r[e], scale);  // exact, +0 stays +0
-    store_operand_block(r, a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0, kb, true);
+    // The quad of threads holding row i's 4 blocks (kb == threadIdx.x & 3) stores them in 16-byte chunks, staged in
+    // the row's own tile words, which its 4 threads have read by now.
+    uint32_t w[8];
+    operand_pairs(r, w);
+    uint4 chunk[2];
+    lane_order_chunks(w, reinterpret_cast<uint32_t*>(tile + i * kHRow), 0, kb, 0xFu << (threadIdx.x & 28), chunk);
+    uint16_t* row = a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0;
+    *reinterpret_cast<uint4*>(row + lane_order_chunk_offset(kb, kb, 0)) = chunk[0];
+    *reinterpret_cast<uint4*>(row + lane_order_chunk_offset(kb, kb, 1)) = chunk[1];
   }
 }
 

@@ -107,10 +107,8 @@ __device__ __forceinline__ int lane_order_position(int p) {
   return ((((u & 7) << 2) | (u >> 3)) << 1) | (p & 1);
 }
 
-// Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
-// operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
-__device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
-  uint32_t w[8];  // operand-order pairs of the block
+// The 8 operand-order bf16 pairs of a block of 16 values (E2M1 values already multiplied by their e4m3 scale: exact).
+__device__ __forceinline__ void operand_pairs(const float (&v)[16], uint32_t (&w)[8]) {
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
 #pragma unroll
@@ -119,6 +117,13 @@ __device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16
       w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
     }
   }
+}
+
+// Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
+// operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
+__device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
+  uint32_t w[8];
+  operand_pairs(v, w);
   if (lane_order) {
     uint16_t* blk = row + (kb >> 2) * 64;
     const int p0 = int(kb & 3) * 16;  // operand position of the first pair within the 64-block
@@ -129,6 +134,28 @@ __device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
+}
+
+// Lane order in whole 16-byte chunks: the 4 lanes of a quad (lanes 4m..4m+3, `quad_mask` their bits) hold the
+// blocks kb = 4b..4b+3 of one 64-element block, lane & 3 == kb & 3 (w: each lane's operand_pairs). In lane
+// order the 16-byte chunk c of the 64-block holds pair c of each of the 4 blocks, so the quad transposes its
+// pairs through `stage` (32 words of shared memory of its own, 16-byte aligned; word p stored at (p + rot) % 32,
+// rot a multiple of 4 that spreads the quads of a warp over the banks) and each lane returns chunks tig and
+// tig + 4: two 16-byte stores per lane instead of eight 4-byte ones. All 4 lanes call it; the first __syncwarp
+// also orders any earlier reads of `stage` by the quad before it is overwritten.
+__device__ __forceinline__ void lane_order_chunks(const uint32_t (&w)[8], uint32_t* stage, int rot, int tig,
+                                                  unsigned quad_mask, uint4 (&chunk)[2]) {
+  __syncwarp(quad_mask);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) stage[(4 * i + tig + rot) & 31] = w[i];
+  __syncwarp(quad_mask);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) chunk[h] = *reinterpret_cast<const uint4*>(stage + ((4 * (tig + 4 * h) + rot) & 31));
+}
+
+// Where lane_order_chunks() returned chunk h of lane tig of the 64-block holding block kb: element offset in the row.
+__device__ __forceinline__ int64_t lane_order_chunk_offset(int64_t kb, int tig, int h) {
+  return (kb >> 2) * 64 + (tig + 4 * h) * 8;
 }
 
 __device__ __forceinline__ float block_amax(const float (&x)[16]) {
