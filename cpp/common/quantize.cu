@@ -112,26 +112,18 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
 #pragma unroll
     for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
     if (a.dequant_lane_order) {
-      uint32_t w[8];
-      operand_pairs(r, w);
       const int tig = int(threadIdx.x & 3);
       int rot;
       uint32_t* stage = lane_order_stage(st, rot);
       uint4 chunk[2];
-      lane_order_chunks(w, stage, rot, tig, 0xFu << (threadIdx.x & 28), chunk);
-      const int64_t o0 = lane_order_chunk_offset(kb, tig, 0), o1 = lane_order_chunk_offset(kb, tig, 1);
+      lane_order_chunks(r, stage, rot, tig, 0xFu << (threadIdx.x & 28), chunk);
       if (a.scatter_rows) {
         for (int j = 0; j < a.scatter_k; ++j) {
           const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
-          if (d < 0) continue;
-          uint16_t* row = a.dequant + int64_t(d) * a.cols;
-          *reinterpret_cast<uint4*>(row + o0) = chunk[0];
-          *reinterpret_cast<uint4*>(row + o1) = chunk[1];
+          if (d >= 0) store_lane_order_chunks(a.dequant + int64_t(d) * a.cols, kb, tig, chunk);
         }
       } else {
-        uint16_t* row = a.dequant + dst_row * a.cols;
-        *reinterpret_cast<uint4*>(row + o0) = chunk[0];
-        *reinterpret_cast<uint4*>(row + o1) = chunk[1];
+        store_lane_order_chunks(a.dequant + dst_row * a.cols, kb, tig, chunk);
       }
     } else if (a.scatter_rows) {
       for (int j = 0; j < a.scatter_k; ++j) {

@@ -253,13 +253,9 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
     for (int e = 0; e < 16; ++e) r[e] = __fmul_rn(r[e], scale);  // exact, +0 stays +0
     // The quad of threads holding row i's 4 blocks (kb == threadIdx.x & 3) stores them in 16-byte chunks, staged in
     // the row's own tile words, which its 4 threads have read by now.
-    uint32_t w[8];
-    operand_pairs(r, w);
     uint4 chunk[2];
-    lane_order_chunks(w, reinterpret_cast<uint32_t*>(tile + i * kHRow), 0, kb, 0xFu << (threadIdx.x & 28), chunk);
-    uint16_t* row = a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0;
-    *reinterpret_cast<uint4*>(row + lane_order_chunk_offset(kb, kb, 0)) = chunk[0];
-    *reinterpret_cast<uint4*>(row + lane_order_chunk_offset(kb, kb, 1)) = chunk[1];
+    lane_order_chunks(r, reinterpret_cast<uint32_t*>(tile + i * kHRow), 0, kb, 0xFu << (threadIdx.x & 28), chunk);
+    store_lane_order_chunks(a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0, kb, kb, chunk);
   }
 }
 

@@ -137,14 +137,17 @@ __device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16
 }
 
 // Lane order in whole 16-byte chunks: the 4 lanes of a quad (lanes 4m..4m+3, `quad_mask` their bits) hold the
-// blocks kb = 4b..4b+3 of one 64-element block, lane & 3 == kb & 3 (w: each lane's operand_pairs). In lane
-// order the 16-byte chunk c of the 64-block holds pair c of each of the 4 blocks, so the quad transposes its
-// pairs through `stage` (32 words of shared memory of its own, 16-byte aligned; word p stored at (p + rot) % 32,
-// rot a multiple of 4 that spreads the quads of a warp over the banks) and each lane returns chunks tig and
-// tig + 4: two 16-byte stores per lane instead of eight 4-byte ones. All 4 lanes call it; the first __syncwarp
-// also orders any earlier reads of `stage` by the quad before it is overwritten.
-__device__ __forceinline__ void lane_order_chunks(const uint32_t (&w)[8], uint32_t* stage, int rot, int tig,
+// blocks kb = 4b..4b+3 of one 64-element block, lane & 3 == kb & 3 (v: each lane's 16 values, as for
+// store_operand_block). In lane order the 16-byte chunk c of the 64-block holds pair c of each of the 4 blocks, so
+// the quad transposes its operand_pairs through `stage` (32 words of shared memory of its own, 16-byte aligned; word
+// p stored at (p + rot) % 32, rot a multiple of 4 that spreads the quads of a warp over the banks) and each lane
+// returns chunks tig and tig + 4 (store_lane_order_chunks): two 16-byte stores per lane instead of eight 4-byte
+// ones. All 4 lanes call it; the first __syncwarp also orders any earlier reads of `stage` by the quad before it is
+// overwritten.
+__device__ __forceinline__ void lane_order_chunks(const float (&v)[16], uint32_t* stage, int rot, int tig,
                                                   unsigned quad_mask, uint4 (&chunk)[2]) {
+  uint32_t w[8];
+  operand_pairs(v, w);
   __syncwarp(quad_mask);
 #pragma unroll
   for (int i = 0; i < 8; ++i) stage[(4 * i + tig + rot) & 31] = w[i];
@@ -153,9 +156,10 @@ __device__ __forceinline__ void lane_order_chunks(const uint32_t (&w)[8], uint32
   for (int h = 0; h < 2; ++h) chunk[h] = *reinterpret_cast<const uint4*>(stage + ((4 * (tig + 4 * h) + rot) & 31));
 }
 
-// Where lane_order_chunks() returned chunk h of lane tig of the 64-block holding block kb: element offset in the row.
-__device__ __forceinline__ int64_t lane_order_chunk_offset(int64_t kb, int tig, int h) {
-  return (kb >> 2) * 64 + (tig + 4 * h) * 8;
+// Stores lane tig's chunks of lane_order_chunks() into the bf16 operand row `row` (block kb's 64-block).
+__device__ __forceinline__ void store_lane_order_chunks(uint16_t* row, int64_t kb, int tig, const uint4 (&chunk)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) *reinterpret_cast<uint4*>(row + (kb >> 2) * 64 + (tig + 4 * h) * 8) = chunk[h];
 }
 
 __device__ __forceinline__ float block_amax(const float (&x)[16]) {
