@@ -1,7 +1,7 @@
 // NVFP4 grouped GEMM on Hopper warpgroup MMA (wgmma, sm_90a), swap-AB: the weights are the
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
-// Block = 2 warpgroups (256 threads) = 128 weight rows (64 per warpgroup, 16 per warp) of
+// Block = R / 64 warpgroups = R weight rows (R = WgCfg::kRows: 128 or 256; 64 per warpgroup, 16 per warp) of
 // one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64, 128
 // or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory accelerator
 // (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
@@ -9,8 +9,8 @@
 //    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
 //    reads): one TMA box of N rows per sub-tile, or, when the rows are gathered (act_rows), 16-byte
 //    cp.async copies by all threads (TMA has no row gather on sm_90);
-//  - packed NVFP4 weights: two TMA boxes of 64 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
-//    their e4m3 scales: two boxes of 64 rows x 16 bytes (K 256) every 256 / kKS stages, into a ring of
+//  - packed NVFP4 weights: two TMA boxes of R / 2 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
+//    their e4m3 scales: two boxes of R / 2 rows x 16 bytes (K 256) every 256 / kKS stages, into a ring of
 //    kScSlots scale slots beside the stages (the scale rows must be 16-byte multiples: padded when K % 256 != 0,
 //    the bytes past K / 16 read as zeros);
 //    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
@@ -46,7 +46,7 @@
 //     its cp.async copies, with their arrivals
 //   dequantize tile kt into the A registers; wgmma.fence; kKS/16 wgmma (k16 steps); commit; drain;
 //     with copied rows each warp arrives on empty[slot of kt]; with TMA rows it counts itself in
-//     freed[slot of kt] instead (an atomic whose result it reads one stage later), and the last of the 8
+//     freed[slot of kt] instead (an atomic whose result it reads one stage later), and the last of the
 //     warps issues the TMA boxes of tile kt+kStages into the slot during its next stage, while that stage's
 //     wgmmas run (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free, or for the
 //     atomic.
@@ -66,21 +66,25 @@ constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage 
 constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
 constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these kernels: every block scans all E token counts
 
-// Two blocks per SM everywhere (two independent blocks overlap one's barrier waits, loads and
-// dequantization with the other's MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
+// Four warpgroups per SM everywhere (independent warpgroups overlap one's barrier waits, loads and
+// dequantization with the others' MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain -- per weight byte);
-// 64: K 128, 4 stages; 128: K 128, 2 stages (the ring of two blocks per SM holds no more), or K 64 and
-// 4 stages for a K that is a multiple of 64 only (launch_wg_gemm picks).
+// 64: K 128, 6 stages; 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64
+// only (launch_wg_gemm picks): about 192 KB of ring.
 __host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgTiny ? 256 : 128; }
+// Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
+// one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
+// that two 128-row blocks read from L2.
+__host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kWgTiny ? 128 : 256; }
 template <int kMaxN, int kStageK = wg_stage_k(kMaxN)>
 struct WgCfg {
   static constexpr int kKS = kStageK;      // K per stage
   static_assert(kKS == 64 || kKS == 128 || kKS == 256, "K 64, 128 or 256 per stage");
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall || kKS == 64 ? 4 : 2;
-  static constexpr int kThreads = 256;  // 2 warpgroups
-  static constexpr int kRows = 128;     // weight rows per block (64 per warpgroup)
-  static constexpr int kMinBlocks = 2;
+  static constexpr int kRows = wg_rows(kMaxN);  // weight rows per block (64 per warpgroup)
+  static constexpr int kThreads = 2 * kRows;    // kRows / 64 warpgroups
+  static constexpr int kMinBlocks = kRows == 128 ? 2 : 1;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall ? 6 : kKS == 64 ? 8 : 4;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
   static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
@@ -97,7 +101,7 @@ struct WgCfg {
                                16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/ +
                                4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
-  static_assert(kStageBytes * kStages >= kMaxN * 68 * 4, "the ring holds a tile of h (wg_epilogue_h_nvfp4)");
+  static_assert(kStageBytes * kStages >= kMaxN * (kRows / 2 + 4) * 4, "the ring holds a tile of h (wg_epilogue_h_nvfp4)");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
   // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
   static constexpr CUtensorMapSwizzle kWSwizzle = kKS == 256   ? CU_TENSOR_MAP_SWIZZLE_128B
@@ -119,7 +123,7 @@ struct WgCfg {
 };
 
 // TMA tensor maps of one launch (kernel parameter): packed weights [E][N][K/2] bytes in boxes of
-// {kKS / 2, 64 rows}, scales [E][N][K/16] in boxes of {16, 64 rows}, and with contiguous activation rows
+// {kKS / 2, kRows / 2 rows}, scales [E][N][K/16] in boxes of {16, kRows / 2 rows}, and with contiguous activation rows
 // the activations [rows][K] bf16 in boxes of {64, width(i)} (SW128).
 struct WgMaps {
   CUtensorMap w;
@@ -203,22 +207,22 @@ __device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int
 
 // kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its
 // exact bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that
-// wg_epilogue writes otherwise. The block's tile of h (64 columns x the tile's tokens) goes through shared memory,
-// the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every copy landed):
-// token rows of kHRow floats (64 and 4 of padding, so that the 8 columns x 4 tokens a warp writes at once fall
-// on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize kernel
-// does, and the 4 threads of a token row store its 64 bf16 values in lane order as 16-byte chunks
-// (lane_order_chunks). Every thread of the block comes here (the barriers). Tokens past `rows` and blocks past I
-// are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a row store or skip it together).
+// wg_epilogue writes otherwise. The block's tile of h (kCols = kRows / 2 columns x the tile's tokens) goes through
+// shared memory, the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every copy
+// landed): token rows of kHRow floats (kCols and 4 of padding, so that the 8 columns x 4 tokens a warp writes at once
+// fall on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize kernel
+// does, and the 4 threads holding a 64-element block of a token row store its bf16 values in lane order as 16-byte
+// chunks (lane_order_chunks). Every thread of the block comes here (the barriers). Tokens past `rows` and blocks past
+// I are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a 64-block store or skip it together).
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* tile,
                                                     int64_t I, int expert, int row_begin, int rows, int m0, int wg,
                                                     int wq, int g, int tig) {
-  constexpr int kHRow = 68, kCols = WgCfg<kMaxN>::kRows / 2;
-  static_assert(kCols == 64 && WgCfg<kMaxN>::kThreads % 32 == 0, "a quad of threads per token row (lane_order_chunks)");
+  constexpr int kCols = WgCfg<kMaxN>::kRows / 2, kHRow = kCols + 4;
+  static_assert(kCols % 64 == 0 && WgCfg<kMaxN>::kThreads % 32 == 0, "quads of threads per token row (lane_order_chunks)");
   float alpha0, alpha1;
   epilogue_alphas(a, expert, true, alpha0, alpha1);
-  const int c = wg * 32 + wq * 8 + g;  // the thread's column within the block's 64
+  const int c = wg * 32 + wq * 8 + g;  // the thread's column within the block's kCols
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
@@ -251,11 +255,12 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
     nvfp4_quantize_block(x, gs, scale_byte, scale, r);
 #pragma unroll
     for (int e = 0; e < 16; ++e) r[e] = __fmul_rn(r[e], scale);  // exact, +0 stays +0
-    // The quad of threads holding row i's 4 blocks (kb == threadIdx.x & 3) stores them in 16-byte chunks, staged in
-    // the row's own tile words, which its 4 threads have read by now.
+    // The quad of threads holding the 4 blocks of one 64-element block of row i (kb & 3 == threadIdx.x & 3) stores them
+    // in 16-byte chunks, staged in the tile words of that 64-block, which its 4 threads have read by now.
     uint4 chunk[2];
-    lane_order_chunks(r, reinterpret_cast<uint32_t*>(tile + i * kHRow), 0, kb, 0xFu << (threadIdx.x & 28), chunk);
-    store_lane_order_chunks(a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0, kb, kb, chunk);
+    lane_order_chunks(r, reinterpret_cast<uint32_t*>(tile + i * kHRow + 16 * (kb & ~3)), 0, kb & 3,
+                      0xFu << (threadIdx.x & 28), chunk);
+    store_lane_order_chunks(a.out_operand + (int64_t(row_begin) + m0 + i) * I + col0, kb, kb & 3, chunk);
   }
 }
 
@@ -310,11 +315,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int64_t I = Nw / 2;
 
-  // The block's weight rows: two TMA boxes of 64 rows of expert `expert`, at shared rows 0..63 and 64..127.
-  // kSiluMul: box 0 the gate rows of output columns blockIdx.x*64 + 0..63, box 1 their up rows; a warp's
-  // rows g are gate and rows g + 8 up rows of column blockIdx.x*64 + wg*32 + wq*8 + g, so one thread holds
-  // both for its tokens. kStore: rows blockIdx.x*128 + 0..127. Rows past the expert's N read as zeros, rows
-  // of the up half in a gate box (I % 64 != 0) are never stored.
+  // The block's weight rows: two TMA boxes of R / 2 rows of expert `expert` (R = Cfg::kRows), at shared rows
+  // 0..R/2-1 and R/2..R-1. kSiluMul: box 0 the gate rows of output columns blockIdx.x*R/2 + 0..R/2-1, box 1 their
+  // up rows; a warp's rows g are gate and rows g + 8 up rows of column blockIdx.x*R/2 + wg*32 + wq*8 + g, so one
+  // thread holds both for its tokens. kStore: rows blockIdx.x*R + 0..R-1. Rows past the expert's N read as zeros,
+  // rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
   const int wrow0 = silu_mul ? int(blockIdx.x) * (Cfg::kRows / 2) : int(blockIdx.x) * Cfg::kRows;
   const int wrow1 = silu_mul ? int(I) + wrow0 : wrow0 + Cfg::kRows / 2;
   const int num_k_tiles = int(K / kKS);
@@ -471,7 +476,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     wgmma_commit();
     acc_fence(acc);
     if constexpr (kActTma) {
-      // the last of the 8 warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
+      // the last of the block's warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
       constexpr uint32_t kWarps = Cfg::kThreads / 32;
       if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
         fence_proxy_async_smem();
