@@ -668,7 +668,7 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-// Tile 128 steps K by 128 (2 stages) when K allows it and the activation rows come by TMA, else by 64 (4 stages: the
+// Tile 128 steps K by 128 (4 stages) when K allows it and the activation rows come by TMA, else by 64 (8 stages: the
 // copied-rows loop of K 128 spills); tiles 32 and 64 by their one K per stage.
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
