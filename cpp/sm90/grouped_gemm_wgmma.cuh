@@ -69,9 +69,10 @@ constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these ke
 // Four warpgroups per SM everywhere (independent warpgroups overlap one's barrier waits, loads and
 // dequantization with the others' MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
 // middle: a quarter of the K-64 per-stage fixed cost -- barrier waits, drain -- per weight byte);
-// 64: K 128, 6 stages; 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64
-// only (launch_wg_gemm picks): about 192 KB of ring.
-__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgTiny ? 256 : 128; }
+// 64: K 256, 3 stages, or K 128 and 6 stages for a K that is a multiple of 128 only or copied activation rows;
+// 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64 only or copied rows
+// (launch_wg_gemm picks): about 192 KB of ring in tiles 64 and 128.
+__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgMid ? 128 : 256; }
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
 // that two 128-row blocks read from L2.
@@ -84,7 +85,7 @@ struct WgCfg {
   static constexpr int kRows = wg_rows(kMaxN);  // weight rows per block (64 per warpgroup)
   static constexpr int kThreads = 2 * kRows;    // kRows / 64 warpgroups
   static constexpr int kMinBlocks = kRows == 128 ? 2 : 1;
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall ? 6 : kKS == 64 ? 8 : 4;
+  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
   static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
@@ -635,7 +636,8 @@ template <int kMaxN, int kStageK>
 inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   const bool act_tma = wg_act_tma(a);
-  constexpr bool kTmaOnly = kMaxN == kWgMid && kStageK == 128;  // launch_wg_gemm runs copied rows with K 64
+  // launch_wg_gemm runs copied rows with the smaller K per stage (tile 64: K 128, tile 128: K 64)
+  constexpr bool kTmaOnly = (kMaxN == kWgMid && kStageK == 128) || (kMaxN == kWgSmall && kStageK == 256);
   const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's L1 input is staged per slot)
   if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
       ((kTmaOnly || quant) && !act_tma))
@@ -669,11 +671,13 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
 }
 
 // Tile 128 steps K by 128 (4 stages) when K allows it and the activation rows come by TMA, else by 64 (8 stages: the
-// copied-rows loop of K 128 spills); tiles 32 and 64 by their one K per stage.
+// copied-rows loop of K 128 spills); tile 64 likewise by 256 (3 stages) or 128 (6 stages); tile 32 by 256.
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if constexpr (kMaxN == kWgMid) {
     if (a.K % 128 != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kWgK>(a, stream);
+  } else if constexpr (kMaxN == kWgSmall) {
+    if (a.K % 256 != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, 128>(a, stream);
   }
   return launch_wg_gemm_k<kMaxN, wg_stage_k(kMaxN)>(a, stream);
 }

@@ -60,21 +60,23 @@ def test_gemm_uniform_and_gate_up_scales(gen):
     assert rel_err(out2[:, :32], ref2[:, :32]) < 1e-4 and rel_err(out2[:, 32:], ref2[:, 32:]) < 1e-4
 
 
-# The wgmma kernels' K per stage (tile 32: 256, tile 64: 128, tile 128: 128, or 64 when K % 128 != 0) and ring
-# depth (3, 4, 2 stages; 4 with K 64), each slot with a full and an empty mbarrier whose phases alternate on
-# every reuse. Tile 128 runs K = 64 j: its K-128 ring for even j, its K-64 ring for odd j.
+# The wgmma kernels' K per stage (tile 32: 256; tile 64: 256, or 128 when K % 256 != 0; tile 128: 128, or 64 when
+# K % 128 != 0) and ring depth (3; 3, or 6 with K 128; 4, or 8 with K 64), each slot with a full and an empty mbarrier
+# whose phases alternate on every reuse. Tile 128 runs K = 64 j: its K-128 ring for even j, its K-64 ring for odd j;
+# tile 64 runs K = 128 j: its K-256 ring for even j, its K-128 ring for odd j.
 WG_STAGE_K = {"wgmma32": 256, "wgmma64": 128, "wgmma128": 64}
 
 
 @pytest.mark.parametrize("kernel", list(WG_STAGE_K))
 def test_gemm_every_ring_depth(kernel, gen):
-    """K = 1 .. 10 stages of the kernel (tile 128: K = 64 .. 1280, 1 .. 10 stages of K 128 and 1 .. 19 of K 64):
+    """K = 1 .. 10 stages of the kernel (tiles 64 and 128: K = 128 .. 2560 and 64 .. 1280, 1 .. 10 stages of their
+    larger K per stage and 1 .. 19 of the smaller):
     fewer K tiles than the prefetch distance, exactly the ring, and every slot reused several times (each
     barrier phase parity on every slot), with token counts that pick different tile widths; poisoned output,
     bit-identical rerun."""
     backend_or_skip("cuda-sm90")
     be = CudaSm90Backend(kernel=kernel)
-    for stages in range(1, 21 if kernel == "wgmma128" else 11):
+    for stages in range(1, 11 if kernel == "wgmma32" else 21):
         k = WG_STAGE_K[kernel] * stages
         for m in (5, 40, 129):
             b = random_nvfp4(160, k, gen, global_scale=3.7e-3)

@@ -219,7 +219,7 @@ def test_moe_every_kernel_matches_torch_backend(kernel, mode, dynamic, gen, forc
 @pytest.mark.parametrize("shape", [(1088, 576), (1152, 640), (1280, 768)], ids=["K%128==64", "K%256==128", "K%256==0"])
 def test_moe_wgmma_t_sweep_partial_tiles(kernel, shape, gen, forced_kernel):
     """H, I multiples of 64 but not of 128 (partial weight-row tiles, I = 576: 9 blocks of 64 gate/up
-    columns; tiles 32 and 64 step K by 256 and 128, so the plan runs tile 128 there), multiples of 128
+    columns; tiles 32 and 64 step K by 256 and by 256 or 128, so the plan runs tile 128 there), multiples of 128
     but not of 256 (tile 32 asked for runs tile 64) and multiples of 256 (every tile); T across the
     token-tile widths and boundaries; bit-identical reruns."""
     gpu, ref = _layers("tiny", hidden_size=shape[0], intermediate_size=shape[1], num_experts=16, top_k=3)
