@@ -41,9 +41,9 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   GemmPlan plan;
   const bool wgmma_shape = p.k_l1 % kWgK == 0 && p.k_l2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
   GemmKernel kernel = p.kernel;
-  // Both K multiples of the K per stage of tile 32 (256) and of tile 64 (128).
-  const bool k_tiny = p.k_l1 % WgCfg<kWgTiny>::kKS == 0 && p.k_l2 % WgCfg<kWgTiny>::kKS == 0;
-  const bool k_small = p.k_l1 % WgCfg<kWgSmall>::kKS == 0 && p.k_l2 % WgCfg<kWgSmall>::kKS == 0;
+  // Both K multiples of the smallest K per stage of tile 32 (256) and of tile 64 (128: its K-256 stages need 256).
+  const bool k_tiny = p.k_l1 % wg_min_stage_k(kWgTiny) == 0 && p.k_l2 % wg_min_stage_k(kWgTiny) == 0;
+  const bool k_small = p.k_l1 % wg_min_stage_k(kWgSmall) == 0 && p.k_l2 % wg_min_stage_k(kWgSmall) == 0;
   if (kernel == GemmKernel::kAuto) {
     kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
              : p.tokens_per_expert <= kWgmma32UpTo && k_tiny      ? GemmKernel::kWgmma32

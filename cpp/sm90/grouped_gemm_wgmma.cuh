@@ -73,6 +73,8 @@ constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these ke
 // 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64 only or copied rows
 // (launch_wg_gemm picks): about 192 KB of ring in tiles 64 and 128.
 __host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgMid ? 128 : 256; }
+// The smallest K per stage a tile runs (its fallback): the K granularity the plan and the launch require.
+__host__ __device__ constexpr int wg_min_stage_k(int max_n) { return max_n == kWgTiny ? 256 : max_n == kWgSmall ? 128 : kWgK; }
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
 // that two 128-row blocks read from L2.
@@ -181,7 +183,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  const int k_step = kMaxN == kWgMid ? kWgK : WgCfg<kMaxN>::kKS;  // tile 128 falls back to K 64 per stage
+  const int k_step = wg_min_stage_k(kMaxN);  // tiles 64 and 128 fall back to K 128 and 64 per stage
   return a.K % k_step == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
          scale_row_bytes(a) >= a.K / 16;
 }
