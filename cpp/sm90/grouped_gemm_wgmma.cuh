@@ -638,8 +638,8 @@ template <int kMaxN, int kStageK>
 inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   const bool act_tma = wg_act_tma(a);
-  // launch_wg_gemm runs copied rows with the smaller K per stage (tile 64: K 128, tile 128: K 64)
-  constexpr bool kTmaOnly = (kMaxN == kWgMid && kStageK == 128) || (kMaxN == kWgSmall && kStageK == 256);
+  // launch_wg_gemm runs copied rows with the tile's smallest K per stage (tile 64: K 128, tile 128: K 64)
+  constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
   const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's L1 input is staged per slot)
   if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
       ((kTmaOnly || quant) && !act_tma))
@@ -676,12 +676,11 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
 // copied-rows loop of K 128 spills); tile 64 likewise by 256 (3 stages) or 128 (6 stages); tile 32 by 256.
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  if constexpr (kMaxN == kWgMid) {
-    if (a.K % 128 != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kWgK>(a, stream);
-  } else if constexpr (kMaxN == kWgSmall) {
-    if (a.K % 256 != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, 128>(a, stream);
+  constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
+  if constexpr (kMinStageK != kStageK) {
+    if (a.K % kStageK != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
   }
-  return launch_wg_gemm_k<kMaxN, wg_stage_k(kMaxN)>(a, stream);
+  return launch_wg_gemm_k<kMaxN, kStageK>(a, stream);
 }
 
 }  // namespace megamoe::sm90
