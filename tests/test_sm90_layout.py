@@ -142,8 +142,94 @@ def test_prepare_weights_lays_out_a_copy_and_keeps_the_layers_weights():
     be._device = torch.device("cpu")
     p = be.prepare_weights(w)
     assert torch.equal(w.w13.data, w13) and torch.equal(w.w2.data, w2), "the caller's weights changed"
-    assert torch.equal(p.w13_data, cuda_sm90.sm90_word_layout(w13))
-    assert torch.equal(p.w2_data, cuda_sm90.sm90_word_layout(w2))
+    for (gd, gs), (wd, ws) in zip(((p.w13_data, p.w13_scale), (p.w2_data, p.w2_scale)),
+                                  (cuda_sm90.sm90_weights(w13, w.w13.scale), cuda_sm90.sm90_weights(w2, w.w2.scale))):
+        assert torch.equal(gd, wd) and torch.equal(gs, ws)
     assert p.w13_data.data_ptr() != w.w13.data.data_ptr()
     again = be.prepare_weights(w)  # preparing twice starts from the NVFP4 data both times
     assert torch.equal(again.w13_data, p.w13_data)
+
+
+# ---- the scale code (gemm_common.cuh "Scale code"): scale_pair = byte_perm(word, 0, sel) * 16 + 0x76807680
+def scale_pair_bits(codes: np.ndarray) -> np.ndarray:
+    """The device's bf16x2 scale of each code byte (both halves), from its arithmetic."""
+    c = codes.astype(np.uint32)
+    return ((c | (c << np.uint32(16))) * np.uint32(16) + np.uint32(0x76807680)) & np.uint32(M32)
+
+
+def test_scale_code_decodes_to_every_e4m3_scale_times_2_119():
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = cuda_sm90.sm90_scale_code(every).numpy()
+    assert cuda_sm90.sm90_scale_code(every.view(torch.float8_e4m3fn)).numpy().tolist() == codes.tolist()
+    bits = scale_pair_bits(codes)
+    assert np.array_equal(bits & np.uint32(0xFFFF), bits >> np.uint32(16)), "both halves hold the same scale"
+    lo, _ = bf16_halves(bits)
+    mag = every.view(torch.float8_e4m3fn).float().abs()
+    finite = ~torch.isnan(mag) & (mag > 0)
+    assert int(finite.sum()) == 2 * 126
+    assert torch.equal(lo[finite], mag[finite] * 2.0**119), "code * 16 + 0x7680 must be bf16(|scale| * 2^119)"
+    assert torch.isnan(lo[torch.isnan(mag)]).all() and int(torch.isnan(mag).sum()) == 2
+    assert len(set(codes[1:127].tolist())) == 126, "distinct magnitudes get distinct codes"
+
+
+def _decode_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the kernels compute from sm90_weights(data, scale): every element's code x scale product (x 2^7), in
+    NVFP4 element order, [blocks, 16] float32."""
+    laid, codes = cuda_sm90.sm90_weights(data, scale)
+    words = words_of(laid).reshape(-1, 2)  # two words per block
+    s2 = scale_pair_bits(codes[..., :scale.shape[-1]].reshape(-1).numpy())
+    out = torch.empty(words.shape[0], 16)
+    for q in range(2):
+        pairs = dequant_word_bits(words[:, q].copy())
+        for j in range(4):
+            lo, hi = bf16_halves(pairs[j])
+            slo, shi = bf16_halves(s2)
+            out[:, 8 * q + j] = (lo.to(torch.bfloat16) * slo.to(torch.bfloat16)).float() * 2.0**7
+            out[:, 8 * q + j + 4] = (hi.to(torch.bfloat16) * shi.to(torch.bfloat16)).float() * 2.0**7
+    return out
+
+
+def test_sm90_weights_keep_every_product_for_every_scale_byte():
+    """Each of the 256 scale bytes (zero, negative, subnormal, NaN) on a block holding all 16 codes: the kernels'
+    product of the folded codes and the scale code equals code x scale of the reference for every element."""
+    block = torch.tensor([(2 * i) | ((2 * i + 1) << 4) for i in range(8)], dtype=torch.uint8)  # codes 0..15
+    data = block.repeat(256, 1)  # [256, 8]: 16 codes per row, one block
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1)
+    before = data.clone(), scale.clone()
+    got = _decode_blocks(data, scale)
+    assert torch.equal(data, before[0]) and torch.equal(scale, before[1]), "the inputs changed"
+    want = nvfp4.e2m1_decode(nvfp4.unpack_codes(data)) * scale.view(torch.float8_e4m3fn).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 2 * 16
+    assert torch.equal(got[~nan], want[~nan]), "a folded code x scale code product differs from the reference"
+    assert set(nvfp4.unpack_codes(data[0:1]).reshape(-1).tolist()) == set(range(16))
+
+
+def test_sm90_weights_fold_only_the_blocks_that_need_it():
+    gen = torch.Generator().manual_seed(SEED + 2)
+    data = torch.randint(0, 256, (3, 5, 64), generator=gen, dtype=torch.uint8)  # K = 128: 8 blocks per row
+    pos = (torch.rand((3, 5, 8), generator=gen) * 300 + 0.01).to(torch.float8_e4m3fn)  # none rounds to 0
+    laid, codes = cuda_sm90.sm90_weights(data, pos)  # positive scales: the codes only re-laid out
+    assert torch.equal(laid, cuda_sm90.sm90_word_layout(data))
+    assert codes.shape == (3, 5, 16) and torch.equal(codes[..., 8:], torch.zeros_like(codes[..., 8:]))
+    mixed = pos.view(torch.uint8).clone()
+    mixed[0, 0, 1] |= 0x80   # negative
+    mixed[1, 2, 3] = 0        # zero
+    mixed[2, 4, 7] = 0x80     # negative zero
+    data[1, 2, 24] |= 1        # the zeroed blocks hold a nonzero code
+    data[2, 4, 56] |= 1
+    laid, _ = cuda_sm90.sm90_weights(data, mixed)
+    back = cuda_sm90.sm90_word_layout_inverse(laid).reshape(3, 5, 8, 8)
+    ref = data.reshape(3, 5, 8, 8)
+    changed = (back != ref).any(-1)
+    assert changed.nonzero().tolist() == [[0, 0, 1], [1, 2, 3], [2, 4, 7]]
+    assert torch.equal(back[0, 0, 1], ref[0, 0, 1] ^ 0x88)
+    assert not back[1, 2, 3].any() and not back[2, 4, 7].any()
+    monkey = cuda_sm90._FOLD_CHUNK_BLOCKS
+    try:
+        cuda_sm90._FOLD_CHUNK_BLOCKS = 3  # chunks that split rows
+        assert torch.equal(cuda_sm90.sm90_weights(data, mixed)[0], laid)
+    finally:
+        cuda_sm90._FOLD_CHUNK_BLOCKS = monkey
+    with pytest.raises(ValueError, match="do not match"):
+        cuda_sm90.sm90_weights(data, mixed[..., :4])

@@ -14,6 +14,14 @@
 // range for every e4m3 scale) gives e2m1 * scale * 2^-7, exact in bf16 (at most 6 significant
 // bits, >= 2^-17). The 2^7 goes into the epilogue alpha (kDequantAlpha).
 //
+// Scale code. prepare_weights stores every e4m3 block scale once as a code byte (megamoe/backends/cuda_sm90.py
+// sm90_scale_code; same bytes): |scale| = 2^k (1 + f / 8) with k in -9..8 (e4m3's subnormals normalized) is stored as
+// c = ((k + 9) << 3) | f, so that c * 16 + 0x7680 are the bits of the bf16 value |scale| * 2^119 (exponent field
+// k + 246, mantissa f << 4) and the scale pair of a lane is one byte permute and one multiply-add (scale_pair) instead
+// of a table lookup in shared memory; c = 145 (bits 0x7F90) is a NaN scale. The sign of a negative scale moves into
+// the 16 codes of its block (each code's sign bit flipped) and the codes of a block with a zero scale are zeroed, so
+// that every code x scale product keeps its value.
+//
 // Weight bit layout (sm90 word layout). prepare_weights permutes the bits inside every 32-bit
 // word once (megamoe/backends/cuda_sm90.py sm90_word_layout; same bytes, still 4.5 bits per
 // weight) so that the pairs fall out of few instructions. Slots: the bf16x2 bits a pair needs,
@@ -50,11 +58,12 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return *reinterpret_cast<const uint16_t*>(&b);
 }
 
-// bf16x2 (both halves) of e4m3 scale * 2^119.
-__device__ __forceinline__ uint32_t scale_bf16x2(uint8_t e4m3) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(e4m3), __NV_E4M3);
-  const uint32_t u = bf16_bits(__half2float(__half(h)) * 0x1p119f);
-  return u | (u << 16);
+// Byte permute selector: byte i of a word into the low byte of both 16-bit halves, zeros above.
+__host__ __device__ constexpr uint32_t scale_byte_sel(uint32_t i) { return i | (4u << 4) | (i << 8) | (4u << 12); }
+
+// bf16x2 (both halves) of |scale| * 2^119 from the scale-code byte of `word` that `sel` (scale_byte_sel) picks.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t word, uint32_t sel) {
+  return __byte_perm(word, 0u, sel) * 16u + 0x76807680u;
 }
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -70,7 +79,7 @@ constexpr uint32_t kP3Mul = (1u << 3) | (1u << 8) | (1u << 14);
 
 __device__ __forceinline__ uint32_t rotr(uint32_t w, uint32_t n) { return __funnelshift_r(w, w, n); }
 
-// w: 8 e2m1 codes in the sm90 word layout; s2: scale_bf16x2(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
+// w: 8 e2m1 codes in the sm90 word layout; s2: scale_pair(); p[j] = (n_j, n_{j+4}) * scale * 2^-7.
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
   p[0] = bf16x2_mul(w & kPairSlots, s2);
   p[1] = bf16x2_mul(rotr(w, 3) & kPairSlots, s2);

@@ -76,14 +76,6 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   griddep_sync_and_release();
 }
 
-// Block start of every streaming kernel: the e4m3 -> bf16x2 scale table in shared memory, then the
-// PDL prologue.
-__device__ __forceinline__ void stream_block_start(const GroupedGemmArgs& a, uint32_t (&scale_lut)[256]) {
-  for (int i = threadIdx.x; i < 256; i += kStreamThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
-  __syncthreads();
-  stream_pdl_prologue(a);
-}
-
 // The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
 // g + 8*hh of the tile (kSiluMul: tile 0 the gate column rb*16 + g + 8*hh, tile 1 its up column).
 // A row past the end is marked invalid and points at row 0.
@@ -116,7 +108,7 @@ __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int
   }
 }
 
-// Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed e4m3 scales of K slice
+// Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed scale codes of K slice
 // s (64 elements) of the lane's 4 rows; zeros for invalid rows and past the end of K.
 // kVec: K % 64 == 0 (16-byte aligned rows, whole slices); else 8-byte loads, one scale block at a time.
 // (slices and Kb by reference: that keeps the multi-tile kernels' code as it was when this was a lambda.)
@@ -160,14 +152,14 @@ __device__ __forceinline__ void load_weight_slice(int64_t s, const int64_t& slic
   }
 }
 
-// bf16x2 scales of scale block blk (0..3) of the slice, looked up at each block start (short live
-// range: fewer registers).
-__device__ __forceinline__ void slice_block_scales(const uint32_t (&scale_lut)[256], const uint32_t (&sc)[2][2],
-                                                   int blk, uint32_t (&s2)[2][2]) {
+// bf16x2 scales of scale block blk (0..3) of the slice, made at each block start (short live range: fewer
+// registers) from the scale codes (gemm_common.cuh, "Scale code").
+__device__ __forceinline__ void slice_block_scales(const uint32_t (&sc)[2][2], int blk, uint32_t (&s2)[2][2]) {
+  const uint32_t sel = scale_byte_sel(uint32_t(blk));
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_lut[(sc[mt][hh] >> (8 * blk)) & 0xFFu];
+    for (int hh = 0; hh < 2; ++hh) s2[mt][hh] = scale_pair(sc[mt][hh], sel);
 }
 
 // Weight word i (k16 of the slice) of both m-tiles, dequantized, times the activation words b[nt] of
@@ -298,9 +290,8 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
 template <bool kVec, int NT>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
   constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
-  __shared__ uint32_t scale_lut[256];
   __shared__ float partial[4][2][NT][4][32];
-  stream_block_start(a, scale_lut);
+  stream_pdl_prologue(a);
 
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, blockIdx.y, expert, row_begin, rows)) return;
@@ -354,7 +345,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
         for (int w = 0; w < kChunkWords; ++w) {
           const int i = c0 + w;
           uint32_t s2[2][2];
-          slice_block_scales(scale_lut, sc, i / 2, s2);
+          slice_block_scales(sc, i / 2, s2);
           uint4 b[NT];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) b[nt] = av[nt][w];
@@ -379,7 +370,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
 template <bool kVec, bool kFused, bool kQuantH>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
-                                                const uint32_t (&scale_lut)[256], float (&partial)[4][2][1][4][32]) {
+                                                float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
   if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
 
@@ -422,7 +413,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 #pragma unroll
       for (int blk = 0; blk < 4; ++blk) {
         uint32_t s2[2][2];
-        slice_block_scales(scale_lut, sc, blk, s2);
+        slice_block_scales(sc, blk, s2);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
           const int i = blk * 2 + wi;
@@ -439,10 +430,9 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 
 template <bool kVec, bool kFused, bool kQuantH = false>
 __device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
-  __shared__ uint32_t scale_lut[256];
   __shared__ float partial[4][2][1][4][32];
-  stream_block_start(a, scale_lut);
-  stream_nt1_item<kVec, kFused, kQuantH>(a, blockIdx.y, blockIdx.x, scale_lut, partial);
+  stream_pdl_prologue(a);
+  stream_nt1_item<kVec, kFused, kQuantH>(a, blockIdx.y, blockIdx.x, partial);
 }
 
 template <bool kVec>

@@ -10,9 +10,9 @@
 //    reads): one TMA box of N rows per sub-tile, or, when the rows are gathered (act_rows), 16-byte
 //    cp.async copies by all threads (TMA has no row gather on sm_90);
 //  - packed NVFP4 weights: two TMA boxes of R / 2 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
-//    their e4m3 scales: two boxes of R / 2 rows x 16 bytes (K 256) every 256 / kKS stages, into a ring of
-//    kScSlots scale slots beside the stages (the scale rows must be 16-byte multiples: padded when K % 256 != 0,
-//    the bytes past K / 16 read as zeros);
+//    their scale codes (gemm_common.cuh, "Scale code"): two boxes of R / 2 rows x 16 bytes (K 256) every
+//    256 / kKS stages, into a ring of kScSlots scale slots beside the stages (the scale rows must be 16-byte
+//    multiples: padded when K % 256 != 0, the bytes past K / 16 read as zeros);
 //    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
 //    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
 //    the A registers and issues wgmma m64nNk16 with A in registers.
@@ -100,7 +100,7 @@ struct WgCfg {
   static_assert((kScSlots - 1) * kChunkStages >= kStages - 1, "a scale slot is reloaded while a stage still reads it");
   static constexpr int kScBytes = kRows * 16;
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
-                               256 * 4 /*scale LUT*/ + 32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
+                               32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
                                16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/ +
                                4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
@@ -308,7 +308,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
 template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
-                                        uint8_t* scales, const uint32_t* lut, uint32_t bars, uint32_t freed,
+                                        uint8_t* scales, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
@@ -414,7 +414,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const int srow1 = silu_mul ? srow0 + Cfg::kRows / 2 : srow0 + 8;
   uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
-  const uint32_t byte_shift = 8u * uint32_t(tig);
+  const uint32_t sc_sel = scale_byte_sel(uint32_t(tig));  // this lane's scale code byte of a block's word
   int slot = 0, pf_slot = A;  // kt % S and (kt + A) % S
   uint32_t phase = 0;         // (kt / S) & 1
   int sc_slot = 0, sc_pos = 0;  // scale slot of tile kt's chunk, and kt's stage within the chunk
@@ -456,7 +456,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
 #pragma unroll
       for (int b = 0; b < kB; ++b) {
         const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
-        const uint32_t s2 = lut[(sc[b] >> byte_shift) & 0xFFu];
+        const uint32_t s2 = scale_pair(sc[b], sc_sel);
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           uint32_t p[4];
@@ -531,15 +531,13 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   uint8_t* stages = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
   uint8_t* scales = stages + Cfg::kStageBytes * Cfg::kStages;                  // kScSlots scale chunks
-  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);
-  int32_t* warp_sums = reinterpret_cast<int32_t*>(scale_lut + 256);              // [32] scan scratch
+  int32_t* warp_sums = reinterpret_cast<int32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);  // [32] scan scratch
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
   // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far) and 32 scratch words
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
   uint32_t* freed = reinterpret_cast<uint32_t*>(found + 1) + 4 * Cfg::kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int i = tid; i < 256; i += Cfg::kThreads) scale_lut[i] = scale_bf16x2(uint8_t(i));
   if (tid == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
@@ -551,7 +549,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
     tma_prefetch_map(&maps.s);
   }
 
-  // Which expert and which token tile of it (the scan's barriers also publish scale_lut and the mbarriers).
+  // Which expert and which token tile of it (the scan's barriers also publish the mbarriers).
   const int num_tiles =
       expert_tile_of_block<Cfg::kThreads, kMaxN>(a, a.num_experts, blockIdx.y, warp_sums, found, tid, warp, lane);
   if (int(blockIdx.y) >= num_tiles) return;
@@ -560,7 +558,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
 #define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, scale_lut, bars, \
+  wg_tile<n, kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, \
                              static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
   if constexpr (kMaxN == kWgTiny) {
     if (count <= 8) MEGAMOE_WG_TILE(8);

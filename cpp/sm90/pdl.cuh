@@ -1,7 +1,7 @@
 // Programmatic dependent launch (PDL, sm_90) for the decode chain of the MoE forward
 // (align -> [stage] -> L1 -> [stage] -> L2 -> combine): each kernel is launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so its blocks may start (and run the
-// part of the kernel that reads only constant data: scale tables, weight prefetch) while
+// part of the kernel that reads only constant data: weight prefetch) while
 // its predecessor is still finishing; inside CUDA graphs the capture turns this into a
 // programmatic edge.
 //

@@ -1,8 +1,9 @@
 """The ``cuda-sm90`` backend: NVFP4 MoE on Hopper (H100 / H200).
 
-Weights stay NVFP4 in device memory (4.5 bits per weight: the linear e4m3 scales as given,
-the packed codes with the bits of every 32-bit word permuted once by ``prepare_weights`` into
-the sm90 word layout, :func:`sm90_word_layout`, the device's only copy of them: MoELayer keeps
+Weights stay NVFP4 in device memory (4.5 bits per weight: the packed codes with the bits of every
+32-bit word permuted once by ``prepare_weights`` into the sm90 word layout, :func:`sm90_word_layout`,
+and each e4m3 block scale stored once as the byte code the kernels decode with two integer
+instructions, :func:`sm90_weights`; the device's only copy of them: MoELayer keeps
 its standard-layout copy in host memory, ``copies_routed_weights``); the
 grouped GEMMs dequantize them in registers, exactly, to bf16 and run bf16 tensor-core MMAs with
 fp32 accumulation (cpp/sm90). Pipeline of one forward,
@@ -56,7 +57,8 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_SINGLE, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
                                           current_stream)
 
-__all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_word_layout", "sm90_word_layout_inverse"]
+__all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_scale_code", "sm90_weights", "sm90_word_layout",
+           "sm90_word_layout_inverse"]
 
 
 
@@ -146,7 +148,7 @@ def sm90_word_layout_inverse(data: torch.Tensor) -> torch.Tensor:
 
 
 def sm90_scale_rows(scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 scales ``[..., K/16]`` as uint8 rows padded with zeros to a multiple of 16 bytes (the wgmma kernels read
+    """uint8 scale bytes ``[..., K/16]`` as rows padded with zeros to a multiple of 16 bytes (the wgmma kernels read
     them through a TMA map, whose row stride must be a 16-byte multiple; the kernels read only the first K/16)."""
     u = _u8(scale)
     pad = -u.shape[-1] % 16
@@ -155,22 +157,90 @@ def sm90_scale_rows(scale: torch.Tensor) -> torch.Tensor:
     return u.contiguous()
 
 
+# ---------------------------------------------------------------- scale code
+# cpp/sm90/gemm_common.cuh, "Scale code": |scale| = 2^k (1 + f/8), k in -9..8 (the e4m3 subnormals f * 2^-9
+# normalized), is stored as ((k + 9) << 3) | f, so that code * 16 + 0x7680 are the bits of bf16(|scale| * 2^119);
+# 145 (bits 0x7F90) is NaN. A zero scale gets code 0: the codes of its block are zeroed instead.
+SM90_SCALE_NAN_CODE = 145
+SM90_SCALE_CODE_BIAS = 0x7680
+
+
+def _scale_code_table() -> torch.Tensor:
+    table = torch.zeros(256, dtype=torch.uint8)
+    for b in range(256):
+        m = b & 0x7F
+        if m == 0x7F:
+            table[b] = SM90_SCALE_NAN_CODE
+        elif m:
+            e, f = m >> 3, m & 7
+            if e:
+                k, frac = e - 7, f
+            else:  # subnormal f * 2^-9: its leading one becomes the implicit bit
+                n = f.bit_length() - 1
+                k, frac = n - 9, (f << (3 - n)) & 7
+            table[b] = ((k + 9) << 3) | frac
+    return table
+
+
+_SCALE_CODE = _scale_code_table()
+_FOLD_CHUNK_BLOCKS = 1 << 24
+
+
+def sm90_scale_code(scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 block scales (float8_e4m3fn or their uint8 bits) -> the uint8 codes the cuda-sm90 kernels decode (of
+    their magnitude; :func:`sm90_weights` moves the sign of a negative scale into the codes of its block)."""
+    u = _u8(scale)
+    return _SCALE_CODE.to(u.device)[u.long()]
+
+
+def _fold_scale_signs(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data`` with the sign of every negative (non-NaN) scale moved into its block's 16 codes (each code's sign bit
+    flipped) and the codes of every block with a zero scale zeroed, so that code x |scale| keeps every product's
+    value; ``data`` itself when no block needs it (it is never modified)."""
+    u = _u8(scale)
+    if data.shape[:-1] != u.shape[:-1] or data.shape[-1] != 8 * u.shape[-1]:
+        raise ValueError(f"sm90_weights: packed data {tuple(data.shape)} and scales {tuple(u.shape)} do not match "
+                         f"(16 codes, 8 bytes, per scale)")
+    mag = u & 0x7F
+    flip = (u >= 0x80) & (mag != 0x7F)
+    zero = mag == 0
+    if not bool((flip | zero).any()):
+        return data
+    out = data.contiguous().clone()
+    blocks, f, z = out.view(-1, 8), flip.reshape(-1), zero.reshape(-1)
+    for i in range(0, blocks.shape[0], _FOLD_CHUNK_BLOCKS):
+        sl = slice(i, i + _FOLD_CHUNK_BLOCKS)
+        chunk = blocks[sl]
+        chunk ^= f[sl].unsqueeze(1).to(torch.uint8) * 0x88
+        chunk.masked_fill_(z[sl].unsqueeze(1), 0)
+    return out
+
+
+def sm90_weights(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed NVFP4 weights (uint8 ``[..., K/2]``) and their e4m3 scales (``[..., K/16]``) -> new tensors as the
+    cuda-sm90 kernels read them: the codes in the sm90 word layout (:func:`sm90_word_layout`), negative scales' signs
+    and zero scales folded into them, and the scale codes (:func:`sm90_scale_code`) in rows padded to 16 bytes
+    (:func:`sm90_scale_rows`). Same bytes; every decoded weight keeps its value; the inputs are not modified."""
+    if data.dtype != torch.uint8:
+        raise ValueError(f"sm90_weights: packed NVFP4 data must be uint8, got {data.dtype}")
+    return sm90_word_layout(_fold_scale_signs(data, scale)), sm90_scale_rows(sm90_scale_code(scale))
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
 @dataclass
 class PreparedSm90:
-    """Device-resident NVFP4 weights as the sm90 kernels read them: the packed data in the sm90 word
-    layout (:func:`sm90_word_layout`, made once by ``prepare_weights`` into new tensors: the caller's
-    weights are not modified), the scales with their rows padded to 16 bytes (:func:`sm90_scale_rows`), the global
-    scales as given."""
+    """Device-resident NVFP4 weights as the sm90 kernels read them (:func:`sm90_weights`, made once by
+    ``prepare_weights`` into new tensors: the caller's weights are not modified): the packed data in the sm90 word
+    layout, the scale codes in rows padded to 16 bytes, the global scales as given."""
 
     w13_data: torch.Tensor   # u8 [E, 2I, H/2], sm90 word layout
-    w13_scale: torch.Tensor  # u8 (e4m3) [E, 2I, H/16 padded to a multiple of 16]
+    w13_scale: torch.Tensor  # u8 scale codes [E, 2I, H/16 padded to a multiple of 16]
     w13_gs: torch.Tensor     # f32 [E, 2] (gate, up)
     w2_data: torch.Tensor    # u8 [E, H, I/2], sm90 word layout
-    w2_scale: torch.Tensor   # u8 [E, H, I/16 padded to a multiple of 16]
+    w2_scale: torch.Tensor   # u8 scale codes [E, H, I/16 padded to a multiple of 16]
     w2_gs: torch.Tensor      # f32 [E]
     w13_input_scale: torch.Tensor | None
     w2_input_scale: torch.Tensor | None
@@ -331,9 +401,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w_gs = (gs.reshape(1) if gs.dim() == 0 else gs[p:p + 1]).contiguous()
             sl = slice(p * rows, (p + 1) * rows)
             part_out = out if parts == 1 else torch.empty((m, rows), dtype=torch.float32, device=self.device)
+            w_data, w_scale = sm90_weights(b.data[sl], b.scale[sl])
             _ext.ext.sm90_grouped_gemm(act=op, expert_offsets=offsets, grid_experts=1,
-                                       w_data=sm90_word_layout(b.data[sl]).unsqueeze(0),
-                                       w_scale=sm90_scale_rows(b.scale[sl]).unsqueeze(0), w_global_scale=w_gs,
+                                       w_data=w_data.unsqueeze(0), w_scale=w_scale.unsqueeze(0), w_global_scale=w_gs,
                                        a_global_scale=a_gs, a_row_scale=a_rs, epilogue=_ext.ext.Sm90Epilogue.store,
                                        out=part_out, max_total_rows=m, plan=plan, stream=stream)
             if parts > 1:
@@ -347,12 +417,14 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         dev = self.device
         w = weights
         in1 = None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous()
+        w13_data, w13_scale = sm90_weights(w.w13.data.to(dev), w.w13.scale.to(dev))
+        w2_data, w2_scale = sm90_weights(w.w2.data.to(dev), w.w2.scale.to(dev))
         return PreparedSm90(
-            w13_data=sm90_word_layout(w.w13.data.to(dev)),
-            w13_scale=sm90_scale_rows(w.w13.scale.to(dev)),
+            w13_data=w13_data,
+            w13_scale=w13_scale,
             w13_gs=w.w13.global_scale.to(dev, torch.float32).reshape(-1, 2).contiguous(),
-            w2_data=sm90_word_layout(w.w2.data.to(dev)),
-            w2_scale=sm90_scale_rows(w.w2.scale.to(dev)),
+            w2_data=w2_data,
+            w2_scale=w2_scale,
             w2_gs=w.w2.global_scale.to(dev, torch.float32).reshape(-1).contiguous(),
             w13_input_scale=in1,
             w2_input_scale=None if w.w2_input_scale is None else w.w2_input_scale.to(dev, torch.float32).contiguous(),

@@ -90,3 +90,31 @@ def test_gemm_every_ring_depth(kernel, gen):
             again = torch.full((m, 160), float("nan"), device="cuda")
             be.gemm(a, b, out=again)
             assert torch.equal(again.cpu(), got), (kernel, k, m)
+
+
+@pytest.mark.parametrize("kernel", ["stream", "wgmma32", "wgmma64", "wgmma128"])
+def test_gemm_every_scale_byte(kernel, gen):
+    """Weight row r carries the one e4m3 scale byte r in all its blocks (every byte: zeros, negatives, subnormals,
+    the largest, NaN), so that output column r sees that scale alone: each column against the reference (the scale
+    codes and the signs and zeros prepare folds into the codes, megamoe/backends/cuda_sm90.py sm90_weights)."""
+    backend_or_skip("cuda-sm90")
+    be = CudaSm90Backend(kernel=kernel)
+    k = 512
+    data = torch.randint(0, 256, (256, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, k // 16).contiguous()
+    b = nvfp4.NVFP4Tensor(data, scale.view(torch.float8_e4m3fn), torch.tensor(1.0))
+    for m in (3, 40, 129):
+        a = (torch.randn((m, k), generator=gen) * 3).to(torch.bfloat16)
+        ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
+        out = torch.full((m, 256), 7.0, device="cuda")  # poison
+        be.gemm(a, b, out=out)
+        got = out.cpu().double()
+        nan_cols = [0x7F, 0xFF]
+        assert torch.isnan(got[:, nan_cols]).all() and torch.isnan(ref[:, nan_cols]).all(), (kernel, m)
+        zero_cols = [0x00, 0x80]
+        assert torch.equal(got[:, zero_cols].abs(), torch.zeros(m, 2, dtype=torch.float64)), (kernel, m)
+        rest = [c for c in range(256) if c not in nan_cols + zero_cols]
+        assert torch.isfinite(got[:, rest]).all(), (kernel, m)
+        assert bool((ref[:, rest].abs().amax(dim=0) > 0).all())  # every other column has a nonzero value
+        err = (got[:, rest] - ref[:, rest]).abs().amax(dim=0) / ref[:, rest].abs().amax(dim=0)
+        assert float(err.max()) < 1e-4, (kernel, m, rest[int(err.argmax())], float(err.max()))
