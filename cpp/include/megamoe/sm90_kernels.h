@@ -113,7 +113,8 @@ struct GroupedGemmArgs {
   int num_experts = 0;
   int grid_experts = 0;  // grid.y: upper bound of active experts (min(E, T*k))
   const uint8_t* w_data = nullptr;   // [E, N, K/2]
-  const uint8_t* w_scale = nullptr;  // [E, N, w_scale_row_bytes] e4m3 (the first K/16 bytes of each row)
+  const uint8_t* w_scale = nullptr;  // [E, N, w_scale_row_bytes] scale codes (the first K/16 bytes of each row;
+                                     // megamoe/backends/cuda_sm90.py sm90_weights, gemm_common.cuh "Scale code")
   int64_t w_scale_row_bytes = 0;     // scale row stride, >= K/16 (0: K/16); the wgmma kernels need a multiple of 16
                                      // (their TMA map; prepare_weights pads the rows: sm90_scale_rows)
   const float* w_global_scale = nullptr;  // [E * w_gs_per_expert] (kSiluMul: 2 per expert, gate then up)
