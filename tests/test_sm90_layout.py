@@ -205,7 +205,7 @@ def test_sm90_weights_keep_every_product_for_every_scale_byte():
     assert set(nvfp4.unpack_codes(data[0:1]).reshape(-1).tolist()) == set(range(16))
 
 
-def test_sm90_weights_fold_only_the_blocks_that_need_it():
+def test_sm90_weights_fold_only_the_blocks_that_need_it(monkeypatch):
     gen = torch.Generator().manual_seed(SEED + 2)
     data = torch.randint(0, 256, (3, 5, 64), generator=gen, dtype=torch.uint8)  # K = 128: 8 blocks per row
     pos = (torch.rand((3, 5, 8), generator=gen) * 300 + 0.01).to(torch.float8_e4m3fn)  # none rounds to 0
@@ -225,11 +225,7 @@ def test_sm90_weights_fold_only_the_blocks_that_need_it():
     assert changed.nonzero().tolist() == [[0, 0, 1], [1, 2, 3], [2, 4, 7]]
     assert torch.equal(back[0, 0, 1], ref[0, 0, 1] ^ 0x88)
     assert not back[1, 2, 3].any() and not back[2, 4, 7].any()
-    monkey = cuda_sm90._FOLD_CHUNK_BLOCKS
-    try:
-        cuda_sm90._FOLD_CHUNK_BLOCKS = 3  # chunks that split rows
-        assert torch.equal(cuda_sm90.sm90_weights(data, mixed)[0], laid)
-    finally:
-        cuda_sm90._FOLD_CHUNK_BLOCKS = monkey
+    monkeypatch.setattr(cuda_sm90, "_FOLD_CHUNK_BLOCKS", 3)  # chunks that split rows
+    assert torch.equal(cuda_sm90.sm90_weights(data, mixed)[0], laid)
     with pytest.raises(ValueError, match="do not match"):
         cuda_sm90.sm90_weights(data, mixed[..., :4])

@@ -162,7 +162,6 @@ def sm90_scale_rows(scale: torch.Tensor) -> torch.Tensor:
 # normalized), is stored as ((k + 9) << 3) | f, so that code * 16 + 0x7680 are the bits of bf16(|scale| * 2^119);
 # 145 (bits 0x7F90) is NaN. A zero scale gets code 0: the codes of its block are zeroed instead.
 SM90_SCALE_NAN_CODE = 145
-SM90_SCALE_CODE_BIAS = 0x7680
 
 
 def _scale_code_table() -> torch.Tensor:
