@@ -178,14 +178,14 @@ def _decode_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     laid, codes = cuda_sm90.sm90_weights(data, scale)
     words = words_of(laid).reshape(-1, 2)  # two words per block
     s2 = scale_pair_bits(codes[..., :scale.shape[-1]].reshape(-1).numpy())
+    slo, shi = (h.to(torch.bfloat16) for h in bf16_halves(s2))
     out = torch.empty(words.shape[0], 16)
     for q in range(2):
         pairs = dequant_word_bits(words[:, q].copy())
         for j in range(4):
             lo, hi = bf16_halves(pairs[j])
-            slo, shi = bf16_halves(s2)
-            out[:, 8 * q + j] = (lo.to(torch.bfloat16) * slo.to(torch.bfloat16)).float() * 2.0**7
-            out[:, 8 * q + j + 4] = (hi.to(torch.bfloat16) * shi.to(torch.bfloat16)).float() * 2.0**7
+            out[:, 8 * q + j] = (lo.to(torch.bfloat16) * slo).float() * 2.0**7
+            out[:, 8 * q + j + 4] = (hi.to(torch.bfloat16) * shi).float() * 2.0**7
     return out
 
 

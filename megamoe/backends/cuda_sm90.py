@@ -205,7 +205,7 @@ def _fold_scale_signs(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     zero = mag == 0
     if not bool((flip | zero).any()):
         return data
-    out = data.contiguous().clone()
+    out = data.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the block view
     blocks, f, z = out.view(-1, 8), flip.reshape(-1), zero.reshape(-1)
     for i in range(0, blocks.shape[0], _FOLD_CHUNK_BLOCKS):
         sl = slice(i, i + _FOLD_CHUNK_BLOCKS)
