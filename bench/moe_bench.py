@@ -17,7 +17,10 @@ the larger of the two, and ``roofline_frac_<mode>`` = roofline / measured time.
 
 ``--profile``: per-kernel device times from ``torch.profiler`` (eager forwards): the grouped-GEMM
 kernels' own time and rate (``*_gemm_us``, ``*_gemm_tflops``, ``*_gemm_weight_GBps``) next to
-torch's ``_grouped_mm`` kernels, and everything else (align, staging, combine) as ``*_other_us``.
+torch's ``_grouped_mm`` kernels, and everything else (align, staging, combine) as ``*_other_us`` (the sum of
+those kernels' own durations, which with programmatic dependent launch include the time they wait for the GEMM
+before them), ``*_other_exposed_us`` (the time a non-GEMM kernel runs while no GEMM kernel does) and every kernel's
+time in ``*_kernels_us``.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from megamoe.moe import MoEWeights  # noqa: E402
 from megamoe.presets import get_preset  # noqa: E402
 
 ROTATE = 8
+PROFILE_REPS = 5  # eager forwards per torch.profiler run
 VARIANT_KERNELS = ("stream", "wgmma32", "wgmma64", "wgmma128")  # megamoe._C.Sm90GemmKernel members the plan chooses from
 
 
@@ -162,8 +166,9 @@ def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3) -> list[flo
     return times
 
 
-def profile_kernels(fn, reps: int = 5) -> dict[str, float]:
-    """Device microseconds per call of each kernel fn launches (eager, torch.profiler), by kernel name."""
+def profile_kernels(fn, reps: int = PROFILE_REPS) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
+    """Device microseconds per call of each kernel fn launches (eager, torch.profiler), by kernel name, and every
+    kernel's (name, start, end) interval in microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -173,12 +178,45 @@ def profile_kernels(fn, reps: int = 5) -> dict[str, float]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return {ev.key: ev.device_time_total / reps for ev in prof.key_averages() if ev.device_time_total > 0}
+    per_call = {ev.key: ev.device_time_total / reps for ev in prof.key_averages() if ev.device_time_total > 0}
+    spans = [(ev.name, float(ev.time_range.start), float(ev.time_range.end)) for ev in prof.events()
+             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start]
+    return per_call, spans
 
 
 def is_gemm_kernel(name: str) -> bool:
     """Our grouped-GEMM kernels (stream_gemm*, wg_gemm*) and torch's _grouped_mm (a CUTLASS sm90 GEMM)."""
     return "stream_gemm" in name or "wg_gemm" in name or ("cutlass" in name and "Gemm" in name)
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def exposed_other_us(spans: list[tuple[str, float, float]], reps: int) -> float:
+    """Microseconds per call during which a non-GEMM kernel runs and no GEMM kernel does: the union of all kernel
+    intervals minus the union of the GEMM kernels'. Kernels launched with programmatic dependent launch start
+    before their predecessor ends and wait inside; that overlap counts in their own durations (``*_other_us``)
+    but not here."""
+    every = union_length([(a, b) for _, a, b in spans])
+    gemm = union_length([(a, b) for n, a, b in spans if is_gemm_kernel(n)])
+    return (every - gemm) / reps
+
+
+def kernel_table(per_call: dict[str, float]) -> dict[str, float]:
+    """Per-call microseconds by short kernel name (namespace, return type and parameter list dropped)."""
+    out: dict[str, float] = {}
+    for k, v in per_call.items():
+        name = k.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "").replace("megamoe::sm90::", "")
+        out[name] = round(out.get(name, 0.0) + v, 2)
+    return out
 
 
 def split_profile(kernels: dict[str, float]) -> tuple[float, float, str]:
@@ -270,8 +308,11 @@ def main(argv=None) -> int:
                     cfg = base.with_(act_mode=mode)
                     x0, ids0, w0 = sets[0]
                     try:
-                        g_us, o_us, names = split_profile(profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0)))
+                        per_call, spans = profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0))
+                        g_us, o_us, names = split_profile(per_call)
                         row[f"sm90_{mode}_gemm_us"], row[f"sm90_{mode}_other_us"] = g_us, o_us
+                        row[f"sm90_{mode}_other_exposed_us"] = exposed_other_us(spans, PROFILE_REPS)
+                        row[f"sm90_{mode}_kernels_us"] = kernel_table(per_call)
                         row[f"sm90_{mode}_gemm_kernels"] = names
                         row[f"sm90_{mode}_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
                         row[f"sm90_{mode}_gemm_weight_GBps"] = wbytes / (g_us * 1e-6) / 1e9
@@ -310,8 +351,8 @@ def main(argv=None) -> int:
                     row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
                     if args.profile:
                         x0, ids0, w0 = sets[0]
-                        g_us, o_us, _ = split_profile(profile_kernels(
-                            lambda: torch_grouped_moe(x0, ids0, w0, tw13, tw2, base)))
+                        per_call, _ = profile_kernels(lambda: torch_grouped_moe(x0, ids0, w0, tw13, tw2, base))
+                        g_us, o_us, _ = split_profile(per_call)
                         row["torch_bf16_gemm_us"], row["torch_bf16_other_us"] = g_us, o_us
                         row["torch_bf16_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
                     for mode in args.modes:
@@ -400,12 +441,13 @@ def print_table(report, modes):
         cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
         print(" ".join(cells))
     if any("sm90_w4a16_gemm_us" in r for r in report["results"]):
-        print("GEMM kernels' own time (torch.profiler, W4A16): ours us / TF/s / weight GB/s, other kernels us | "
-              "torch _grouped_mm us / TF/s, other us")
+        print("GEMM kernels' own time (torch.profiler, W4A16): ours us / TF/s / weight GB/s, other kernels us "
+              "(their durations; exposed) | torch _grouped_mm us / TF/s, other us")
         for r in report["results"]:
             if "sm90_w4a16_gemm_us" in r:
                 print(f"{r['preset']:9} {r['T']:>5} {r['sm90_w4a16_gemm_us']:>9.1f} {r['sm90_w4a16_gemm_tflops']:>6.1f} "
-                      f"{r['sm90_w4a16_gemm_weight_GBps']:>7.0f} {r['sm90_w4a16_other_us']:>8.1f} | "
+                      f"{r['sm90_w4a16_gemm_weight_GBps']:>7.0f} {r['sm90_w4a16_other_us']:>8.1f} "
+                      f"{r.get('sm90_w4a16_other_exposed_us', float('nan')):>7.1f} | "
                       f"{r.get('torch_bf16_gemm_us', float('nan')):>9.1f} {r.get('torch_bf16_gemm_tflops', float('nan')):>6.1f} "
                       f"{r.get('torch_bf16_other_us', float('nan')):>8.1f}  {r.get('sm90_w4a16_gemm_kernels', '')}")
     keys = sorted({k for r in report["results"] for k in r

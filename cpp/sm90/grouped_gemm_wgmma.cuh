@@ -17,7 +17,7 @@
 //    its warp's 16; every weight element is decoded once per block), dequantizes whole words into
 //    the A registers and issues wgmma m64nNk16 with A in registers.
 // N (tokens per wgmma) is picked per block from the tile's token count, in steps of the
-// instantiated widths, so a tile of 12 tokens runs n16 and one of 40 n48.
+// instantiated widths, so a tile of 12 tokens runs n16 and one of 44 n48.
 //
 // Lane-owned K. The weight words are in their natural order (the sm90 word layout of
 // gemm_common.cuh: word w of a row holds elements 8w..8w+7, dequant_word gives pairs
@@ -112,11 +112,11 @@ struct WgCfg {
                                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
   __host__ __device__ static constexpr int wswz(int r) { return kKS == 256 ? (r & 7) : kKS == 128 ? ((r >> 1) & 3) : 0; }
   // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile
-  // (tile 128: 32, 64, 96, 128; tile 64: 8, 16, 32, 48, 64; tile 32: 8, 16, 32), so a tile's wgmmas run fewer than
-  // 32 (tile 128) or 16 (tiles 64 and 32) token columns past its tokens.
-  static constexpr int kNumWidths = kMaxN == kWgMid ? 4 : kMaxN == kWgSmall ? 5 : 3;
+  // (tile 128: 32, 48, ..., 128 in steps of 16; tile 64: 8, 16, 32, 40, 48, 56, 64; tile 32: 8, 16, 32), so a tile's
+  // wgmmas run fewer than 16 (tile 128, from 32 tokens) or 8 (tile 64, from 32 tokens) token columns past its tokens.
+  static constexpr int kNumWidths = kMaxN == kWgMid ? 7 : kMaxN == kWgSmall ? 7 : 3;
   __host__ __device__ static constexpr int width(int i) {
-    return kMaxN == kWgMid ? 32 * (i + 1) : kMaxN == kWgSmall ? (i < 3 ? 8 << i : 16 * i) : 8 << i;
+    return kMaxN == kWgMid ? 16 * (i + 2) : kMaxN == kWgSmall ? (i < 3 ? 8 << i : 8 * (i + 2)) : 8 << i;
   }
   __host__ __device__ static constexpr int width_index(int n) {
     int i = 0;
@@ -131,7 +131,7 @@ struct WgCfg {
 struct WgMaps {
   CUtensorMap w;
   CUtensorMap s;
-  CUtensorMap act[5];  // one per token width (WgCfg::kNumWidths)
+  CUtensorMap act[7];  // one per token width (WgCfg::kNumWidths)
 };
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -520,11 +520,28 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   }
 }
 
+// wg_tile of the narrowest instantiated width (WgCfg::width(i), i >= I) that holds `count` tokens.
+template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+__device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmArgs& a, const WgMaps& maps,
+                                                 uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
+                                                 int expert, int row_begin, int rows, int m0) {
+  using Cfg = WgCfg<kMaxN, kStageK>;
+  if constexpr (I + 1 < Cfg::kNumWidths) {
+    if (count > Cfg::width(I)) {
+      wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars, freed, expert,
+                                                                row_begin, rows, m0);
+      return;
+    }
+  }
+  wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, freed, expert, row_begin,
+                                                          rows, m0);
+}
+
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
-  static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 5, "WgMaps holds one activation map per width");
+  static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 7, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN, kStageK>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 and TMA swizzles are functions of address bits 4..9).
@@ -557,26 +574,9 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
 
-#define MEGAMOE_WG_TILE(n) \
-  wg_tile<n, kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, \
-                             static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert, row_begin, rows, m0)
-  if constexpr (kMaxN == kWgTiny) {
-    if (count <= 8) MEGAMOE_WG_TILE(8);
-    else if (count <= 16) MEGAMOE_WG_TILE(16);
-    else MEGAMOE_WG_TILE(32);
-  } else if constexpr (kMaxN == kWgSmall) {
-    if (count <= 8) MEGAMOE_WG_TILE(8);
-    else if (count <= 16) MEGAMOE_WG_TILE(16);
-    else if (count <= 32) MEGAMOE_WG_TILE(32);
-    else if (count <= 48) MEGAMOE_WG_TILE(48);
-    else MEGAMOE_WG_TILE(64);
-  } else {
-    if (count <= 32) MEGAMOE_WG_TILE(32);
-    else if (count <= 64) MEGAMOE_WG_TILE(64);
-    else if (count <= 96) MEGAMOE_WG_TILE(96);
-    else MEGAMOE_WG_TILE(128);
-  }
-#undef MEGAMOE_WG_TILE
+  wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars,
+                                                         static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
+                                                         row_begin, rows, m0);
 }
 
 // Tensor maps of one launch (host; encoding is a pure host call, no GPU work).

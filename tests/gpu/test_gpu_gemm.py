@@ -13,8 +13,10 @@ from _helpers import backend_or_skip, cosine, random_nvfp4, rel_err
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 256, 256), (7, 464, 464), (5, 96, 1040), (33, 1040, 2048), (129, 256, 7168), (300, 4096, 512), (8, 2048, 4096),
-          # token counts across the wgmma kernels' per-tile widths (8..128: 48 and 96 too) and tile boundaries
-          (17, 200, 320), (70, 130, 192), (100, 264, 512), (193, 384, 256), (257, 136, 128), (257, 136, 256)]
+          # token counts across the wgmma kernels' per-tile widths (tile 64: 8, 16, 32, 40, 48, 56, 64; tile 128: 32 to
+          # 128 in steps of 16) and tile boundaries
+          (17, 200, 320), (70, 130, 192), (100, 264, 512), (193, 384, 256), (257, 136, 128), (257, 136, 256),
+          (53, 320, 512), (109, 256, 256)]
 
 
 # Every kernel of the dispatch plan (megamoe._C.Sm90GemmKernel); a K the wgmma kernel does not take
