@@ -8,7 +8,9 @@ For each preset (docs/SPEC.md §3) and T: routed experts only (the shared expert
 are identical for every path and left out), uniform random top-k routing, CUDA-graph
 replays timed one by one with CUDA events after warm-up; the median is reported. Between
 replays the routing/activations are rotated over several pre-drawn sets so that small-T
-runs do not read the same experts from L2 every time.
+runs do not read the same experts from L2 every time. Each replay is launched onto an idle GPU
+(``*_us``: the interval also holds the launch of the replay) and, timed again, queued behind a
+device-side spin (``*_queued_us``: the graph's device time alone, as inside a longer stream of work).
 
 Floors, measured in the same run: HBM copy bandwidth (device-to-device copy, bytes read +
 written) and the bf16 matmul rate (8192^3 torch.matmul). Weight floor = NVFP4 bytes of the
@@ -137,8 +139,16 @@ def torch_grouped_moe(x, ids, w, w13, w2, cfg):
 
 
 # ----------------------------------------------------------------------------- timing
-def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3) -> list[float]:
-    """Capture fn() reading `buffers`, replay with the sets copied in turn; seconds per replay."""
+QUEUE_CYCLES = 200_000  # GPU clock cycles of the spin queued before a timed replay (queued=True): ~100 us
+
+
+def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3, queued: bool = False) -> list[float]:
+    """Capture fn() reading `buffers`, replay with the sets copied in turn; seconds per replay.
+
+    queued=False: the replay is launched onto an idle GPU, so the interval also holds the time from the first event to
+    the graph's first kernel (the host's launch of the replay). queued=True: a device-side spin runs first, long enough
+    for the replay to be queued behind it, so that the interval is the device time of the graph alone, as inside a
+    model's longer stream of work."""
     for dst, src in zip(buffers, inputs_sets[0]):
         dst.copy_(src)
     s = torch.cuda.Stream()
@@ -157,6 +167,8 @@ def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3) -> list[flo
         for dst, src in zip(buffers, inputs_sets[r % len(inputs_sets)]):
             dst.copy_(src)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         a.record()
         g.replay()
         b.record()
@@ -301,6 +313,9 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_pct_copy_bw"] = 100 * wbytes / med / copy_bw
                     row[f"sm90_{mode}_tflops"] = flops / med / 1e12
                     row[f"roofline_frac_{mode}"] = max(row["floor_weight_us"], row["floor_compute_us"]) / (med * 1e6)
+                    queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs,
+                                        reps, queued=True)
+                    row[f"sm90_{mode}_queued_us"] = statistics.median(queued) * 1e6
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
             if args.profile:
@@ -347,6 +362,9 @@ def main(argv=None) -> int:
                                        reps)
                     med = statistics.median(times)
                     row["torch_bf16_us"] = med * 1e6
+                    row["torch_bf16_queued_us"] = statistics.median(time_graph(
+                        lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs, reps,
+                        queued=True)) * 1e6
                     row["torch_bf16_tflops"] = flops / med / 1e12
                     row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
                     if args.profile:
@@ -440,6 +458,11 @@ def print_table(report, modes):
             cells.append(f"{sp:>8.2f}" if sp else f"{'-':>8}")
         cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
         print(" ".join(cells))
+    if any("sm90_w4a16_queued_us" in r for r in report["results"]):
+        print("queued behind device work (the graph's device time alone, us): " + " ".join(modes) + " torch")
+        for r in report["results"]:
+            print(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r.get(f'sm90_{m}_queued_us', float('nan')):>10.1f}" for m in modes)
+                  + f" {r.get('torch_bf16_queued_us', float('nan')):>10.1f}")
     if any("sm90_w4a16_gemm_us" in r for r in report["results"]):
         print("GEMM kernels' own time (torch.profiler, W4A16): ours us / TF/s / weight GB/s, other kernels us "
               "(their durations; exposed) | torch _grouped_mm us / TF/s, other us")
