@@ -10,7 +10,8 @@ replays timed one by one with CUDA events after warm-up; the median is reported.
 replays the routing/activations are rotated over several pre-drawn sets so that small-T
 runs do not read the same experts from L2 every time. Each replay is launched onto an idle GPU
 (``*_us``: the interval also holds the launch of the replay) and, timed again, queued behind a
-device-side spin (``*_queued_us``: the graph's device time alone, as inside a longer stream of work).
+device-side spin (``*_queued_us``: the graph's device time alone, as inside a longer stream of work),
+the two alternately.
 
 Floors, measured in the same run: HBM copy bandwidth (device-to-device copy, bytes read +
 written) and the bf16 matmul rate (8192^3 torch.matmul). Weight floor = NVFP4 bytes of the
@@ -142,13 +143,14 @@ def torch_grouped_moe(x, ids, w, w13, w2, cfg):
 QUEUE_CYCLES = 200_000  # GPU clock cycles of the spin queued before a timed replay (queued=True): ~100 us
 
 
-def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3, queued: bool = False) -> list[float]:
+def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3, queued: bool = False):
     """Capture fn() reading `buffers`, replay with the sets copied in turn; seconds per replay.
 
-    queued=False: the replay is launched onto an idle GPU, so the interval also holds the time from the first event to
-    the graph's first kernel (the host's launch of the replay). queued=True: a device-side spin runs first, long enough
-    for the replay to be queued behind it, so that the interval is the device time of the graph alone, as inside a
-    model's longer stream of work."""
+    Each replay is launched onto an idle GPU, so the interval also holds the time from the first event to the graph's
+    first kernel (the host's launch of the replay). queued=True: every set is also replayed, right after, behind a
+    device-side spin long enough for the replay to be queued behind it, so that the interval is the device time of
+    the graph alone, as inside a model's longer stream of work; returns (idle times, queued times), the two taken
+    alternately so that clock drift over the run falls on both alike."""
     for dst, src in zip(buffers, inputs_sets[0]):
         dst.copy_(src)
     s = torch.cuda.Stream()
@@ -162,20 +164,21 @@ def time_graph(fn, inputs_sets, buffers, reps: int, warmup: int = 3, queued: boo
         fn()
     for _ in range(warmup):
         g.replay()
-    times = []
+    times, queued_times = [], []
     for r in range(reps):
-        for dst, src in zip(buffers, inputs_sets[r % len(inputs_sets)]):
-            dst.copy_(src)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:
-            torch.cuda._sleep(QUEUE_CYCLES)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        for q in (False, True) if queued else (False,):
+            for dst, src in zip(buffers, inputs_sets[r % len(inputs_sets)]):
+                dst.copy_(src)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if q:
+                torch.cuda._sleep(QUEUE_CYCLES)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            (queued_times if q else times).append(a.elapsed_time(b) / 1e3)
     del g
-    return times
+    return (times, queued_times) if queued else times
 
 
 def profile_kernels(fn, reps: int = PROFILE_REPS) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
@@ -305,7 +308,8 @@ def main(argv=None) -> int:
             for mode in args.modes:
                 cfg = base.with_(act_mode=mode)
                 try:
-                    times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs, reps)
+                    times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
+                                               bufs, reps, queued=True)
                     med = statistics.median(times)
                     row[f"sm90_{mode}_us"] = med * 1e6
                     row[f"sm90_{mode}_p10_us"] = sorted(times)[len(times) // 10] * 1e6
@@ -313,8 +317,6 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_pct_copy_bw"] = 100 * wbytes / med / copy_bw
                     row[f"sm90_{mode}_tflops"] = flops / med / 1e12
                     row[f"roofline_frac_{mode}"] = max(row["floor_weight_us"], row["floor_compute_us"]) / (med * 1e6)
-                    queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets, bufs,
-                                        reps, queued=True)
                     row[f"sm90_{mode}_queued_us"] = statistics.median(queued) * 1e6
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
@@ -358,13 +360,11 @@ def main(argv=None) -> int:
                         be.kernel, be.tokens_per_pass = args.kernel, args.tokens_per_pass
             if tw13 is not None:
                 try:
-                    times = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs,
-                                       reps)
+                    times, queued = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets,
+                                               bufs, reps, queued=True)
                     med = statistics.median(times)
                     row["torch_bf16_us"] = med * 1e6
-                    row["torch_bf16_queued_us"] = statistics.median(time_graph(
-                        lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets, bufs, reps,
-                        queued=True)) * 1e6
+                    row["torch_bf16_queued_us"] = statistics.median(queued) * 1e6
                     row["torch_bf16_tflops"] = flops / med / 1e12
                     row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
                     if args.profile:
