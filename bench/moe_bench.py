@@ -403,7 +403,9 @@ def write_report(args, argv, copy_bw, bf16_rate, results) -> dict:
         "versions": versions(),
         "floors": {"copy_bw_Bps_read_plus_write": copy_bw, "bf16_matmul_flops": bf16_rate},
         "method": "median of per-replay CUDA-event times of a captured CUDA graph of the routed-expert forward; "
-                  f"{ROTATE} routing/activation sets rotated between replays; weight floor = NVFP4 bytes of used "
+                  f"{ROTATE} routing/activation sets rotated between replays; *_us: each replay launched onto an idle "
+                  "GPU, *_queued_us: queued behind a device-side spin (the graph's device time alone), the two "
+                  "alternately; weight floor = NVFP4 bytes of used "
                   "experts / copy bandwidth; torch baseline = bf16 torch._grouped_mm on bf16 weights, same routing",
         "results": results,
     }
