@@ -225,18 +225,23 @@ def exposed_other_us(spans: list[tuple[str, float, float]], reps: int) -> float:
     return (every - gemm) / reps
 
 
+def short_kernel_name(name: str) -> str:
+    """A profiler kernel name without its return type, megamoe::sm90 / anonymous namespaces and parameter list."""
+    return name.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "").replace("megamoe::sm90::", "")
+
+
 def kernel_table(per_call: dict[str, float]) -> dict[str, float]:
-    """Per-call microseconds by short kernel name (namespace, return type and parameter list dropped)."""
+    """Per-call microseconds by short kernel name."""
     out: dict[str, float] = {}
     for k, v in per_call.items():
-        name = k.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "").replace("megamoe::sm90::", "")
+        name = short_kernel_name(k)
         out[name] = round(out.get(name, 0.0) + v, 2)
     return out
 
 
 def split_profile(kernels: dict[str, float]) -> tuple[float, float, str]:
     gemm = {k: v for k, v in kernels.items() if is_gemm_kernel(k)}
-    names = sorted({k.split("(")[0].replace("void ", "").replace("megamoe::sm90::", "")[:40] for k in gemm})
+    names = sorted({short_kernel_name(k)[:40] for k in gemm})
     return sum(gemm.values()), sum(kernels.values()) - sum(gemm.values()), ",".join(names)
 
 
