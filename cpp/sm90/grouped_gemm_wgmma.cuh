@@ -7,10 +7,12 @@
 // (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
 //  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
 //    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
-//    reads): one TMA box of N rows per sub-tile, or, when the rows are gathered (act_rows), 16-byte
-//    cp.async copies by all threads (TMA has no row gather on sm_90);
-//  - packed NVFP4 weights: two TMA boxes of R / 2 rows x kKS / 2 bytes (swizzled by kKS: WgCfg::wswz);
-//    their scale codes (gemm_common.cuh, "Scale code"): two boxes of R / 2 rows x 16 bytes (K 256) every
+//    reads): all of a stage's sub-tiles as one TMA box of a 3-D view {64 elements, rows, K / 64} (sub-tile j
+//    of N rows at j * N * 128 bytes), or, when the rows are gathered (act_rows), 16-byte cp.async copies by
+//    all threads (TMA has no row gather on sm_90; sub-tile j at j * kMaxN * 128 bytes);
+//  - packed NVFP4 weights: one TMA box of R rows x kKS / 2 bytes (kSiluMul: two of R / 2, the gate and the up
+//    rows; swizzled by kKS: WgCfg::wswz);
+//    their scale codes (gemm_common.cuh, "Scale code"): one box of R rows x 16 bytes (kSiluMul: two) every
 //    256 / kKS stages, into a ring of kScSlots scale slots beside the stages (the scale rows must be 16-byte
 //    multiples: padded when K % 256 != 0, the bytes past K / 16 read as zeros);
 //    every thread reads the words and scales of exactly its own two A-fragment rows (g and g + 8 of
@@ -126,8 +128,9 @@ struct WgCfg {
 };
 
 // TMA tensor maps of one launch (kernel parameter): packed weights [E][N][K/2] bytes in boxes of
-// {kKS / 2, kRows / 2 rows}, scales [E][N][K/16] in boxes of {16, kRows / 2 rows}, and with contiguous activation rows
-// the activations [rows][K] bf16 in boxes of {64, width(i)} (SW128).
+// {kKS / 2, R rows} (kSiluMul: R / 2 rows), scales [E][N][K/16] in boxes of {16, R rows} (kSiluMul: R / 2), and with
+// contiguous activation rows the activations [rows][K] bf16 as a 3-D view {64, rows, K / 64} in boxes of
+// {64, width(i), kSub} (SW128): one box per stage.
 struct WgMaps {
   CUtensorMap w;
   CUtensorMap s;
@@ -318,8 +321,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int64_t I = Nw / 2;
 
-  // The block's weight rows: two TMA boxes of R / 2 rows of expert `expert` (R = Cfg::kRows), at shared rows
-  // 0..R/2-1 and R/2..R-1. kSiluMul: box 0 the gate rows of output columns blockIdx.x*R/2 + 0..R/2-1, box 1 their
+  // The block's weight rows of expert `expert` (R = Cfg::kRows), at shared rows 0..R/2-1 and R/2..R-1 (one TMA box
+  // of R rows for kStore, two of R / 2 for kSiluMul). kSiluMul: box 0 the gate rows of output columns blockIdx.x*R/2 + 0..R/2-1, box 1 their
   // up rows; a warp's rows g are gate and rows g + 8 up rows of column blockIdx.x*R/2 + wg*32 + wq*8 + g, so one
   // thread holds both for its tokens. kStore: rows blockIdx.x*R + 0..R-1. Rows past the expert's N read as zeros,
   // rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
@@ -332,6 +335,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // One thread: the TMA boxes of tile kt into ring slot `slot` (and its scale chunk when kt starts one), all
   // completing on the slot's full barrier.
   constexpr int kWidth = Cfg::width_index(N);
+  // Bytes between the activation sub-tiles of a stage: the box's N rows of 128 bytes (TMA), or kMaxN rows (copies)
+  constexpr int kActSub = kActTma ? N * 128 : kMaxN * 128;
   static_assert(Cfg::width(kWidth) == N, "N is one of the instantiated widths");
   constexpr uint32_t kTx = uint32_t(Cfg::kWBytes) + (kActTma ? uint32_t(kB * N * 128) : 0u);
   auto issue_tma = [&](int slot, int kt) {
@@ -339,19 +344,19 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     const bool chunk = kt % Cfg::kChunkStages == 0;
     mbar_arrive_expect_tx(bar, kTx + (chunk ? uint32_t(Cfg::kScBytes) : 0u));
     const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes, sw = sa + Cfg::kABytes;
+    // kStore: the R rows are contiguous, one box each for the weights and the scales (the maps' boxes are of R rows);
+    // kSiluMul: gate and up rows, two boxes of R / 2 rows each
     tma_load_3d(sw, &maps.w, kt * (kKS / 2), wrow0, expert, bar);
-    tma_load_3d(sw + (Cfg::kRows / 2) * (kKS / 2), &maps.w, kt * (kKS / 2), wrow1, expert, bar);
+    if (silu_mul) tma_load_3d(sw + (Cfg::kRows / 2) * (kKS / 2), &maps.w, kt * (kKS / 2), wrow1, expert, bar);
     if (chunk) {
       const int c = kt / Cfg::kChunkStages;
       const uint32_t ss = scales_s + uint32_t(c % Cfg::kScSlots) * Cfg::kScBytes;
       tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
-      tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
+      if (silu_mul) tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
     }
-    if constexpr (kActTma) {
-#pragma unroll
-      for (int sub = 0; sub < kB; ++sub)
-        tma_load_2d(sa + sub * (kMaxN * 128), &maps.act[kWidth], kt * kKS + kWgK * sub, row_begin + m0, bar);
-    }
+    // the stage's kB activation sub-tiles as one box of a 3-D view {64 elements, rows, K / 64}: sub-tile j lands at
+    // sa + j * N * 128 (kActSub)
+    if constexpr (kActTma) tma_load_3d(sa, &maps.act[kWidth], 0, row_begin + m0, kt * kB, bar);
   };
 
   // Copied rows (!kActTma: gathered, or an activation view TMA cannot read): this thread's activation copies,
@@ -475,7 +480,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
 #pragma unroll
     for (int ks = 0; ks < 4 * kB; ++ks)
-      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * (kMaxN * 128) + (ks & 3) * 32) >> 4)));
+      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)));
     wgmma_commit();
     acc_fence(acc);
     if constexpr (kActTma) {
@@ -584,9 +589,11 @@ template <int kMaxN, int kStageK>
 inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
+  // weight and scale boxes: kSiluMul R / 2 rows (gate and up rows apart), kStore all R rows of the block
+  const int box_rows = a.epilogue == Epilogue::kSiluMul ? Cfg::kRows / 2 : Cfg::kRows;
   {
     const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
-    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(Cfg::kRows / 2), 1};
+    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(box_rows), 1};
     const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides, box,
                                               Cfg::kWSwizzle);
     if (err != cudaSuccess) return err;
@@ -594,17 +601,19 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
   {
     const uint64_t srs = uint64_t(scale_row_bytes(a));
     const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
-    const uint32_t box[3] = {16, uint32_t(Cfg::kRows / 2), 1};
+    const uint32_t box[3] = {16, uint32_t(box_rows), 1};
     const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
                                               CU_TENSOR_MAP_SWIZZLE_NONE);
     if (err != cudaSuccess) return err;
   }
   if (act_tma) {
     const uint64_t rows = uint64_t(a.act_num_rows > 0 ? a.act_num_rows : a.max_total_rows);
-    const uint64_t dims[2] = {K, rows}, strides[1] = {K * 2};
+    // {64 elements, rows, K / 64 blocks}: one box holds a stage's kSub sub-tiles of `width` rows, each 128-byte
+    // swizzled as a wgmma descriptor reads it
+    const uint64_t dims[3] = {uint64_t(kWgK), rows, K / kWgK}, strides[2] = {K * 2, uint64_t(kWgK) * 2};
     for (int i = 0; i < Cfg::kNumWidths; ++i) {
-      const uint32_t box[2] = {uint32_t(kWgK), uint32_t(Cfg::width(i))};
-      const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, a.act, dims,
+      const uint32_t box[3] = {uint32_t(kWgK), uint32_t(Cfg::width(i)), uint32_t(Cfg::kSub)};
+      const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, a.act, dims,
                                                 strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
       if (err != cudaSuccess) return err;
     }
