@@ -322,10 +322,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const int64_t I = Nw / 2;
 
   // The block's weight rows of expert `expert` (R = Cfg::kRows), at shared rows 0..R/2-1 and R/2..R-1 (one TMA box
-  // of R rows for kStore, two of R / 2 for kSiluMul). kSiluMul: box 0 the gate rows of output columns blockIdx.x*R/2 + 0..R/2-1, box 1 their
-  // up rows; a warp's rows g are gate and rows g + 8 up rows of column blockIdx.x*R/2 + wg*32 + wq*8 + g, so one
-  // thread holds both for its tokens. kStore: rows blockIdx.x*R + 0..R-1. Rows past the expert's N read as zeros,
-  // rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
+  // of R rows for kStore, two of R / 2 for kSiluMul). kSiluMul: box 0 the gate rows of output columns
+  // blockIdx.x*R/2 + 0..R/2-1, box 1 their up rows; a warp's rows g are gate and rows g + 8 up rows of column
+  // blockIdx.x*R/2 + wg*32 + wq*8 + g, so one thread holds both for its tokens. kStore: rows blockIdx.x*R + 0..R-1.
+  // Rows past the expert's N read as zeros, rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
   const int wrow0 = silu_mul ? int(blockIdx.x) * (Cfg::kRows / 2) : int(blockIdx.x) * Cfg::kRows;
   const int wrow1 = silu_mul ? int(I) + wrow0 : wrow0 + Cfg::kRows / 2;
   const int num_k_tiles = int(K / kKS);
