@@ -100,7 +100,10 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
 // Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
 __device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+// x * sigmoid(x) with the fast division (MUFU.RCP and a multiply, 2 ulp; x / inf = -0 for x below about -88), not the
+// IEEE division's range checks and slow-path call per value; every kernel of this backend uses this one definition,
+// so their h agree bit for bit.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + expf(-x)); }
 
 // Epilogue value of one accumulator: undo the dequant's 2^-7, then the global scales.
 __device__ __forceinline__ float scaled(float acc, float alpha, float row_scale) {

@@ -191,26 +191,6 @@ inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
          scale_row_bytes(a) >= a.K / 16;
 }
 
-// The tokens of an m64nN D fragment below `rows`: for token m0 + 8j + 2tig + t, calls
-// f(4j + t, out_row, rs) with its output row row_begin + token and its row scale; acc[4j + t] is its
-// value in row g, acc[4j + 2 + t] in row g + 8.
-template <int N, typename F>
-__device__ __forceinline__ void wg_fragment_tokens(const GroupedGemmArgs& a, int row_begin, int rows, int m0, int tig,
-                                                   F&& f) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int tok = m0 + 8 * j + 2 * tig + t;
-      if (tok < rows) {
-        const int64_t out_row = int64_t(row_begin) + tok;
-        const float rs = a.a_row_scale ? a.a_row_scale[out_row] : 1.0f;
-        f(4 * j + t, out_row, rs);
-      }
-    }
-  }
-}
-
 // kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its
 // exact bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that
 // wg_epilogue writes otherwise. The block's tile of h (kCols = kRows / 2 columns x the tile's tokens) goes through
@@ -270,39 +250,86 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
   }
 }
 
-// Epilogue of wg_tile(): acc is warp wq of
-// warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g and + 8, tokens m0 + 8j +
-// 2tig + {0, 1}); scales it and writes output rows row_begin + token (tokens < rows).
-// silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
+// Epilogue of wg_tile(): acc is warp wq of warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g
+// and + 8, tokens m0 + 8j + 2tig + {0, 1}: acc[4j + t] row g, acc[4j + 2 + t] row g + 8); scales it and writes
+// output rows row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
+// Straight-line code: the row scales of the thread's N / 4 tokens are loaded together, every value is computed, and
+// each store is predicated on its token (a branch and a dependent load per token made this epilogue about a tenth
+// of a tile-64 block at T = 2048, docs/PERFORMANCE.md). Token i of the thread is tile token m0 + 2tig + wg_tok(i).
+__host__ __device__ constexpr int wg_tok(int i) { return 8 * (i >> 1) + (i & 1); }
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
                                             int wg, int wq, int g, int tig) {
+  constexpr int kTok = N / 4;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
-  // D fragment: acc[4j + c]: c = 0, 1 row g, tokens 8j + 2tig + {0, 1}; c = 2, 3 row g + 8.
+  const int t0 = m0 + 2 * tig;  // the thread's first token in the expert's rows
+  float rs[kTok];
+#pragma unroll
+  for (int i = 0; i < kTok; ++i) rs[i] = 1.0f;
+  if (a.a_row_scale) {
+    const float* r = a.a_row_scale + row_begin + t0;
+#pragma unroll
+    for (int i = 0; i < kTok; ++i)
+      if (t0 + wg_tok(i) < rows) rs[i] = r[wg_tok(i)];
+  }
   if (silu_mul) {
     const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
-    if (col < I) {
-      wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
-        const float hv = swiglu(scaled(acc[c], alpha0, rs), scaled(acc[c + 2], alpha1, rs), a.swiglu_clamp,
-                                a.swiglu_limit);
-        if (a.out_operand) {
-          store_operand_bf16(a.out_operand, out_row, I, col, hv, true);
-        } else {
-          a.out[out_row * I + col] = hv;
-        }
-      });
+    if (col >= I) return;
+    float hv[kTok];
+#pragma unroll
+    for (int i = 0; i < kTok; ++i) {
+      const int c = 4 * (i >> 1) + (i & 1);
+      hv[i] = swiglu(scaled(acc[c], alpha0, rs[i]), scaled(acc[c + 2], alpha1, rs[i]), a.swiglu_clamp,
+                     a.swiglu_limit);
+    }
+    // tokens 2tig + 8j (t = 0) and + 1 (t = 1) at pointers advanced by 8 rows per j
+    const int64_t row0 = (int64_t(row_begin) + t0) * I;
+    if (a.out_operand) {  // h as the bf16 L2 operand, lane order (store_operand_bf16)
+      const int op = int(col & 56) + operand_position(int(col & 7));
+      uint16_t* p = a.out_operand + row0 + (col & ~int64_t(63)) + lane_order_position(op);
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j, p += 8 * I) {
+        if (t0 + 8 * j < rows) p[0] = bf16_bits(hv[2 * j]);
+        if (t0 + 8 * j + 1 < rows) p[I] = bf16_bits(hv[2 * j + 1]);
+      }
+    } else {
+      float* p = a.out + row0 + col;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j, p += 8 * I) {
+        if (t0 + 8 * j < rows) p[0] = hv[2 * j];
+        if (t0 + 8 * j + 1 < rows) p[I] = hv[2 * j + 1];
+      }
     }
   } else {
     const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
-    wg_fragment_tokens<N>(a, row_begin, rows, m0, tig, [&](int c, int64_t out_row, float rs) {
+    const bool v0 = n0 < Nw, v1 = n0 + 8 < Nw;
+    const int64_t base = (int64_t(row_begin) + t0) * Nw + n0;
+    // acc[4j + t] (row g) and acc[4j + 2 + t] (row g + 8) of token 2tig + 8j + t
+    if (a.out_bf16) {
+      uint16_t* p = a.out_bf16 + base;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int64_t n = n0 + 8 * hh;
-        if (n < Nw) store_out(a, out_row * Nw + n, scaled(acc[c + 2 * hh], alpha0, rs));
+      for (int j = 0; j < N / 8; ++j, p += 8 * Nw) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          if (t0 + 8 * j + t >= rows) continue;
+          if (v0) p[t * Nw] = bf16_bits(scaled(acc[4 * j + t], alpha0, rs[2 * j + t]));
+          if (v1) p[t * Nw + 8] = bf16_bits(scaled(acc[4 * j + 2 + t], alpha0, rs[2 * j + t]));
+        }
       }
-    });
+    } else {
+      float* p = a.out + base;
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j, p += 8 * Nw) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          if (t0 + 8 * j + t >= rows) continue;
+          if (v0) p[t * Nw] = scaled(acc[4 * j + t], alpha0, rs[2 * j + t]);
+          if (v1) p[t * Nw + 8] = scaled(acc[4 * j + 2 + t], alpha0, rs[2 * j + t]);
+        }
+      }
+    }
   }
 }
 
