@@ -136,10 +136,14 @@ __device__ __forceinline__ float h_quant_scale(const GroupedGemmArgs& a, int exp
 
 // h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
 // lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
+// Offset of column col of an operand row (operand order, or the wgmma kernels' lane order).
+__device__ __forceinline__ int64_t operand_column(int64_t col, bool lane_order) {
+  const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
+  return (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op);
+}
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
                                                    float hv, bool lane_order) {
-  const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
-  out_operand[out_row * I + (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op)] = bf16_bits(hv);
+  out_operand[out_row * I + operand_column(col, lane_order)] = bf16_bits(hv);
 }
 
 // Element idx of the kStore output: fp32 out, or bf16 out_bf16 rounded once (GroupedGemmArgs::out_bf16).

@@ -255,8 +255,10 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
 // output rows row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
 // Straight-line code: the row scales of the thread's N / 4 tokens are loaded together, every value is computed, and
 // each store is predicated on its token (a branch and a dependent load per token made this epilogue about a tenth
-// of a tile-64 block at T = 2048, docs/PERFORMANCE.md). Token i of the thread is tile token m0 + 2tig + wg_tok(i).
+// of a tile-64 block at T = 2048, docs/PERFORMANCE.md). Token i = 2j + t of the thread is tile token
+// m0 + 2tig + wg_tok(i); its values are acc[wg_acc(i)] (row g) and acc[wg_acc(i) + 2] (row g + 8).
 __host__ __device__ constexpr int wg_tok(int i) { return 8 * (i >> 1) + (i & 1); }
+__host__ __device__ constexpr int wg_acc(int i) { return 4 * (i >> 1) + (i & 1); }
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
@@ -274,61 +276,46 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
     for (int i = 0; i < kTok; ++i)
       if (t0 + wg_tok(i) < rows) rs[i] = r[wg_tok(i)];
   }
+  // f(q, i) for every token i of the thread below `rows`, q = p + wg_tok(i) * stride (p: the thread's first token's
+  // row; a pointer advanced by 8 rows per j)
+  auto store_tokens = [&](auto* p, int64_t stride, auto&& f) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j, p += 8 * stride) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        if (t0 + 8 * j + t < rows) f(p + t * stride, 2 * j + t);
+    }
+  };
   if (silu_mul) {
     const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
     if (col >= I) return;
     float hv[kTok];
 #pragma unroll
-    for (int i = 0; i < kTok; ++i) {
-      const int c = 4 * (i >> 1) + (i & 1);
-      hv[i] = swiglu(scaled(acc[c], alpha0, rs[i]), scaled(acc[c + 2], alpha1, rs[i]), a.swiglu_clamp,
+    for (int i = 0; i < kTok; ++i)
+      hv[i] = swiglu(scaled(acc[wg_acc(i)], alpha0, rs[i]), scaled(acc[wg_acc(i) + 2], alpha1, rs[i]), a.swiglu_clamp,
                      a.swiglu_limit);
-    }
-    // tokens 2tig + 8j (t = 0) and + 1 (t = 1) at pointers advanced by 8 rows per j
     const int64_t row0 = (int64_t(row_begin) + t0) * I;
     if (a.out_operand) {  // h as the bf16 L2 operand, lane order (store_operand_bf16)
-      const int op = int(col & 56) + operand_position(int(col & 7));
-      uint16_t* p = a.out_operand + row0 + (col & ~int64_t(63)) + lane_order_position(op);
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j, p += 8 * I) {
-        if (t0 + 8 * j < rows) p[0] = bf16_bits(hv[2 * j]);
-        if (t0 + 8 * j + 1 < rows) p[I] = bf16_bits(hv[2 * j + 1]);
-      }
+      store_tokens(a.out_operand + row0 + operand_column(col, true), I,
+                   [&](uint16_t* q, int i) { *q = bf16_bits(hv[i]); });
     } else {
-      float* p = a.out + row0 + col;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j, p += 8 * I) {
-        if (t0 + 8 * j < rows) p[0] = hv[2 * j];
-        if (t0 + 8 * j + 1 < rows) p[I] = hv[2 * j + 1];
-      }
+      store_tokens(a.out + row0 + col, I, [&](float* q, int i) { *q = hv[i]; });
     }
   } else {
     const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
     const bool v0 = n0 < Nw, v1 = n0 + 8 < Nw;
     const int64_t base = (int64_t(row_begin) + t0) * Nw + n0;
-    // acc[4j + t] (row g) and acc[4j + 2 + t] (row g + 8) of token 2tig + 8j + t
+    // rows n0 and n0 + 8 of each token, through cvt (fp32 out, or bf16 out_bf16: store_out)
+    auto store_rows = [&](auto* out, auto&& cvt) {
+      store_tokens(out + base, Nw, [&](auto* q, int i) {
+        if (v0) q[0] = cvt(scaled(acc[wg_acc(i)], alpha0, rs[i]));
+        if (v1) q[8] = cvt(scaled(acc[wg_acc(i) + 2], alpha0, rs[i]));
+      });
+    };
     if (a.out_bf16) {
-      uint16_t* p = a.out_bf16 + base;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j, p += 8 * Nw) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          if (t0 + 8 * j + t >= rows) continue;
-          if (v0) p[t * Nw] = bf16_bits(scaled(acc[4 * j + t], alpha0, rs[2 * j + t]));
-          if (v1) p[t * Nw + 8] = bf16_bits(scaled(acc[4 * j + 2 + t], alpha0, rs[2 * j + t]));
-        }
-      }
+      store_rows(a.out_bf16, [](float v) { return bf16_bits(v); });
     } else {
-      float* p = a.out + base;
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j, p += 8 * Nw) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          if (t0 + 8 * j + t >= rows) continue;
-          if (v0) p[t * Nw] = scaled(acc[4 * j + t], alpha0, rs[2 * j + t]);
-          if (v1) p[t * Nw + 8] = scaled(acc[4 * j + 2 + t], alpha0, rs[2 * j + t]);
-        }
-      }
+      store_rows(a.out, [](float v) { return v; });
     }
   }
 }
