@@ -2,9 +2,9 @@
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
 // Block = R / 64 warpgroups = R weight rows (R = WgCfg::kRows: 128 or 256; 64 per warpgroup, 16 per warp) of
-// one expert x one token tile of up to kMaxN tokens of that expert; K in stages of kKS (64, 128
-// or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory accelerator
-// (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
+// one expert x one token tile of up to kMaxN tokens of that expert (tile 64: two such row blocks in turn, wg_tile);
+// K in stages of kKS (64, 128 or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory
+// accelerator (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
 //  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
 //    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
 //    reads): all of a stage's sub-tiles as one TMA box of a 3-D view {64 elements, rows, K / 64} (sub-tile j
@@ -183,6 +183,25 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
+// Row blocks of a GEMM: blocks of kRows weight rows (kSiluMul: of kRows / 2 output columns, gate and up rows).
+template <int kMaxN>
+__host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
+  constexpr int R = wg_rows(kMaxN);
+  return a.epilogue == Epilogue::kSiluMul ? int((a.N / 2 + R / 2 - 1) / (R / 2)) : int((a.N + R - 1) / R);
+}
+// Row blocks per block (wg_tile): up to 2 in tile 64 with TMA rows and h not quantized (that epilogue takes the
+// ring), 2 where a row block's K-tiles fill whole scale chunks; 1 elsewhere (tiles 32 and 128 keep the one-item loop:
+// tile 128 in pairs measured no faster, docs/PERFORMANCE.md).
+template <int kMaxN, bool kActTma, bool kQuantH>
+__host__ __device__ constexpr int wg_max_items() {
+  return kMaxN == kWgSmall && kActTma && !kQuantH ? 2 : 1;
+}
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+__host__ __device__ constexpr int wg_items(int64_t K) {
+  return wg_max_items<kMaxN, kActTma, kQuantH>() > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2
+                                                                                                               : 1;
+}
+
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
 template <int kMaxN>
 inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
@@ -191,19 +210,20 @@ inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
          scale_row_bytes(a) >= a.K / 16;
 }
 
-// kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its
-// exact bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that
-// wg_epilogue writes otherwise. The block's tile of h (kCols = kRows / 2 columns x the tile's tokens) goes through
-// shared memory, the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every copy
-// landed): token rows of kHRow floats (kCols and 4 of padding, so that the 8 columns x 4 tokens a warp writes at once
-// fall on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize kernel
-// does, and the 4 threads holding a 64-element block of a token row store its bf16 values in lane order as 16-byte
-// chunks (lane_order_chunks). Every thread of the block comes here (the barriers). Tokens past `rows` and blocks past
-// I are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a 64-block store or skip it together).
+// kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its exact
+// bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that wg_epilogue
+// writes otherwise. The block's tile of h (the kCols = kRows / 2 columns of row block rb x the tile's tokens) goes
+// through shared memory, the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every
+// copy landed): token rows of kHRow floats (kCols and 4 of padding, so that the 8 columns x 4 tokens a warp writes at
+// once fall on distinct banks); then each thread quantizes whole 16-element blocks of a token row, as the quantize
+// kernel does, and the 4 threads holding a 64-element block of a token row store its bf16 values in lane order as
+// 16-byte chunks (lane_order_chunks). Every thread of the block comes here (the barriers). Tokens past `rows` and
+// blocks past I are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a 64-block store or skip it
+// together).
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* tile,
-                                                    int64_t I, int expert, int row_begin, int rows, int m0, int wg,
-                                                    int wq, int g, int tig) {
+                                                    int64_t I, int expert, int row_begin, int rows, int m0, int rb,
+                                                    int wg, int wq, int g, int tig) {
   constexpr int kCols = WgCfg<kMaxN>::kRows / 2, kHRow = kCols + 4;
   static_assert(kCols % 64 == 0 && WgCfg<kMaxN>::kThreads % 32 == 0, "quads of threads per token row (lane_order_chunks)");
   float alpha0, alpha1;
@@ -226,7 +246,7 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
   }
   __syncthreads();
   const float gs = h_quant_scale(a, expert);
-  const int64_t col0 = int64_t(blockIdx.x) * kCols;
+  const int64_t col0 = int64_t(rb) * kCols;
   for (int q = threadIdx.x; q < N * (kCols / 16); q += WgCfg<kMaxN>::kThreads) {
     const int i = q / (kCols / 16), kb = q % (kCols / 16);
     if (m0 + i >= rows || col0 + 16 * kb >= I) continue;
@@ -251,8 +271,8 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
 }
 
 // Epilogue of wg_tile(): acc is warp wq of warpgroup wg's m64nN fragment (block-local weight rows wg*64 + wq*16 + g
-// and + 8, tokens m0 + 8j + 2tig + {0, 1}: acc[4j + t] row g, acc[4j + 2 + t] row g + 8); scales it and writes
-// output rows row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
+// and + 8 of row block rb, tokens m0 + 8j + 2tig + {0, 1}: acc[4j + t] row g, acc[4j + 2 + t] row g + 8); scales it
+// and writes output rows row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
 // Straight-line code: the row scales of the thread's N / 4 tokens are loaded together, every value is computed, and
 // each store is predicated on its token (a branch and a dependent load per token made this epilogue about a tenth
 // of a tile-64 block at T = 2048, docs/PERFORMANCE.md). Token i = 2j + t of the thread is tile token
@@ -262,7 +282,7 @@ __host__ __device__ constexpr int wg_acc(int i) { return 4 * (i >> 1) + (i & 1);
 template <int N, int kMaxN>
 __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
-                                            int wg, int wq, int g, int tig) {
+                                            int rb, int wg, int wq, int g, int tig) {
   constexpr int kTok = N / 4;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
@@ -287,7 +307,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
     }
   };
   if (silu_mul) {
-    const int64_t col = int64_t(blockIdx.x) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
+    const int64_t col = int64_t(rb) * (WgCfg<kMaxN>::kRows / 2) + wg * 32 + wq * 8 + g;
     if (col >= I) return;
     float hv[kTok];
 #pragma unroll
@@ -302,7 +322,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       store_tokens(a.out + row0 + col, I, [&](float* q, int i) { *q = hv[i]; });
     }
   } else {
-    const int64_t n0 = int64_t(blockIdx.x) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
+    const int64_t n0 = int64_t(rb) * WgCfg<kMaxN>::kRows + wg * 64 + wq * 16 + g;
     const bool v0 = n0 < Nw, v1 = n0 + 8 < Nw;
     const int64_t base = (int64_t(row_begin) + t0) * Nw + n0;
     // rows n0 and n0 + 8 of each token, through cvt (fp32 out, or bf16 out_bf16: store_out)
@@ -323,10 +343,15 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kQuantH: the kSiluMul epilogue quantizes
 // h (wg_epilogue_h_nvfp4; its own instantiation, so that the other kernels keep their registers); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
+// Row blocks rb0 .. rb0 + items - 1 (items: 1, or 2 in tile 64: wg_items) of the token tile, one after the other,
+// with one ring of stages through all of them: stage gk of the block is k-tile gk % num_k_tiles of row block
+// rb0 + gk / num_k_tiles, so the copies of the second row block's first stages are issued during the first's last
+// stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).
+// The epilogue of each row block writes global memory only.
 template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
-                                        int expert, int row_begin, int rows, int m0) {
+                                        int expert, int row_begin, int rows, int m0, int rb0, int items) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
@@ -335,14 +360,15 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int64_t I = Nw / 2;
 
-  // The block's weight rows of expert `expert` (R = Cfg::kRows), at shared rows 0..R/2-1 and R/2..R-1 (one TMA box
-  // of R rows for kStore, two of R / 2 for kSiluMul). kSiluMul: box 0 the gate rows of output columns
-  // blockIdx.x*R/2 + 0..R/2-1, box 1 their up rows; a warp's rows g are gate and rows g + 8 up rows of column
-  // blockIdx.x*R/2 + wg*32 + wq*8 + g, so one thread holds both for its tokens. kStore: rows blockIdx.x*R + 0..R-1.
+  // The weight rows of row block rb of expert `expert` (R = Cfg::kRows), at shared rows 0..R/2-1 and R/2..R-1 (one
+  // TMA box of R rows for kStore, two of R / 2 for kSiluMul). kSiluMul: box 0 the gate rows of output columns
+  // rb*R/2 + 0..R/2-1, box 1 their up rows; a warp's rows g are gate and rows g + 8 up rows of column
+  // rb*R/2 + wg*32 + wq*8 + g, so one thread holds both for its tokens. kStore: rows rb*R + 0..R-1.
   // Rows past the expert's N read as zeros, rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
-  const int wrow0 = silu_mul ? int(blockIdx.x) * (Cfg::kRows / 2) : int(blockIdx.x) * Cfg::kRows;
-  const int wrow1 = silu_mul ? int(I) + wrow0 : wrow0 + Cfg::kRows / 2;
+  constexpr int kMaxItems = wg_max_items<kMaxN, kActTma, kQuantH>();
+  const int n_items = kMaxItems == 1 ? 1 : items;
   const int num_k_tiles = int(K / kKS);
+  const int total = n_items * num_k_tiles;  // stages of the block
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t scales_s = static_cast<uint32_t>(__cvta_generic_to_shared(scales));
 
@@ -353,7 +379,14 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   constexpr int kActSub = kActTma ? N * 128 : kMaxN * 128;
   static_assert(Cfg::width(kWidth) == N, "N is one of the instantiated widths");
   constexpr uint32_t kTx = uint32_t(Cfg::kWBytes) + (kActTma ? uint32_t(kB * N * 128) : 0u);
-  auto issue_tma = [&](int slot, int kt) {
+  // Stage gk: k-tile kt of row block rb0 + it; its scale chunk kt / kChunkStages goes to scale slot
+  // (gk / kChunkStages) % kScSlots, the chunks of all items counted in one sequence (num_k_tiles % kChunkStages == 0
+  // when items > 1: wg_items), as the loop below steps through the slots.
+  auto issue_tma = [&](int slot, int gk) {
+    const int it = kMaxItems > 1 && gk >= num_k_tiles ? 1 : 0, kt = gk - it * num_k_tiles;
+    const int rb = rb0 + it;
+    const int wrow0 = silu_mul ? rb * (Cfg::kRows / 2) : rb * Cfg::kRows;
+    const int wrow1 = silu_mul ? int(I) + wrow0 : wrow0 + Cfg::kRows / 2;
     const uint32_t bar = bars + 8 * slot;
     const bool chunk = kt % Cfg::kChunkStages == 0;
     mbar_arrive_expect_tx(bar, kTx + (chunk ? uint32_t(Cfg::kScBytes) : 0u));
@@ -364,7 +397,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
     if (silu_mul) tma_load_3d(sw + (Cfg::kRows / 2) * (kKS / 2), &maps.w, kt * (kKS / 2), wrow1, expert, bar);
     if (chunk) {
       const int c = kt / Cfg::kChunkStages;
-      const uint32_t ss = scales_s + uint32_t(c % Cfg::kScSlots) * Cfg::kScBytes;
+      const uint32_t ss = scales_s + uint32_t((gk / Cfg::kChunkStages) % Cfg::kScSlots) * Cfg::kScBytes;
       tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
       if (silu_mul) tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
     }
@@ -398,8 +431,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   }
   // Copied rows: this thread's copies of tile kt into ring slot `slot`, then its arrival on the slot's full
   // barrier (counted once they have landed).
-  auto load_act = [&](int slot, int kt) {
+  // (stage gk: k-tile gk % num_k_tiles; every item reads the same rows)
+  auto load_act = [&](int slot, int gk) {
     if constexpr (!kActTma) {
+      const int kt = kMaxItems > 1 && gk >= num_k_tiles ? gk - num_k_tiles : gk;
       const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
       const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
@@ -423,119 +458,128 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // tile kt + A (A = S - 1 ahead), so thread 0 issues that tile's boxes right there.
   constexpr int A = S - 1;
   if (tid == 0)
-    for (int s = 0; s < (kActTma ? S : A) && s < num_k_tiles; ++s) issue_tma(s, s);
+    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_tma(s, s);
 #pragma unroll
   for (int s = 0; s < A; ++s)
-    if (s < num_k_tiles) load_act(s, s);
+    if (s < total) load_act(s, s);
 
-  // Shared rows of this thread's A-fragment rows g (h = 0) and g + 8 (h = 1), see wrow0 above.
+  // Shared rows of this thread's A-fragment rows g (h = 0) and g + 8 (h = 1), see the weight rows above.
   const int srow0 = silu_mul ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
   const int srow1 = silu_mul ? srow0 + Cfg::kRows / 2 : srow0 + 8;
   uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   const uint32_t sc_sel = scale_byte_sel(uint32_t(tig));  // this lane's scale code byte of a block's word
-  int slot = 0, pf_slot = A;  // kt % S and (kt + A) % S
-  uint32_t phase = 0;         // (kt / S) & 1
-  int sc_slot = 0, sc_pos = 0;  // scale slot of tile kt's chunk, and kt's stage within the chunk
+  int slot = 0, pf_slot = A;  // gk % S and (gk + A) % S
+  uint32_t phase = 0;         // (gk / S) & 1
+  int sc_slot = 0, sc_pos = 0;  // scale slot of stage gk's chunk, and gk's stage within the chunk
   // kActTma, lane 0: the warp's count in freed[] for the stage before (the counter's old value) and the tile the
   // last warp issues into that stage's slot, pend_kt % S (-1: none); checked one stage later, while this stage's
   // wgmmas run, so the warp never waits for the atomic's result.
   uint32_t pend_old = 0u;
   int pend_kt = -1;
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    mbar_wait(bars + 8 * slot, phase);                   // tile kt landed
-    if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
-    const int pf = kt + A;
-    if (!kActTma && pf < num_k_tiles) {
-      // the slot's previous tile pf - S: every warp's wgmmas on it finished
-      if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
-      if (tid == 0) issue_tma(pf_slot, pf);
-      load_act(pf_slot, pf);
-    }
-
-    // Dequantize: word q of block b of row h (8 bytes at 8 tig of the block's 32) -> k16 steps 4b + 2q
-    // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
-    const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
-    const uint8_t* ss = scales + sc_slot * Cfg::kScBytes + sc_pos * (kKS / 16);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int sr = h ? srow1 : srow0;
-      uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
-      if constexpr (kB == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(ss + sr * 16);
-        sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
-      } else if constexpr (kB == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(ss + sr * 16);
-        sc[0] = v.x; sc[1] = v.y;
-      } else {
-        sc[0] = *reinterpret_cast<const uint32_t*>(ss + sr * 16);
+#pragma unroll 1
+  for (int it = 0; it < n_items; ++it) {
+    const int gk_end = (it + 1) * num_k_tiles;
+    for (int gk = it * num_k_tiles; gk < gk_end; ++gk) {
+      mbar_wait(bars + 8 * slot, phase);                   // stage gk landed
+      if constexpr (!kActTma) fence_proxy_async_smem();    // ... and the copies are visible to the async proxy
+      const int pf = gk + A;
+      if (!kActTma && pf < total) {
+        // the slot's previous tile pf - S: every warp's wgmmas on it finished
+        if (pf >= S) mbar_wait(bars + 8 * (S + pf_slot), uint32_t((pf / S - 1) & 1));
+        if (tid == 0) issue_tma(pf_slot, pf);
+        load_act(pf_slot, pf);
       }
-      const uint8_t* wrow = sw + sr * (kKS / 2) + (tig & 1) * 8;
-      const int x = Cfg::wswz(sr);
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
-        const uint32_t s2 = scale_pair(sc[b], sc_sel);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          uint32_t p[4];
-          dequant_word(q ? w.y : w.x, s2, p);
-          af[4 * b + 2 * q][h] = p[0];
-          af[4 * b + 2 * q][2 + h] = p[1];
-          af[4 * b + 2 * q + 1][h] = p[2];
-          af[4 * b + 2 * q + 1][2 + h] = p[3];
+
+      // Dequantize: word q of block b of row h (8 bytes at 8 tig of the block's 32) -> k16 steps 4b + 2q
+      // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
+      const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
+      const uint8_t* ss = scales + sc_slot * Cfg::kScBytes + sc_pos * (kKS / 16);
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int sr = h ? srow1 : srow0;
+        uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
+        if constexpr (kB == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(ss + sr * 16);
+          sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
+        } else if constexpr (kB == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(ss + sr * 16);
+          sc[0] = v.x; sc[1] = v.y;
+        } else {
+          sc[0] = *reinterpret_cast<const uint32_t*>(ss + sr * 16);
+        }
+        const uint8_t* wrow = sw + sr * (kKS / 2) + (tig & 1) * 8;
+        const int x = Cfg::wswz(sr);
+  #pragma unroll
+        for (int b = 0; b < kB; ++b) {
+          const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
+          const uint32_t s2 = scale_pair(sc[b], sc_sel);
+  #pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            uint32_t p[4];
+            dequant_word(q ? w.y : w.x, s2, p);
+            af[4 * b + 2 * q][h] = p[0];
+            af[4 * b + 2 * q][2 + h] = p[1];
+            af[4 * b + 2 * q + 1][h] = p[2];
+            af[4 * b + 2 * q + 1][2 + h] = p[3];
+          }
         }
       }
-    }
 
-    acc_fence(acc);
-    wgmma_fence();
-    // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
-    const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
-#pragma unroll
-    for (int ks = 0; ks < 4 * kB; ++ks)
-      Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)));
-    wgmma_commit();
-    acc_fence(acc);
-    if constexpr (kActTma) {
-      // the last of the block's warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
-      constexpr uint32_t kWarps = Cfg::kThreads / 32;
-      if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
-        fence_proxy_async_smem();
-        issue_tma(pend_kt % S, pend_kt);
+      acc_fence(acc);
+      wgmma_fence();
+      // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
+      const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
+  #pragma unroll
+      for (int ks = 0; ks < 4 * kB; ++ks)
+        Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)));
+      wgmma_commit();
+      acc_fence(acc);
+      if constexpr (kActTma) {
+        // the last of the block's warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
+        constexpr uint32_t kWarps = Cfg::kThreads / 32;
+        if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
+          fence_proxy_async_smem();
+          issue_tma(pend_kt % S, pend_kt);
+        }
+      }
+      // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
+      // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
+      // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
+      // rejected variants).
+      wgmma_wait<0>();
+      __syncwarp();
+      if constexpr (!kActTma) {
+        if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+      } else {
+        // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
+        // the last one's TMA writes into it (issued during the next stage, above). Every lane executes the atomic,
+        // lane 0 on the slot's counter and the others on a scratch word of their own (a warp-uniform condition
+        // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
+        pend_old = atom_add_acq_rel_shared(lane == 0 ? freed + 4 * slot : freed + 4 * (S + lane), lane == 0 ? 1u : 0u);
+        pend_kt = gk + S < total ? gk + S : -1;
+      }
+      slot = slot + 1 == S ? 0 : slot + 1;
+      phase ^= slot == 0 ? 1u : 0u;
+      pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
+      if (++sc_pos == Cfg::kChunkStages) {
+        sc_pos = 0;
+        sc_slot = sc_slot + 1 == Cfg::kScSlots ? 0 : sc_slot + 1;
       }
     }
-    // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-    // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
-    // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
-    // rejected variants).
-    wgmma_wait<0>();
-    __syncwarp();
-    if constexpr (!kActTma) {
-      if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+    // item it done: with one item every copy of the tile has landed (each loaded stage's full barrier was waited on);
+    // with two, the copies in flight are the next item's, into slots no warp reads now
+    acc_fence(acc);
+    if constexpr (kQuantH) {
+      wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, reinterpret_cast<float*>(stages), I, expert, row_begin, rows, m0, rb0, wg,
+                                    wq, g, tig);
     } else {
-      // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
-      // the last one's TMA writes into it (issued during the next stage, above). Every lane executes the atomic,
-      // lane 0 on the slot's counter and the others on a scratch word of their own (a warp-uniform condition
-      // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
-      pend_old = atom_add_acq_rel_shared(lane == 0 ? freed + 4 * slot : freed + 4 * (S + lane), lane == 0 ? 1u : 0u);
-      pend_kt = kt + S < num_k_tiles ? kt + S : -1;
+      wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, rb0 + it, wg, wq, g, tig);
+      if (kMaxItems > 1) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+      }
     }
-    slot = slot + 1 == S ? 0 : slot + 1;
-    phase ^= slot == 0 ? 1u : 0u;
-    pf_slot = pf_slot + 1 == S ? 0 : pf_slot + 1;
-    if (++sc_pos == Cfg::kChunkStages) {
-      sc_pos = 0;
-      sc_slot = sc_slot + 1 == Cfg::kScSlots ? 0 : sc_slot + 1;
-    }
-  }
-  acc_fence(acc);  // every copy of the tile has landed: each loaded tile's full barrier was waited on
-
-  if constexpr (kQuantH) {
-    wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, reinterpret_cast<float*>(stages), I, expert, row_begin, rows, m0, wg, wq, g,
-                                  tig);
-  } else {
-    wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, wg, wq, g, tig);
   }
 }
 
@@ -543,17 +587,17 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
 template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmArgs& a, const WgMaps& maps,
                                                  uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
-                                                 int expert, int row_begin, int rows, int m0) {
+                                                 int expert, int row_begin, int rows, int m0, int rb0, int items) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   if constexpr (I + 1 < Cfg::kNumWidths) {
     if (count > Cfg::width(I)) {
       wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars, freed, expert,
-                                                                row_begin, rows, m0);
+                                                                row_begin, rows, m0, rb0, items);
       return;
     }
   }
   wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, freed, expert, row_begin,
-                                                          rows, m0);
+                                                          rows, m0, rb0, items);
 }
 
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
@@ -592,10 +636,14 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const ExpertTile et = *found;
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
+  // row blocks rb0 .. rb0 + items - 1 of the tile (wg_items)
+  const int per_block = wg_items<kMaxN, kStageK, kActTma, kQuantH>(a.K);
+  const int rb0 = int(blockIdx.x) * per_block;
+  const int items = min(per_block, wg_row_blocks<kMaxN>(a) - rb0);
 
   wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
-                                                         row_begin, rows, m0);
+                                                         row_begin, rows, m0, rb0, items);
 }
 
 // Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
@@ -676,9 +724,10 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
     err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
   }
   if (err != cudaSuccess) return err;
-  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
-  constexpr int kCols = Cfg::kRows / 2;  // kSiluMul: output columns per block (gate and up rows)
-  const unsigned gx = silu_mul ? unsigned((a.N / 2 + kCols - 1) / kCols) : unsigned((a.N + Cfg::kRows - 1) / Cfg::kRows);
+  const int per_block = quant ? wg_items<kMaxN, kStageK, true, true>(a.K)
+                              : act_tma ? wg_items<kMaxN, kStageK, true, false>(a.K)
+                                        : wg_items<kMaxN, kStageK, false, false>(a.K);
+  const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   if (tiles > 65535) return cudaErrorInvalidValue;

@@ -75,21 +75,25 @@ def test_gemm_every_ring_depth(kernel, gen):
     larger K per stage and 1 .. 19 of the smaller):
     fewer K tiles than the prefetch distance, exactly the ring, and every slot reused several times (each
     barrier phase parity on every slot), with token counts that pick different tile widths; poisoned output,
-    bit-identical rerun."""
+    bit-identical rerun. 416 weight rows: tiles 64 and 128 run the two row blocks (256 and a partial 160) in one
+    block, the ring running on from the first into the second, also when the ring holds stages of both."""
     backend_or_skip("cuda-sm90")
     be = CudaSm90Backend(kernel=kernel)
     for stages in range(1, 11 if kernel == "wgmma32" else 21):
         k = WG_STAGE_K[kernel] * stages
         for m in (5, 40, 129):
-            b = random_nvfp4(160, k, gen, global_scale=3.7e-3)
+            b = random_nvfp4(416, k, gen, global_scale=3.7e-3)
             a = (torch.randn((m, k), generator=gen) * 3).to(torch.bfloat16)
             ref = nvfp4.gemm(a, b, compute_dtype=torch.float64)
-            out = torch.full((m, 160), float("nan"), device="cuda")
+            out = torch.full((m, 416), float("nan"), device="cuda")
             be.gemm(a, b, out=out)
             got = out.cpu()
             assert torch.isfinite(got).all(), (kernel, k, m)
             assert cosine(got, ref) >= 0.9999 and rel_err(got, ref) < 1e-4, (kernel, k, m, rel_err(got, ref))
-            again = torch.full((m, 160), float("nan"), device="cuda")
+            # each row block on its own (the second one's rows are where a ring carried over wrongly shows)
+            for r0, r1 in ((0, 256), (256, 416)):
+                assert rel_err(got[:, r0:r1], ref[:, r0:r1]) < 1e-4, (kernel, k, m, r0)
+            again = torch.full((m, 416), float("nan"), device="cuda")
             be.gemm(a, b, out=again)
             assert torch.equal(again.cpu(), got), (kernel, k, m)
 
