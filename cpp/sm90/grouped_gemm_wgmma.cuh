@@ -2,7 +2,8 @@
 // M operand (from registers), the tokens of one expert the N operand (from shared memory).
 //
 // Block = R / 64 warpgroups = R weight rows (R = WgCfg::kRows: 128 or 256; 64 per warpgroup, 16 per warp) of
-// one expert x one token tile of up to kMaxN tokens of that expert (tile 64: two such row blocks in turn, wg_tile);
+// one expert x one token tile of up to kMaxN tokens of that expert (tiles 32 and 64 with TMA rows: two such row
+// blocks in turn, wg_tile);
 // K in stages of kKS (64, 128 or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory
 // accelerator (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
 //  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
@@ -189,12 +190,12 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
   constexpr int R = wg_rows(kMaxN);
   return a.epilogue == Epilogue::kSiluMul ? int((a.N / 2 + R / 2 - 1) / (R / 2)) : int((a.N + R - 1) / R);
 }
-// Row blocks per block (wg_tile): up to 2 in tile 64 with TMA rows and h not quantized (that epilogue takes the
-// ring), 2 where a row block's K-tiles fill whole scale chunks; 1 elsewhere (tiles 32 and 128 keep the one-item loop:
-// tile 128 in pairs measured no faster, docs/PERFORMANCE.md).
+// Row blocks per block (wg_tile): up to 2 in tiles 32 and 64 with TMA rows and h not quantized (that epilogue takes
+// the ring), 2 where a row block's K-tiles fill whole scale chunks; 1 elsewhere (tile 128 and copied rows keep the
+// one-item loop: in pairs they measured no faster, docs/PERFORMANCE.md).
 template <int kMaxN, bool kActTma, bool kQuantH>
 __host__ __device__ constexpr int wg_max_items() {
-  return kMaxN == kWgSmall && kActTma && !kQuantH ? 2 : 1;
+  return (kMaxN == kWgSmall || kMaxN == kWgTiny) && kActTma && !kQuantH ? 2 : 1;
 }
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __host__ __device__ constexpr int wg_items(int64_t K) {
@@ -343,7 +344,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kQuantH: the kSiluMul epilogue quantizes
 // h (wg_epilogue_h_nvfp4; its own instantiation, so that the other kernels keep their registers); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
-// Row blocks rb0 .. rb0 + items - 1 (items: 1, or 2 in tile 64: wg_items) of the token tile, one after the other,
+// Row blocks rb0 .. rb0 + items - 1 (items: 1, or 2 in tiles 32 and 64: wg_items) of the token tile, one after the other,
 // with one ring of stages through all of them: stage gk of the block is k-tile gk % num_k_tiles of row block
 // rb0 + gk / num_k_tiles, so the copies of the second row block's first stages are issued during the first's last
 // stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).

@@ -75,8 +75,9 @@ def test_gemm_every_ring_depth(kernel, gen):
     larger K per stage and 1 .. 19 of the smaller):
     fewer K tiles than the prefetch distance, exactly the ring, and every slot reused several times (each
     barrier phase parity on every slot), with token counts that pick different tile widths; poisoned output,
-    bit-identical rerun. 416 weight rows: tiles 64 and 128 run the two row blocks (256 and a partial 160) in one
-    block, the ring running on from the first into the second, also when the ring holds stages of both."""
+    bit-identical rerun. 416 weight rows: where the rows come by TMA, tile 64 runs its two row blocks (256 and a
+    partial 160) in one block and tile 32 its four (128 each, the last partial) in two, the ring running on from the
+    first into the second, also when the ring holds stages of both."""
     backend_or_skip("cuda-sm90")
     be = CudaSm90Backend(kernel=kernel)
     for stages in range(1, 11 if kernel == "wgmma32" else 21):
