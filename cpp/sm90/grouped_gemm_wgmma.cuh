@@ -3,9 +3,9 @@
 //
 // Block = R / 64 warpgroups = R weight rows (R = WgCfg::kRows: 128 or 256; 64 per warpgroup, 16 per warp) of
 // one expert x one token tile of up to kMaxN tokens of that expert (tiles 32 and 64 with TMA rows: two such row
-// blocks in turn, wg_tile);
-// K in stages of kKS (64, 128 or 256), a kStages-deep ring of shared-memory stages filled by the tensor memory
-// accelerator (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's mbarrier):
+// blocks in turn, wg_tile); K in stages of kKS (64, 128 or 256), a kStages-deep ring of shared-memory stages filled
+// by the tensor memory accelerator (TMA, tma.cuh: one thread issues a box copy, its bytes complete the stage's
+// mbarrier):
 //  - activations (bf16, lane order: see below) land in 128-byte-swizzled K-major sub-tiles of 64
 //    elements (16-byte chunk c of row r at c ^ (r & 7): the SW128 layout a wgmma descriptor
 //    reads): all of a stage's sub-tiles as one TMA box of a 3-D view {64 elements, rows, K / 64} (sub-tile j
