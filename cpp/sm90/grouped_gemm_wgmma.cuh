@@ -373,7 +373,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   const uint32_t stages_s = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t scales_s = static_cast<uint32_t>(__cvta_generic_to_shared(scales));
 
-  // One thread: the TMA boxes of tile kt into ring slot `slot` (and its scale chunk when kt starts one), all
+  // One thread: the TMA boxes of stage gk into ring slot `slot` (and its scale chunk when the stage starts one), all
   // completing on the slot's full barrier.
   constexpr int kWidth = Cfg::width_index(N);
   // Bytes between the activation sub-tiles of a stage: the box's N rows of 128 bytes (TMA), or kMaxN rows (copies)
