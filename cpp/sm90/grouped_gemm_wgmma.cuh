@@ -193,14 +193,13 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
 // Row blocks per block (wg_tile): up to 2 in tiles 32 and 64 with TMA rows and h not quantized (that epilogue takes
 // the ring), 2 where a row block's K-tiles fill whole scale chunks; 1 elsewhere (tile 128 and copied rows keep the
 // one-item loop: in pairs they measured no faster, docs/PERFORMANCE.md).
-template <int kMaxN, bool kActTma, bool kQuantH>
-__host__ __device__ constexpr int wg_max_items() {
-  return (kMaxN == kWgSmall || kMaxN == kWgTiny) && kActTma && !kQuantH ? 2 : 1;
+// act_tma and quant_h: the kernel's kActTma and kQuantH (the host passes the ones of the kernel it launches).
+__host__ __device__ constexpr int wg_max_items(int max_n, bool act_tma, bool quant_h) {
+  return (max_n == kWgSmall || max_n == kWgTiny) && act_tma && !quant_h ? 2 : 1;
 }
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
-__host__ __device__ constexpr int wg_items(int64_t K) {
-  return wg_max_items<kMaxN, kActTma, kQuantH>() > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2
-                                                                                                               : 1;
+template <int kMaxN, int kStageK>
+__host__ __device__ constexpr int wg_items(int64_t K, bool act_tma, bool quant_h) {
+  return wg_max_items(kMaxN, act_tma, quant_h) > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2 : 1;
 }
 
 // Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
@@ -366,7 +365,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // rb*R/2 + 0..R/2-1, box 1 their up rows; a warp's rows g are gate and rows g + 8 up rows of column
   // rb*R/2 + wg*32 + wq*8 + g, so one thread holds both for its tokens. kStore: rows rb*R + 0..R-1.
   // Rows past the expert's N read as zeros, rows of the up half in a gate box (I % (R / 2) != 0) are never stored.
-  constexpr int kMaxItems = wg_max_items<kMaxN, kActTma, kQuantH>();
+  constexpr int kMaxItems = wg_max_items(kMaxN, kActTma, kQuantH);
   const int n_items = kMaxItems == 1 ? 1 : items;
   const int num_k_tiles = int(K / kKS);
   const int total = n_items * num_k_tiles;  // stages of the block
@@ -496,7 +495,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
       const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
       const uint8_t* ss = scales + sc_slot * Cfg::kScBytes + sc_pos * (kKS / 16);
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int sr = h ? srow1 : srow0;
         uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
@@ -511,11 +510,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         }
         const uint8_t* wrow = sw + sr * (kKS / 2) + (tig & 1) * 8;
         const int x = Cfg::wswz(sr);
-  #pragma unroll
+#pragma unroll
         for (int b = 0; b < kB; ++b) {
           const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
           const uint32_t s2 = scale_pair(sc[b], sc_sel);
-  #pragma unroll
+#pragma unroll
           for (int q = 0; q < 2; ++q) {
             uint32_t p[4];
             dequant_word(q ? w.y : w.x, s2, p);
@@ -531,7 +530,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       wgmma_fence();
       // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
       const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
-  #pragma unroll
+#pragma unroll
       for (int ks = 0; ks < 4 * kB; ++ks)
         Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)));
       wgmma_commit();
@@ -638,7 +637,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   // row blocks rb0 .. rb0 + items - 1 of the tile (wg_items)
-  const int per_block = wg_items<kMaxN, kStageK, kActTma, kQuantH>(a.K);
+  const int per_block = wg_items<kMaxN, kStageK>(a.K, kActTma, kQuantH);
   const int rb0 = int(blockIdx.x) * per_block;
   const int items = min(per_block, wg_row_blocks<kMaxN>(a) - rb0);
 
@@ -725,9 +724,7 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
     err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
   }
   if (err != cudaSuccess) return err;
-  const int per_block = quant ? wg_items<kMaxN, kStageK, true, true>(a.K)
-                              : act_tma ? wg_items<kMaxN, kStageK, true, false>(a.K)
-                                        : wg_items<kMaxN, kStageK, false, false>(a.K);
+  const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
   const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;

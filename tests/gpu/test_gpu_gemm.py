@@ -91,7 +91,8 @@ def test_gemm_every_ring_depth(kernel, gen):
             got = out.cpu()
             assert torch.isfinite(got).all(), (kernel, k, m)
             assert cosine(got, ref) >= 0.9999 and rel_err(got, ref) < 1e-4, (kernel, k, m, rel_err(got, ref))
-            # each row block on its own (the second one's rows are where a ring carried over wrongly shows)
+            # the rows of each block on their own (tile 64's two row blocks, tile 32's two pairs): the second
+            # block's rows are where a ring carried over wrongly shows
             for r0, r1 in ((0, 256), (256, 416)):
                 assert rel_err(got[:, r0:r1], ref[:, r0:r1]) < 1e-4, (kernel, k, m, r0)
             again = torch.full((m, 416), float("nan"), device="cuda")
