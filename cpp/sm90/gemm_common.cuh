@@ -134,13 +134,13 @@ __device__ __forceinline__ float h_quant_scale(const GroupedGemmArgs& a, int exp
   return a.h_quant_gs ? a.h_quant_gs[a.h_gs_per_expert ? expert : 0] : 1.0f;
 }
 
-// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
-// lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 // Offset of column col of an operand row (operand order, or the wgmma kernels' lane order).
 __device__ __forceinline__ int64_t operand_column(int64_t col, bool lane_order) {
   const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
   return (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op);
 }
+// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
+// lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
                                                    float hv, bool lane_order) {
   out_operand[out_row * I + operand_column(col, lane_order)] = bf16_bits(hv);

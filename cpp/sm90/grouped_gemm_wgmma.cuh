@@ -431,10 +431,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   }
   // Copied rows: this thread's copies of tile kt into ring slot `slot`, then its arrival on the slot's full
   // barrier (counted once they have landed).
-  // (stage gk: k-tile gk % num_k_tiles; every item reads the same rows)
-  auto load_act = [&](int slot, int gk) {
+  // (copied rows run one item, wg_max_items: stage gk is k-tile gk)
+  auto load_act = [&](int slot, int kt) {
     if constexpr (!kActTma) {
-      const int kt = kMaxItems > 1 && gk >= num_k_tiles ? gk - num_k_tiles : gk;
+      static_assert(kMaxItems == 1, "copied activation rows: one row block per block");
       const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes;
       const int64_t ko = int64_t(kt) * kKS;
 #pragma unroll
