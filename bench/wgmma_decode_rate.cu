@@ -16,8 +16,7 @@
 #include <cstdio>
 #include <ctime>
 
-#include "../cpp/sm90/gemm_common.cuh"
-#include "../cpp/sm90/wgmma_ops.cuh"
+#include "../cpp/sm90/grouped_gemm_wgmma.cuh"  // the kernels' decode, wgmma and descriptor helpers
 
 using namespace megamoe::sm90;
 
@@ -28,9 +27,6 @@ const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_
 constexpr int kWarpgroups = 4;
 constexpr int kStagesTimed = 4000;
 
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-  return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | ((addr & 0x3FFFFu) >> 4) | (1u << 16);
-}
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
@@ -118,13 +114,13 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
         }
       }
     }
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) Wgmma<N>::mma(acc, af[s], sw128_desc(base + (s / 4) * N * 128 + (s % 4) * 32));
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+    for (int s = 0; s < kSteps; ++s)
+      Wgmma<N>::mma(acc, af[s], sw128_desc(sw128_desc_lo(base + (s / 4) * N * 128 + (s % 4) * 32)));
+    wgmma_commit();
+    wgmma_wait<0>();
+    acc_fence(acc);
   }
   float t = 0.f;
 #pragma unroll
