@@ -10,12 +10,7 @@
 // Modes: "mma" (the A registers are not rewritten), "decode" (the kernels' decode: per 64-element block and row one
 // 8-byte shared load of two weight words and the scale pair from the row's scale codes, dequant_word per word),
 // "decode_half_mul" and "decode_no_mul" (the same bit operations with 2 or none of the 4 bf16x2 multiplies per word:
-// not exact, they show what those instructions cost), "decode_only" (the decode and no wgmmas: what the decode costs
-// alone), "decode_per_block" (each 64-element block's 4 wgmmas issued right after its decode, all of the stage's A
-// registers live, one commit group and drain per stage) and "decode_pipe2" (the same order with two register sets
-// of a block each: a commit group per block, and before a block's decode reuses a set, `wgmma.wait_group 1` for the
-// group two blocks back; a drain per stage) and "decode_pipe_cross" (decode_pipe2 with no drain per stage: the stage's
-// last groups run on into the next stage's first decodes, a `wgmma.wait_group 1` before every block).
+// not exact, they show what those instructions cost).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -27,11 +22,8 @@ using namespace megamoe::sm90;
 
 namespace {
 
-enum Mode {
-  kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeOnly = 4, kPerBlock = 5, kPipe2 = 6, kPipeCross = 7
-};
-const char* const kModeName[] = {"mma",         "decode",           "decode_half_mul", "decode_no_mul",
-                                 "decode_only", "decode_per_block", "decode_pipe2",   "decode_pipe_cross"};
+enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3 };
+const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul"};
 constexpr int kWarpgroups = 4;
 constexpr int kStagesTimed = 4000;
 
@@ -48,7 +40,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 
 template <int kMode>
 __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t (&p)[4]) {
-  if constexpr (kMode != kDecodeHalfMul && kMode != kDecodeNoMul) {
+  if constexpr (kMode == kDecode) {
     dequant_word(w, s2, p);
   } else {
     p[0] = w & kPairSlots;
@@ -98,45 +90,6 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
     for (int j = 0; j < 4; ++j) af[s][j] = 0x3F803F80u ^ uint32_t(s * 4 + j);
 
   for (int st = 0; st < stages; ++st) {
-    if constexpr (kMode == kPerBlock || kMode == kPipe2 || kMode == kPipeCross) {
-      uint32_t sc[2][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 v = lds128(srow + h * 8 * 16);
-        sc[h][0] = v.x; sc[h][1] = v.y; sc[h][2] = v.z; sc[h][3] = v.w;
-      }
-#pragma unroll
-      for (int b = 0; b < kSub; ++b) {
-        // kPipe2: set b & 1 was read by the group of block b - 2
-        if ((kMode == kPipe2 && b >= 2) || kMode == kPipeCross) wgmma_wait<1>();
-        const int set = kMode != kPerBlock ? 4 * (b & 1) : 4 * b;  // the block's first k16 step in af
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint2 w = lds64(wrow + h * 8 * (kKS / 2) + (((2 * b + (tig >> 1)) ^ (row & 7)) * 16));
-          const uint32_t s2 = scale_pair(sc[h][b], sel);
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            uint32_t p[4];
-            decode_word<kDecode>(q ? w.y : w.x, s2, p);
-            af[set + 2 * q][h] = p[0];
-            af[set + 2 * q][2 + h] = p[1];
-            af[set + 2 * q + 1][h] = p[2];
-            af[set + 2 * q + 1][2 + h] = p[3];
-          }
-        }
-        acc_fence(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          Wgmma<N>::mma(acc, af[set + s], sw128_desc(sw128_desc_lo(base + b * N * 128 + s * 32)));
-        if constexpr (kMode != kPerBlock) wgmma_commit();
-        acc_fence(acc);
-      }
-      if constexpr (kMode == kPerBlock) wgmma_commit();
-      if constexpr (kMode != kPipeCross) wgmma_wait<0>();
-      acc_fence(acc);
-      continue;
-    }
     if constexpr (kMode == kMma) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) asm volatile("" : "+r"(af[s][0]), "+r"(af[s][1]), "+r"(af[s][2]), "+r"(af[s][3]));
@@ -161,13 +114,6 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
         }
       }
     }
-    if constexpr (kMode == kDecodeOnly) {
-      // the decoded registers are used (an empty asm per step, which the compiler cannot drop or merge across stages)
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        asm volatile("" : "+r"(af[s][0]), "+r"(af[s][1]), "+r"(af[s][2]), "+r"(af[s][3]) :: "memory");
-      continue;
-    }
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < kSteps; ++s)
@@ -176,15 +122,9 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
     wgmma_wait<0>();
     acc_fence(acc);
   }
-  wgmma_wait<0>();
-  acc_fence(acc);
   float t = 0.f;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) t += acc[i];
-  if constexpr (kMode == kDecodeOnly) {
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s) t += __uint_as_float(af[s][0] ^ af[s][1] ^ af[s][2] ^ af[s][3]);
-  }
   out[blockIdx.x * blockDim.x + threadIdx.x] = t;
 }
 
@@ -239,12 +179,6 @@ void run_modes(int sms, float* out) {
   run<N, kKS, kDecode>(sms, out);
   run<N, kKS, kDecodeHalfMul>(sms, out);
   run<N, kKS, kDecodeNoMul>(sms, out);
-  run<N, kKS, kDecodeOnly>(sms, out);
-  if constexpr (kKS == 256) {
-    run<N, kKS, kPerBlock>(sms, out);
-    run<N, kKS, kPipe2>(sms, out);
-    run<N, kKS, kPipeCross>(sms, out);
-  }
 }
 
 }  // namespace

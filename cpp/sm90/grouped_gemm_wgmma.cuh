@@ -197,15 +197,6 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
 __host__ __device__ constexpr int wg_max_items(int max_n, bool act_tma, bool quant_h) {
   return (max_n == kWgSmall || max_n == kWgTiny) && act_tma && !quant_h ? 2 : 1;
 }
-#ifndef WG_PIPE
-#define WG_PIPE 1
-#endif
-#ifndef WG_CROSS
-#define WG_CROSS 1
-#endif
-// Whether a block's stages run the block pipeline (wg_tile): each 64-element block's wgmmas issued as their own commit
-// group right after its decode, in two alternating register sets. K 256 per stage (4 blocks), every width.
-__host__ __device__ constexpr bool wg_block_pipeline(int stage_k, int n) { return stage_k == 256 && n > 0 && WG_PIPE; }
 template <int kMaxN, int kStageK>
 __host__ __device__ constexpr int wg_items(int64_t K, bool act_tma, bool quant_h) {
   return wg_max_items(kMaxN, act_tma, quant_h) > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2 : 1;
@@ -475,11 +466,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // Shared rows of this thread's A-fragment rows g (h = 0) and g + 8 (h = 1), see the weight rows above.
   const int srow0 = silu_mul ? wg * 32 + wq * 8 + g : wg * 64 + wq * 16 + g;
   const int srow1 = silu_mul ? srow0 + Cfg::kRows / 2 : srow0 + 8;
-  // A registers: the stage's 4 kB k16 steps, or with the block pipeline (wg_block_pipeline) two blocks' 8
-  constexpr bool kPipe = wg_block_pipeline(kKS, N);
-  // kCross: the stage's last groups stay in flight into the next stage, whose first two blocks wait for them
-  constexpr bool kCross = kPipe && kActTma && WG_CROSS;
-  uint32_t af[kPipe ? 8 : 4 * kB][4];
+  uint32_t af[4 * kB][4];
   const uint32_t desc_lo0 = sw128_desc_lo(stages_s);
   const uint32_t sc_sel = scale_byte_sel(uint32_t(tig));  // this lane's scale code byte of a block's word
   int slot = 0, pf_slot = A;  // gk % S and (gk + A) % S
@@ -490,25 +477,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
   // wgmmas run, so the warp never waits for the atomic's result.
   uint32_t pend_old = 0u;
   int pend_kt = -1;
-  // The warp is done with stage gk in ring slot s (its wgmmas on it finished): copied rows arrive on the slot's empty
-  // barrier; kActTma counts the warp in freed[s] and, one stage later, the last warp issues tile gk + S into it.
-  // live = false (kCross, a first stage: nothing to release) adds 0 to scratch words and keeps pend_*, without a branch
-  // (a branch there makes ptxas serialize the wgmmas in flight across it, C7513).
-  auto release = [&](int s, int gk, bool live) {
-    __syncwarp();
-    if constexpr (!kActTma) {
-      if (lane == 0) mbar_arrive(bars + 8 * (S + s));
-    } else {
-      // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
-      // the last one's TMA writes into it (issued during the next stage, above). Every lane executes the atomic,
-      // lane 0 on the slot's counter and the others on a scratch word of their own (a warp-uniform condition
-      // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
-      const bool own = lane == 0 && live;
-      const uint32_t old = atom_add_acq_rel_shared(own ? freed + 4 * s : freed + 4 * (S + lane), own ? 1u : 0u);
-      pend_old = live ? old : pend_old;
-      pend_kt = live ? (gk + S < total ? gk + S : -1) : pend_kt;
-    }
-  };
 #pragma unroll 1
   for (int it = 0; it < n_items; ++it) {
     const int gk_end = (it + 1) * num_k_tiles;
@@ -527,9 +495,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
       // (pairs 0, 1) and 4b + 2q + 1 (pairs 2, 3); registers 0 / 2 for row g, 1 / 3 for row g + 8.
       const uint8_t* sw = stages + slot * Cfg::kStageBytes + Cfg::kABytes;
       const uint8_t* ss = scales + sc_slot * Cfg::kScBytes + sc_pos * (kKS / 16);
-      // the row's kKS / 16 scale bytes of the stage, one shared load
-      auto load_scales = [&](int h, uint32_t (&sc)[kB]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
         const int sr = h ? srow1 : srow0;
+        uint32_t sc[kB];  // the row's kKS / 16 scale bytes of the stage, one shared load
         if constexpr (kB == 4) {
           const uint4 v = *reinterpret_cast<const uint4*>(ss + sr * 16);
           sc[0] = v.x; sc[1] = v.y; sc[2] = v.z; sc[3] = v.w;
@@ -539,64 +508,33 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         } else {
           sc[0] = *reinterpret_cast<const uint32_t*>(ss + sr * 16);
         }
-      };
-      // block b of row h into the k16 steps set .. set + 3 of af (sc_b: the row's scale word of the block)
-      auto decode_block = [&](int h, int b, uint32_t sc_b, int set) {
-        const int sr = h ? srow1 : srow0;
         const uint8_t* wrow = sw + sr * (kKS / 2) + (tig & 1) * 8;
-        const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ Cfg::wswz(sr)) * 16));
-        const uint32_t s2 = scale_pair(sc_b, sc_sel);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          uint32_t p[4];
-          dequant_word(q ? w.y : w.x, s2, p);
-          af[set + 2 * q][h] = p[0];
-          af[set + 2 * q][2 + h] = p[1];
-          af[set + 2 * q + 1][h] = p[2];
-          af[set + 2 * q + 1][2 + h] = p[3];
-        }
-      };
-      // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
-      const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
-      auto desc = [&](int ks) { return sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)); };
-      if constexpr (kPipe) {
-        // Block pipeline: block b's 4 wgmmas are a commit group of their own, issued right after its decode, so that
-        // they run while the warp decodes block b + 1 into the other register set; before block b reuses set b & 1,
-        // the group of block b - 2 has finished (wait_group 1).
-        uint32_t sc[2][kB];
-        load_scales(0, sc[0]);
-        load_scales(1, sc[1]);
-        const bool carried = kCross && gk > it * num_k_tiles;  // the stage before left its last groups in flight
+        const int x = Cfg::wswz(sr);
 #pragma unroll
         for (int b = 0; b < kB; ++b) {
-          if (b >= 2 || kCross) wgmma_wait<1>();  // with nothing in flight (a first stage) it returns at once
-          // kCross: the stage before's last group has finished (wait above): its slot is released here
-          if (kCross && b == 1) release(slot == 0 ? S - 1 : slot - 1, gk - 1, carried);
-          const int set = 4 * (b & 1);
-          decode_block(0, b, sc[0][b], set);
-          decode_block(1, b, sc[1][b], set);
-          acc_fence(acc);
-          wgmma_fence();
+          const uint2 w = *reinterpret_cast<const uint2*>(wrow + (((2 * b + (tig >> 1)) ^ x) * 16));
+          const uint32_t s2 = scale_pair(sc[b], sc_sel);
 #pragma unroll
-          for (int s = 0; s < 4; ++s) Wgmma<N>::mma(acc, af[set + s], desc(4 * b + s));
-          wgmma_commit();
-          acc_fence(acc);
+          for (int q = 0; q < 2; ++q) {
+            uint32_t p[4];
+            dequant_word(q ? w.y : w.x, s2, p);
+            af[4 * b + 2 * q][h] = p[0];
+            af[4 * b + 2 * q][2 + h] = p[1];
+            af[4 * b + 2 * q + 1][h] = p[2];
+            af[4 * b + 2 * q + 1][2 + h] = p[3];
+          }
         }
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t sc[kB];
-          load_scales(h, sc);
-#pragma unroll
-          for (int b = 0; b < kB; ++b) decode_block(h, b, sc[b], 4 * b);
-        }
-        acc_fence(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < 4 * kB; ++ks) Wgmma<N>::mma(acc, af[ks], desc(ks));
-        wgmma_commit();
-        acc_fence(acc);
       }
+
+      acc_fence(acc);
+      wgmma_fence();
+      // descriptor address field of k16 step ks: the slot's base plus a compile-time offset (one uniform add per wgmma)
+      const uint32_t lo_slot = desc_lo0 + uint32_t(slot) * uint32_t(Cfg::kStageBytes >> 4);
+#pragma unroll
+      for (int ks = 0; ks < 4 * kB; ++ks)
+        Wgmma<N>::mma(acc, af[ks], sw128_desc(lo_slot + uint32_t(((ks >> 2) * kActSub + (ks & 3) * 32) >> 4)));
+      wgmma_commit();
+      acc_fence(acc);
       if constexpr (kActTma) {
         // the last of the block's warps to finish the stage before issues the TMA boxes of tile pend_kt into its slot
         constexpr uint32_t kWarps = Cfg::kThreads / 32;
@@ -606,10 +544,20 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         }
       }
       // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-      // written) and the slot is released; kCross: after the item's last stage (the next stage waits).
-      if constexpr (!kCross) {
-        wgmma_wait<0>();
-        release(slot, gk, true);
+      // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
+      // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
+      // rejected variants).
+      wgmma_wait<0>();
+      __syncwarp();
+      if constexpr (!kActTma) {
+        if (lane == 0) mbar_arrive(bars + 8 * (S + slot));
+      } else {
+        // acq_rel: every other warp's reads of the slot (its shared loads, and its wgmmas, drained) happen before
+        // the last one's TMA writes into it (issued during the next stage, above). Every lane executes the atomic,
+        // lane 0 on the slot's counter and the others on a scratch word of their own (a warp-uniform condition
+        // would make the compiler aggregate it: a shuffle of the result right behind the atomic, waiting for it).
+        pend_old = atom_add_acq_rel_shared(lane == 0 ? freed + 4 * slot : freed + 4 * (S + lane), lane == 0 ? 1u : 0u);
+        pend_kt = gk + S < total ? gk + S : -1;
       }
       slot = slot + 1 == S ? 0 : slot + 1;
       phase ^= slot == 0 ? 1u : 0u;
@@ -618,10 +566,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         sc_pos = 0;
         sc_slot = sc_slot + 1 == Cfg::kScSlots ? 0 : sc_slot + 1;
       }
-    }
-    if constexpr (kCross) {
-      wgmma_wait<0>();
-      release(slot == 0 ? S - 1 : slot - 1, gk_end - 1, true);
     }
     // item it done: with one item every copy of the tile has landed (each loaded stage's full barrier was waited on);
     // with two, the copies in flight are the next item's, into slots no warp reads now
