@@ -26,10 +26,13 @@ THRESHOLDS = {
     "moe_vs_reference": 0.9999,  # backend vs torch reference, same weights and inputs
     # MoE vs the BF16 reference (dequantized weights, no activation quantization). W4A4
     # quantizes two activations to NVFP4; on Gaussian activations each costs ~0.0045 of
-    # cosine (measured 0.9955 per quantization), so the format itself lands near 0.986
-    # (0.984-0.989 over 30 seeds, 0.982 seen once). 0.97 keeps a readiness gate from
-    # flapping on that spread; subtle kernel errors are moe_vs_reference's job (0.9999).
-    "moe_cosine_w4a4": 0.97,
+    # cosine (measured 0.9955 per quantization), so the format itself lands near 0.987.
+    # Its tail is long: a token whose SwiGLU product is one spike loses the rest of that
+    # 16-value block. Over 6,000 quick-level draws (rows past the static range redrawn, see
+    # check_moe_cosine) the lowest was 0.9758, and the tail falls by about e per 0.003 of
+    # cosine, so 0.95 keeps a readiness gate from flapping; kernel errors are the job of
+    # moe_vs_reference and the GEMM checks (0.9999).
+    "moe_cosine_w4a4": 0.95,
     "moe_cosine_w4a16": 0.999,
 }
 
