@@ -18,7 +18,8 @@ import megamoe
 from megamoe import nvfp4, reference
 from megamoe.backends import Backend, get_backend
 
-__all__ = ["run_checks", "CHECKS", "THRESHOLDS", "cosine", "rel_err", "random_scales", "random_nvfp4"]
+__all__ = ["run_checks", "CHECKS", "THRESHOLDS", "cosine", "rel_err", "random_scales", "random_nvfp4",
+           "random_rows_within_static_range"]
 
 THRESHOLDS = {
     "sf_roundtrip": 0,  # mismatching bytes
@@ -196,22 +197,33 @@ def _within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def check_moe_cosine(be: Backend, gen: torch.Generator, full: bool):
-    layer, x, preset = _moe_setup(be, gen, full)
-    # Static activation scales clip a row beyond their calibrated range (a SwiGLU product can
-    # exceed it by 2-3x now and then); such rows are redrawn so the check measures the format's
-    # rounding and the kernel, not saturation (moe_vs_reference still runs them).
-    t = x.shape[0]
+def random_rows_within_static_range(layer, t: int, gen: torch.Generator, first: torch.Tensor | None = None,
+                                    device=None) -> tuple[torch.Tensor, int]:
+    """``t`` Gaussian bf16 rows ``[t, H]`` that :func:`_within_static_range` keeps (rows of ``first``
+    first, then fresh draws from ``gen``; on ``device``, by default the layer's), and how many drawn
+    rows were left out. Static activation
+    scales clip a row beyond their calibrated range (a SwiGLU product can exceed it by 2-3x now and
+    then), and the format clips it on every backend: comparing such a row with the BF16 reference
+    measures the calibration, not a kernel."""
+    h = layer.config.hidden_size
+    x = first if first is not None else torch.empty((0, h), dtype=torch.bfloat16, device=device or layer.device)
     keep = _within_static_range(layer, x)
-    redrawn, x = int((~keep).sum()), x[keep]
+    left_out, x = int((~keep).sum()), x[keep]
     for _ in range(16):
         if x.shape[0] >= t:
             break
-        fresh = torch.randn((t - x.shape[0], x.shape[1]), generator=gen).to(torch.bfloat16).to(x.device)
+        fresh = torch.randn((t - x.shape[0], h), generator=gen).to(torch.bfloat16).to(x.device)
         keep = _within_static_range(layer, fresh)
-        redrawn, x = redrawn + int((~keep).sum()), torch.cat([x, fresh[keep]])
+        left_out, x = left_out + int((~keep).sum()), torch.cat([x, fresh[keep]])
     if x.shape[0] < t:
         raise RuntimeError(f"only {x.shape[0]} of {t} random rows stay inside the static activation range")
+    return x[:t], left_out
+
+
+def check_moe_cosine(be: Backend, gen: torch.Generator, full: bool):
+    layer, x, preset = _moe_setup(be, gen, full)
+    # rows past the static activation range are redrawn (moe_vs_reference still runs such rows)
+    x, redrawn = random_rows_within_static_range(layer, x.shape[0], gen, first=x)
     ref = layer.reference_bf16(x)
     results, ok = [], True
     modes = ("w4a4", "w4a16")
