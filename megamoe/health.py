@@ -175,8 +175,9 @@ def _moe_setup(be: Backend, gen: torch.Generator, full: bool):
 
 def _within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
     """Boolean ``[T]``: rows whose activations stay inside the static NVFP4 range of every
-    routed expert they reach (``|x| <= 2688 * w13_input_scale`` and, for the BF16 yardstick's
-    intermediate, ``|silu(gate) * up| <= 2688 * w2_input_scale``). A row outside saturates
+    routed expert the layer's router sends them to: ``|x| <= 2688 *
+    w13_input_scale`` and, for the BF16 yardstick's intermediate, ``|silu(gate) * up| <= 2688 *
+    w2_input_scale``. A row outside saturates
     (docs/SPEC.md §3): the format clips it wherever it runs, so it says nothing of a kernel."""
     w, cfg = layer.weights, layer.config
     ok = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
@@ -184,7 +185,7 @@ def _within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
         return ok
     lim = nvfp4.FP4_MAX * nvfp4.FP8_MAX
     xf = x.float()
-    _, ids = layer.route(xf)
+    ids = layer.route(xf)[1]
     for e in torch.unique(ids[(ids >= 0) & (ids < cfg.num_experts)]).tolist():
         rows = (ids == e).any(1)
         xr = xf[rows]

@@ -40,7 +40,11 @@ def test_moe_matches_torch_backend(mode, dynamic, gen):
             # backend prints here on these synthetic weights (printed above), so the
             # kernel is held to that value, not to a number the reference does not reach.
             assert cb >= cref - 1e-3, (t, cb, cref)
-            assert cb >= 0.95, (t, cb)
+            if dynamic:
+                # with static scales these inputs (x times 2) pass the calibrated range in nearly every
+                # row (99.6% in a CPU draw of the small preset), and the clipped format's cosine is the
+                # reference's own, held above; per-row scales never clip
+                assert cb >= 0.95, (t, cb)
 
 
 def test_moe_t_sweep_odd_shapes(gen):
