@@ -19,7 +19,7 @@ from megamoe import nvfp4, reference
 from megamoe.backends import Backend, get_backend
 
 __all__ = ["run_checks", "CHECKS", "THRESHOLDS", "cosine", "rel_err", "random_scales", "random_nvfp4",
-           "random_rows_within_static_range"]
+           "within_static_range", "random_rows_within_static_range"]
 
 THRESHOLDS = {
     "sf_roundtrip": 0,  # mismatching bytes
@@ -173,12 +173,12 @@ def _moe_setup(be: Backend, gen: torch.Generator, full: bool):
     return layer, x, preset
 
 
-def _within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[T]``: rows whose activations stay inside the static NVFP4 range of every
-    routed expert the layer's router sends them to: ``|x| <= 2688 *
-    w13_input_scale`` and, for the BF16 yardstick's intermediate, ``|silu(gate) * up| <= 2688 *
-    w2_input_scale``. A row outside saturates
-    (docs/SPEC.md §3): the format clips it wherever it runs, so it says nothing of a kernel."""
+def within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[T]``: the rows of ``x`` whose activations stay inside the static NVFP4 range
+    of every routed expert the layer's router sends them to (``|x| <= 2688 * w13_input_scale``
+    and, for the BF16 yardstick's intermediate, ``|silu(gate) * up| <= 2688 * w2_input_scale``).
+    A row outside saturates (docs/SPEC.md §3): the format clips it wherever it runs, so it says
+    nothing of a kernel. All rows pass with per-row (dynamic) scales."""
     w, cfg = layer.weights, layer.config
     ok = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     if cfg.dynamic_act_scale or w.w13_input_scale is None:
@@ -200,21 +200,21 @@ def _within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
 
 def random_rows_within_static_range(layer, t: int, gen: torch.Generator, first: torch.Tensor | None = None,
                                     device=None) -> tuple[torch.Tensor, int]:
-    """``t`` Gaussian bf16 rows ``[t, H]`` that :func:`_within_static_range` keeps (rows of ``first``
-    first, then fresh draws from ``gen``; on ``device``, by default the layer's), and how many drawn
-    rows were left out. Static activation
-    scales clip a row beyond their calibrated range (a SwiGLU product can exceed it by 2-3x now and
-    then), and the format clips it on every backend: comparing such a row with the BF16 reference
-    measures the calibration, not a kernel."""
+    """``t`` Gaussian bf16 rows ``[t, H]`` that :func:`within_static_range` keeps (the rows of
+    ``first`` first, then fresh draws from ``gen``; on ``device``, by default the layer's), and
+    how many drawn rows were left out. Static activation scales clip a row beyond their
+    calibrated range (a SwiGLU product can exceed it by 2-3x now and then), and the format clips
+    it on every backend: comparing such a row with the BF16 reference measures the calibration,
+    not a kernel."""
     h = layer.config.hidden_size
     x = first if first is not None else torch.empty((0, h), dtype=torch.bfloat16, device=device or layer.device)
-    keep = _within_static_range(layer, x)
+    keep = within_static_range(layer, x)
     left_out, x = int((~keep).sum()), x[keep]
     for _ in range(16):
         if x.shape[0] >= t:
             break
         fresh = torch.randn((t - x.shape[0], h), generator=gen).to(torch.bfloat16).to(x.device)
-        keep = _within_static_range(layer, fresh)
+        keep = within_static_range(layer, fresh)
         left_out, x = left_out + int((~keep).sum()), torch.cat([x, fresh[keep]])
     if x.shape[0] < t:
         raise RuntimeError(f"only {x.shape[0]} of {t} random rows stay inside the static activation range")
@@ -238,7 +238,7 @@ def check_moe_cosine(be: Backend, gen: torch.Generator, full: bool):
         metric = c if metric is None else metric
     return ("pass" if ok else "fail"), metric, THRESHOLDS["moe_cosine_w4a4"], \
         f"preset {preset}, T={x.shape[0]}, vs BF16 reference: " + ", ".join(results) + \
-        f"; {redrawn} rows redrawn (outside the static activation range)"
+        f"; rows redrawn (outside the static activation range): {redrawn}"
 
 
 def check_moe_vs_reference(be: Backend, gen: torch.Generator, full: bool):

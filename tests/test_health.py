@@ -57,7 +57,7 @@ def test_moe_cosine_redraws_rows_that_saturate_a_static_scale():
     r = health.run_checks("quick", backend="torch", seed=1180, only=list(health.CHECKS))
     c = by_name(r)["moe_cosine"]
     assert c["status"] == "pass" and c["metric"] >= 0.98, c
-    assert "1 rows redrawn" in c["detail"] or "2 rows redrawn" in c["detail"], c["detail"]
+    assert int(c["detail"].rsplit("static activation range): ", 1)[1]) >= 1, c["detail"]
 
 
 def test_within_static_range_flags_a_saturating_row():
@@ -67,10 +67,10 @@ def test_within_static_range_flags_a_saturating_row():
 
     layer = MoELayer.from_preset("tiny", seed=5, backend="torch")
     x = torch.randn((16, 256), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    ok = health._within_static_range(layer, x)
+    ok = health.within_static_range(layer, x)
     big = x.clone()
     big[3] *= 40  # |x| far past every expert's 2688 * w13_input_scale
-    flags = health._within_static_range(layer, big)
+    flags = health.within_static_range(layer, big)
     assert not bool(flags[3]) and torch.equal(flags[:3], ok[:3]) and torch.equal(flags[4:], ok[4:])
     dyn = MoELayer(layer.weights, layer.config.with_(dynamic_act_scale=True), backend="torch")
-    assert bool(health._within_static_range(dyn, big).all())  # per-row scales never clip
+    assert bool(health.within_static_range(dyn, big).all())  # per-row scales never clip
