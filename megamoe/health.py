@@ -198,16 +198,16 @@ def within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def random_rows_within_static_range(layer, t: int, gen: torch.Generator, first: torch.Tensor | None = None,
-                                    device=None) -> tuple[torch.Tensor, int]:
+def random_rows_within_static_range(layer, t: int, gen: torch.Generator,
+                                    first: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """``t`` Gaussian bf16 rows ``[t, H]`` that :func:`within_static_range` keeps (the rows of
-    ``first`` first, then fresh draws from ``gen``; on ``device``, by default the layer's), and
+    ``first`` first, then fresh draws from ``gen``; on ``first``'s device, else the layer's), and
     how many drawn rows were left out. Static activation scales clip a row beyond their
     calibrated range (a SwiGLU product can exceed it by 2-3x now and then), and the format clips
     it on every backend: comparing such a row with the BF16 reference measures the calibration,
     not a kernel."""
     h = layer.config.hidden_size
-    x = first if first is not None else torch.empty((0, h), dtype=torch.bfloat16, device=device or layer.device)
+    x = first if first is not None else torch.empty((0, h), dtype=torch.bfloat16, device=layer.device)
     keep = within_static_range(layer, x)
     left_out, x = int((~keep).sum()), x[keep]
     for _ in range(16):
