@@ -267,6 +267,18 @@ __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* s
   }
 }
 
+// A token's slot entries (rows of entry_row / dst_rows, routing weights) are read up to kSlotBatch at a time, all
+// before the first store or product that uses them, so that a thread waits for them once per batch, not once per
+// slot (the loop over j, with a store or a dependent load in each step, had the compiler issue one slot at a time).
+constexpr int kSlotBatch = 8;
+
+// 16-byte global store (p 16-byte aligned). Written as one vector store: the scatter loop below, written with a uint4
+// assignment, was compiled into four 4-byte stores per row.
+__device__ __forceinline__ void store16(void* p, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Token order: one thread per 16-byte chunk c of token t's row, read once and stored into each of the token's
 // rows dst_rows[t * top_k + j] >= 0. Each source byte is read once, where stage_bf16_kernel with src_rows reads a
 // token's row once per slot, in expert order.
@@ -278,30 +290,34 @@ __global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < tokens * chunks;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = idx / chunks, c = idx - t * chunks;
-    const uint4 v = bf16_chunk(src + t * stride, c, lane_order);
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t r = dst_rows[t * top_k + j];
-      if (r >= 0) *reinterpret_cast<uint4*>(dst + int64_t(r) * cols + c * 8) = v;
+    for (int j0 = 0; j0 < top_k; j0 += kSlotBatch) {
+      int32_t r[kSlotBatch];
+#pragma unroll
+      for (int u = 0; u < kSlotBatch; ++u) r[u] = j0 + u < top_k ? __ldg(dst_rows + t * top_k + j0 + u) : -1;
+      const uint4 v = bf16_chunk(src + t * stride, c, lane_order);  // (again for a second batch: top_k > 8 only)
+#pragma unroll
+      for (int u = 0; u < kSlotBatch; ++u)
+        if (r[u] >= 0) store16(dst + int64_t(r[u]) * cols + c * 8, v);
     }
   }
 }
 
-// Eight partial values of y (fp32 or bf16) at element idx (a multiple of 8), as fp32: two 16-byte loads of fp32
-// rows, one of bf16 rows (bf16 -> fp32 is exact: the bf16 bits in the high half of a word).
-__device__ __forceinline__ void load_partial8(const float* y, int64_t idx, float (&v)[8]) {
-  const float4 a = __ldcs(reinterpret_cast<const float4*>(y + idx));
-  const float4 b = __ldcs(reinterpret_cast<const float4*>(y + idx + 4));
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+// Eight partial values of y (fp32 or bf16) at element idx (a multiple of 8): loaded as raw 16-byte words (two for fp32
+// rows, one for bf16 rows), then value i as fp32 (bf16 -> fp32 is exact: the bf16 bits in the high half of a word).
+template <typename Y>
+constexpr int kPartialWords = int(sizeof(Y)) / 2;
+__device__ __forceinline__ void load_partial8(const float* y, int64_t idx, uint4 (&u)[2]) {
+  u[0] = __ldcs(reinterpret_cast<const uint4*>(y + idx));
+  u[1] = __ldcs(reinterpret_cast<const uint4*>(y + idx + 4));
 }
-__device__ __forceinline__ void load_partial8(const __nv_bfloat16* y, int64_t idx, float (&v)[8]) {
-  const uint4 u = __ldcs(reinterpret_cast<const uint4*>(y + idx));
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
+__device__ __forceinline__ void load_partial8(const __nv_bfloat16* y, int64_t idx, uint4 (&u)[1]) {
+  u[0] = __ldcs(reinterpret_cast<const uint4*>(y + idx));
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& u, int k) { return k == 0 ? u.x : k == 1 ? u.y : k == 2 ? u.z : u.w; }
+__device__ __forceinline__ float partial_value(const uint4 (&u)[2], int i) { return __uint_as_float(word_of(u[i / 4], i % 4)); }
+__device__ __forceinline__ float partial_value(const uint4 (&u)[1], int i) {
+  const uint32_t w = word_of(u[0], i / 2);
+  return __uint_as_float(i % 2 ? w & 0xFFFF0000u : w << 16);
 }
 // Eight output values at o (16-byte aligned), each rounded once to T (round to nearest even for __half and bf16).
 __device__ __forceinline__ void store8(float* o, const float (&v)[8]) {
@@ -317,8 +333,12 @@ __device__ __forceinline__ void store8(T* o, const float (&v)[8]) {
 }
 
 // One thread per 8 consecutive columns of one token (hidden % 8 == 0: 16-byte loads and stores; the bytes of the k
-// partial rows read exactly once); fp32 sum in j order, dropped entries skipped.
-template <typename T, typename Y>
+// partial rows read exactly once); fp32 sum in j order, dropped entries skipped. kBatch slots at a time: their rows
+// and weights, then their partial rows, then the products. kBatch = kSlotBatch where the grid is small (a thread then
+// waits twice per token instead of twice per slot); 1 for large grids, where the waits are hidden by the other
+// threads and the batch's registers (84 instead of 32 with bf16 rows) cost more than they save (measured: launch_moe_combine).
+// The sums and their order are the same for every kBatch.
+template <typename T, typename Y, int kBatch>
 __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
                                int64_t hidden, T* out) {
   griddep_sync_and_release();  // no-op unless launched with PDL
@@ -326,14 +346,25 @@ __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = idx / octs, c = (idx - t * octs) * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t r = entry_row[t * top_k + j];
-      if (r < 0) continue;
-      const float wj = w[t * top_k + j];
-      float v[8];
-      load_partial8(y, int64_t(r) * hidden + c, v);
+    for (int j0 = 0; j0 < top_k; j0 += kBatch) {
+      int32_t r[kBatch];
+      float wj[kBatch];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += wj * v[i];
+      for (int u = 0; u < kBatch; ++u) {
+        const bool in = j0 + u < top_k;
+        r[u] = in ? entry_row[t * top_k + j0 + u] : -1;
+        wj[u] = in && r[u] >= 0 ? w[t * top_k + j0 + u] : 0.f;
+      }
+      uint4 v[kBatch][kPartialWords<Y>];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (r[u] >= 0) load_partial8(y, int64_t(r[u]) * hidden + c, v[u]);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (r[u] >= 0) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += wj[u] * partial_value(v[u], i);
+        }
     }
     store8(out + t * hidden + c, acc);
   }
@@ -429,13 +460,25 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
   const int64_t n = tokens * (hidden / 8);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
+  // Batched slots up to kCombineBatchedMax threads (decode and small prefill: latency-bound), one slot at a time
+  // above (bandwidth-bound). One H100, same run, two rounds each, combine kernel µs, one slot at a time -> batched:
+  // v4-flash T = 1 3.0 -> 2.3, T = 8 8.3 -> 7.6, T = 32 4.7 -> 3.4, T = 128 (65536 threads) 9.1 -> 8.4; v3 T = 1
+  // 3.6 -> 2.5, T = 8 6.3 -> 4.6, T = 32 5.9 -> 3.9; but v3 T = 128 (114688 threads) 10.9 -> 11.8, v4-flash T = 2048
+  // 40 -> 43 and T = 8192 165 -> 181 (bench/results/moe_h100_ab_slot_batch.json).
+  constexpr int64_t kCombineBatchedMax = int64_t(1) << 16;
   return with_elem_type(out_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (y_bf16)
-      return pdl_launch(combine_kernel<T, __nv_bfloat16>, grid, 256, 0, stream, static_cast<const __nv_bfloat16*>(y),
+    auto launch = [&](auto* ytag, auto batch) {
+      using Y = std::remove_pointer_t<decltype(ytag)>;
+      return pdl_launch(combine_kernel<T, Y, decltype(batch)::value>, grid, 256, 0, stream, static_cast<const Y*>(y),
                         entry_row, topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
-    return pdl_launch(combine_kernel<T, float>, grid, 256, 0, stream, static_cast<const float*>(y), entry_row,
-                      topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
+    };
+    const bool batched = n <= kCombineBatchedMax;
+    if (y_bf16)
+      return batched ? launch(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, kSlotBatch>{})
+                     : launch(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, 1>{});
+    return batched ? launch(static_cast<float*>(nullptr), std::integral_constant<int, kSlotBatch>{})
+                   : launch(static_cast<float*>(nullptr), std::integral_constant<int, 1>{});
   });
 }
 
