@@ -70,11 +70,14 @@ __device__ __forceinline__ void align_place(const Id* ids, int64_t begin, int64_
 }
 
 // Block-wide exclusive scan of count[0..E) (and of "has tokens"): fill[e] += prefix(e); with write_meta
-// also expert_offsets[0..E], active_experts and num_active. Call with all kAlignThreads threads.
+// also expert_offsets[0..E], active_experts and num_active. Call with all kAlignThreads threads. Per 1024 experts:
+// a scan by shuffles inside each warp, then warp 0 scans the 32 warp totals the same way (kAlignThreads = 32 * 32).
 __device__ __forceinline__ void align_scan(const int32_t* count, int32_t* fill, int E, bool write_meta,
                                            int32_t* expert_offsets, int32_t* active_experts, int32_t* num_active) {
-  __shared__ int32_t warp_tot[kAlignThreads / 32];
-  __shared__ int32_t warp_act[kAlignThreads / 32];
+  static_assert(kAlignThreads == 32 * 32, "one warp scans the warp totals");
+  __shared__ int32_t warp_pre[kAlignThreads / 32];  // exclusive prefix of the warp totals
+  __shared__ int32_t warp_pre_act[kAlignThreads / 32];
+  __shared__ int32_t block_tot[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int32_t carry = 0, carry_act = 0;
   for (int base = 0; base < E; base += kAlignThreads) {
@@ -87,14 +90,23 @@ __device__ __forceinline__ void align_scan(const int32_t* count, int32_t* fill, 
       const int32_t ta = __shfl_up_sync(0xffffffffu, act, o);
       if (lane >= o) { v += t; act += ta; }
     }
-    if (lane == 31) { warp_tot[warp] = v; warp_act[warp] = act; }
+    if (lane == 31) { warp_pre[warp] = v; warp_pre_act[warp] = act; }
     __syncthreads();
-    int32_t pre = carry, pre_a = carry_act, tot = carry, tot_a = carry_act;
-    for (int w = 0; w < kAlignThreads / 32; ++w) {
-      if (w < warp) { pre += warp_tot[w]; pre_a += warp_act[w]; }
-      tot += warp_tot[w];
-      tot_a += warp_act[w];
+    if (warp == 0) {
+      const int32_t wt = warp_pre[lane], wa = warp_pre_act[lane];
+      int32_t s = wt, sa = wa;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t t = __shfl_up_sync(0xffffffffu, s, o);
+        const int32_t ta = __shfl_up_sync(0xffffffffu, sa, o);
+        if (lane >= o) { s += t; sa += ta; }
+      }
+      warp_pre[lane] = s - wt;
+      warp_pre_act[lane] = sa - wa;
+      if (lane == 31) { block_tot[0] = s; block_tot[1] = sa; }
     }
+    __syncthreads();
+    const int32_t pre = carry + warp_pre[warp], pre_a = carry_act + warp_pre_act[warp];
     if (e < E) {
       const int32_t excl = pre + v - c;
       fill[e] += excl;
@@ -103,8 +115,8 @@ __device__ __forceinline__ void align_scan(const int32_t* count, int32_t* fill, 
         if (c > 0) active_experts[pre_a + act - 1] = e;
       }
     }
-    carry = tot;
-    carry_act = tot_a;
+    carry += block_tot[0];
+    carry_act += block_tot[1];
     __syncthreads();
   }
   if (write_meta && tid == 0) {
@@ -113,53 +125,45 @@ __device__ __forceinline__ void align_scan(const int32_t* count, int32_t* fill, 
   }
 }
 
-// Small T: the ids in shared memory; entry i's row = (valid entries of lower experts) + (earlier
-// entries of its expert), so the rows of an expert are in entry order (no atomics, three barriers).
+// Small T (up to kAlignSmallEntries entries, thread i holding entry i): entry i's row = (valid entries of lower
+// experts) + (earlier entries of its expert), so the rows of an expert are in entry order. The warps holding entries
+// take their turn in order: each finds its lanes of equal expert (match.any), and the first lane of each group adds the
+// group's size to its expert's count, whose value before is the rank of the group's first entry (the block barrier
+// after each warp makes the counts a prefix in entry order: no atomics). Then the counts are scanned (align_scan).
 template <typename Id>
 __device__ __forceinline__ void moe_align_small(const Id* ids, int entries, int top_k, int E, int32_t* expert_offsets,
                                                 int32_t* active_experts, int32_t* num_active, int32_t* row_token,
                                                 int32_t* entry_row, int32_t* sh) {
-  __shared__ int32_t s_id[kAlignSmallEntries];
-  __shared__ int32_t s_rank[kAlignSmallEntries];   // earlier entries with the same expert
-  __shared__ int32_t s_first[kAlignSmallEntries];  // first entry of its expert (1) or not (0)
-  int32_t* offset = sh;  // [E]
-  const int tid = threadIdx.x;
-  for (int i = tid; i < entries; i += kAlignThreads) s_id[i] = valid_expert(ids, i, entries, E);
+  static_assert(kAlignSmallEntries <= kAlignThreads, "one entry per thread");
+  int32_t* count = sh;     // [E]
+  int32_t* fill = sh + E;  // [E]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < E; e += kAlignThreads) count[e] = fill[e] = 0;
+  const int32_t e = valid_expert(ids, tid, entries, E);  // -1 past the entries
   __syncthreads();
-  for (int i = tid; i < entries; i += kAlignThreads) {
-    const int32_t e = s_id[i];
-    int32_t rank = 0;
-    for (int j = 0; j < i; ++j) rank += s_id[j] == e ? 1 : 0;
-    s_rank[i] = rank;
-    s_first[i] = e >= 0 && rank == 0 ? 1 : 0;
-  }
-  __syncthreads();
-  for (int e = tid; e <= E; e += kAlignThreads) {
-    int32_t below = 0, act_below = 0, here = 0;
-    for (int j = 0; j < entries; ++j) {
-      const int32_t id = s_id[j];
-      const bool lt = id >= 0 && id < e;
-      below += lt ? 1 : 0;
-      act_below += lt ? s_first[j] : 0;
-      here += id == e ? 1 : 0;
+  int32_t rank = 0;
+  for (int w = 0; w * 32 < entries; ++w) {
+    if (warp == w) {
+      const unsigned same = __match_any_sync(0xffffffffu, e);
+      const int first = __ffs(same) - 1;
+      int32_t before = 0;
+      if (lane == first && e >= 0) {
+        before = count[e];
+        count[e] = before + __popc(same);
+      }
+      rank = __shfl_sync(0xffffffffu, before, first) + __popc(same & ((1u << lane) - 1u));
     }
-    expert_offsets[e] = below;
-    if (e < E) {
-      offset[e] = below;
-      if (here > 0) active_experts[act_below] = e;
-    } else {
-      *num_active = act_below;
-    }
+    __syncthreads();
   }
+  align_scan(count, fill, E, true, expert_offsets, active_experts, num_active);
   __syncthreads();
-  for (int i = tid; i < entries; i += kAlignThreads) {
-    const int32_t e = s_id[i];
+  if (tid < entries) {
     int32_t row = -1;
     if (e >= 0) {
-      row = offset[e] + s_rank[i];
-      row_token[row] = int32_t(i / top_k);
+      row = fill[e] + rank;
+      row_token[row] = int32_t(tid / top_k);
     }
-    entry_row[i] = row;
+    entry_row[tid] = row;
   }
 }
 

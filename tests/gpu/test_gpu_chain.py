@@ -28,13 +28,15 @@ def _align(ids: torch.Tensor, e: int, scratch):
     return off.cpu(), act.cpu(), num.cpu(), row_token.cpu(), entry_row.cpu()
 
 
-@pytest.mark.parametrize("t,k,e,dtype", [(1, 6, 256, torch.int32), (40, 8, 256, torch.int64),
+@pytest.mark.parametrize("t,k,e,dtype", [(1, 6, 256, torch.int32), (42, 6, 256, torch.int32), (30, 8, 5, torch.int64),
+                                         (40, 8, 256, torch.int64),
                                          (1366, 6, 256, torch.int32), (8192, 6, 256, torch.int32),
                                          (3000, 8, 64, torch.int64), (2500, 4, 1500, torch.int32)])
 def test_align_groups_every_valid_entry_once(t, k, e, dtype, gen):
     """Random ids with dropped ones (-1 and >= E); with and without the multi-block scratch (used above
     8192 entries): offsets = exclusive cumsum of the counts, the active experts ascending, every valid
-    entry on its own row inside its expert's range, row_token = its token, dropped entries -1."""
+    entry on its own row inside its expert's range, row_token = its token, dropped entries -1. Up to 256
+    entries (one warp per 32 entries, taking turns) the rows of an expert are in entry order."""
     backend_or_skip("cuda-sm90")
     from megamoe import _ext
 
@@ -57,6 +59,9 @@ def test_align_groups_every_valid_entry_once(t, k, e, dtype, gen):
         ev = flat[valid]
         assert ((rows >= want_off[ev].long()) & (rows < want_off[ev + 1].long())).all(), label
         assert torch.equal(row_token[rows], (torch.nonzero(valid).flatten() // k).int()), label
+        if t * k <= 256:  # entry order: row = offset of the expert + earlier entries of the same expert
+            earlier = torch.tensor([int((ev[:i] == ev[i]).sum()) for i in range(ev.numel())], dtype=torch.long)
+            assert torch.equal(rows, want_off[ev].long() + earlier), label
 
 
 def test_forward_same_bits_with_one_block_align(gen, monkeypatch):
@@ -246,3 +251,33 @@ def test_combine_reads_bf16_rows_exactly(out_dtype, gen):
         _ext.ext.sm90_moe_combine(y.half().cuda(), entry_row.cuda(), w, out.cuda(), stream)
     with pytest.raises(Exception, match="moe_combine"):
         _ext.ext.sm90_moe_combine(y[:, :-4].contiguous().cuda(), entry_row.cuda(), w, out.cuda(), stream)
+
+
+@pytest.mark.parametrize("k", [6, 12])
+def test_combine_same_bits_batched_or_not(k, gen):
+    """The combine reads a token's slots in batches of 8 where its grid is small (up to 2^16 threads) and one slot
+    at a time above; the sums and their order are the same. The first tokens of a combine past the switch equal a
+    combine of those tokens alone (below it) bit for bit, bf16 and fp32 rows, dropped entries among the ids; k = 12:
+    a full batch and a partial one."""
+    backend_or_skip("cuda-sm90")
+    from megamoe import _ext
+    from megamoe.backends.cuda_common import current_stream
+
+    t, h, e, few = 1100, 1024, 40, 64  # 1100 * 1024 / 8 = 140800 threads; 64 tokens: 8192
+    ids = torch.randint(-1, e + 2, (t, k), generator=gen).int()
+    _, _, _, _, entry_row = _align(ids.cuda(), e, None)
+    y = (torch.randn((t * k, h), generator=gen) * torch.exp(torch.randn((t * k, 1), generator=gen))).to(torch.bfloat16)
+    w = torch.rand((t, k), generator=gen)
+    stream = current_stream()
+    for yin in (y.cuda(), y.float().cuda()):
+        outs = []
+        for n in (t, few):
+            out = torch.full((n, h), float("nan"), dtype=torch.float32, device="cuda")
+            _ext.ext.sm90_moe_combine(yin, entry_row.cuda(), w[:n].contiguous().cuda(), out, stream)
+            outs.append(out.cpu())
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0][:few], outs[1])
+        valid = entry_row.view(t, k)[:few] >= 0
+        rows = entry_row.view(t, k)[:few].clamp(min=0).long()
+        want = (w[:few].unsqueeze(-1) * y.float()[rows] * valid.unsqueeze(-1)).sum(1)
+        assert (outs[1] - want).abs().max() <= 1e-5 * want.abs().max()
