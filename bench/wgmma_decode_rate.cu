@@ -10,7 +10,8 @@
 // Modes: "mma" (the A registers are not rewritten), "decode" (the kernels' decode: per 64-element block and row one
 // 8-byte shared load of two weight words and the scale pair from the row's scale codes, dequant_word per word),
 // "decode_half_mul" and "decode_no_mul" (the same bit operations with 2 or none of the 4 bf16x2 multiplies per word:
-// not exact, they show what those instructions cost).
+// not exact, they show what those instructions cost), "decode_int_scale" (every multiply replaced by an XOR with the
+// scale pair: the scale path kept, the multiplies not; not exact either).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -22,8 +23,8 @@ using namespace megamoe::sm90;
 
 namespace {
 
-enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3 };
-const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul"};
+enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeIntScale = 4 };
+const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul", "decode_int_scale"};
 constexpr int kWarpgroups = 4;
 constexpr int kStagesTimed = 4000;
 
@@ -50,6 +51,10 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t (&
     if constexpr (kMode == kDecodeHalfMul) {
       p[0] = bf16x2_mul(p[0], s2);
       p[2] = bf16x2_mul(p[2], s2);
+    }
+    if constexpr (kMode == kDecodeIntScale) {  // the scale pair still made and consumed, by an XOR per pair
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[k] ^= s2;
     }
   }
 }
@@ -179,6 +184,7 @@ void run_modes(int sms, float* out) {
   run<N, kKS, kDecode>(sms, out);
   run<N, kKS, kDecodeHalfMul>(sms, out);
   run<N, kKS, kDecodeNoMul>(sms, out);
+  run<N, kKS, kDecodeIntScale>(sms, out);
 }
 
 }  // namespace
