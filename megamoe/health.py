@@ -186,7 +186,7 @@ def within_static_range(layer, x: torch.Tensor) -> torch.Tensor:
     lim = nvfp4.FP4_MAX * nvfp4.FP8_MAX
     xf = x.float()
     ids = layer.route(xf)[1]
-    for e in torch.unique(ids[(ids >= 0) & (ids < cfg.num_experts)]).tolist():
+    for e in torch.unique(ids[reference.valid_slots(ids, cfg.num_experts)]).tolist():
         rows = (ids == e).any(1)
         xr = xf[rows]
         fits = xr.abs().amax(1) <= lim * float(w.w13_input_scale[e])
