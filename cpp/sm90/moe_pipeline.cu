@@ -478,12 +478,11 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
       return pdl_launch(combine_kernel<T, Y, decltype(batch)::value>, grid, 256, 0, stream, static_cast<const Y*>(y),
                         entry_row, topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
     };
-    const bool batched = n <= kCombineBatchedMax;
-    if (y_bf16)
-      return batched ? launch(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, kSlotBatch>{})
-                     : launch(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, 1>{});
-    return batched ? launch(static_cast<float*>(nullptr), std::integral_constant<int, kSlotBatch>{})
-                   : launch(static_cast<float*>(nullptr), std::integral_constant<int, 1>{});
+    auto by_batch = [&](auto* ytag) {
+      return n <= kCombineBatchedMax ? launch(ytag, std::integral_constant<int, kSlotBatch>{})
+                                     : launch(ytag, std::integral_constant<int, 1>{});
+    };
+    return y_bf16 ? by_batch(static_cast<__nv_bfloat16*>(nullptr)) : by_batch(static_cast<float*>(nullptr));
   });
 }
 
