@@ -143,3 +143,26 @@ def test_backend_asks_the_plan(monkeypatch):
     with pytest.raises(ValueError, match="wgmma256"):
         be.kernel = "wgmma256"
         be.plan(12, 4096, 2048, 256, True, True)
+
+
+def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
+    """One token runs without the align kernel (the GEMMs read topk_ids themselves, L1 writes entry_row) exactly when
+    its kernels are instantiated for it: W4A16 with bf16 x (plan.gather_x) on the one-tile streaming kernel, H and I
+    multiples of 64."""
+    from types import SimpleNamespace
+
+    from megamoe.backends import cuda_sm90
+
+    def cfg(h=4096, i=2048, k=6):
+        return SimpleNamespace(hidden_size=h, intermediate_size=i, top_k=k)
+
+    skip = cuda_sm90.CudaSm90Backend._without_align
+    one = plan(1, k_l1=4096, k_l2=2048)
+    assert skip(1, cfg(), one) and skip(1, cfg(k=8), one) and skip(1, cfg(k=1), one) and skip(1, cfg(k=16), one)
+    assert not skip(2, cfg(), one)  # two tokens share an expert's weights: grouped rows
+    assert not skip(1, cfg(h=4128), plan(1, k_l1=4128))  # H % 64 != 0
+    assert not skip(1, cfg(i=2080), plan(1, k_l2=2080))  # I % 64 != 0
+    assert not skip(1, cfg(), plan(1, w4a16=False))  # W4A4: the quantizer of x reads the grouped rows
+    assert not skip(1, cfg(), plan(1, gather_input=False))  # fp16 / fp32 x: staged per grouped row
+    assert not skip(1, cfg(), plan(1, kernel=kind("wgmma32")))
+    assert not skip(1, cfg(), plan(1, tokens_per_pass=16))

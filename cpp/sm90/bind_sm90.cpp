@@ -132,11 +132,12 @@ void register_sm90(nb::module_& m) {
 
   m.def(
       "sm90_grouped_gemm",
-      [](const Array& act, OptArray act_rows, const Array& expert_offsets, OptArray active_experts, OptArray num_active,
+      [](const Array& act, OptArray act_rows, OptArray expert_offsets, OptArray active_experts, OptArray num_active,
          int grid_experts, const Array& w_data, const Array& w_scale, const Array& w_global_scale,
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
          std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray h_quant_scale,
-         int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream) {
+         int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream, OptArray slot_experts,
+         OptArray entry_row_out) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
@@ -144,12 +145,17 @@ void register_sm90(nb::module_& m) {
         a.act_num_rows = int64_t(act.shape(0));
         if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
           throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
-        a.expert_offsets = ptr<const int32_t>(expert_offsets, "expert_offsets", 4);
+        a.num_experts = int(w_data.shape(0));
+        if (bool(expert_offsets) == bool(slot_experts))
+          throw std::invalid_argument("grouped_gemm: give expert_offsets (grouped rows of moe_align) or slot_experts "
+                                      "(one token's expert ids, row j = slot j), not both");
+        if (expert_offsets) {
+          a.expert_offsets = ptr<const int32_t>(*expert_offsets, "expert_offsets", 4);
+          if (numel(*expert_offsets) != a.num_experts + 1)
+            throw std::invalid_argument("grouped_gemm: expert_offsets must have E+1 entries");
+        }
         a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
         a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
-        a.num_experts = int(w_data.shape(0));
-        if (numel(expert_offsets) != a.num_experts + 1)
-          throw std::invalid_argument("grouped_gemm: expert_offsets must have E+1 entries");
         a.grid_experts = grid_experts;
         a.w_data = ptr<const uint8_t>(w_data, "w_data", 1);
         a.w_scale = ptr<const uint8_t>(w_scale, "w_scale", 1);
@@ -196,17 +202,51 @@ void register_sm90(nb::module_& m) {
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;
+        if (entry_row_out && !slot_experts)
+          throw std::invalid_argument("grouped_gemm: entry_row_out is written with slot_experts only");
+        if (slot_experts) {  // one token, no align kernel: slot j is row j (GroupedGemmArgs::slot_experts)
+          const int bits = slot_experts->dtype().bits;
+          if (slot_experts->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
+            throw std::invalid_argument("grouped_gemm: slot_experts must be int32 or int64, got " +
+                                        dtype_name(slot_experts->dtype()));
+          const bool l1 = epilogue == sm90::Epilogue::kSiluMul;
+          if (plan.kernel != sm90::GemmKernel::kStream || plan.tokens_per_pass != 8 || a.K % 64 != 0 ||
+              h_quant_scale || active_experts || num_active || (l1 ? !act_rows || !a.out_operand : bool(act_rows)))
+            throw std::invalid_argument("grouped_gemm: slot_experts runs on the one-tile streaming kernel with "
+                                        "K % 64 == 0: the silu_mul GEMM gathering act through act_rows into "
+                                        "out_operand, or the store GEMM of staged rows");
+          const int64_t slots = grid_experts;
+          const int64_t rows_out = int64_t((l1 ? *out_operand : *out).shape(0));
+          if (numel(*slot_experts) < slots || max_total_rows < slots || rows_out < slots ||
+              (l1 ? numel(*act_rows) : int64_t(act.shape(0))) < slots)
+            throw std::invalid_argument("grouped_gemm: with slot_experts every grid slot j reads slot_experts[j] and "
+                                        "activation row j and writes output row j: each needs grid_experts = " +
+                                        std::to_string(slots) + " entries or rows (and max_total_rows as many)");
+          a.slot_experts = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
+          a.slot_experts_int64 = bits == 64;
+          if (entry_row_out) {
+            if (!l1 || numel(*entry_row_out) < slots)
+              throw std::invalid_argument("grouped_gemm: entry_row_out is written by the silu_mul GEMM and needs "
+                                          "grid_experts entries");
+            a.entry_row_out = ptr<int32_t>(*entry_row_out, "entry_row_out", 4);
+          }
+        }
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
-      nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(), nb::arg("expert_offsets"),
+      nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(),
+      nb::arg("expert_offsets").none() = nb::none(),
       nb::arg("active_experts").none() = nb::none(), nb::arg("num_active").none() = nb::none(),
       nb::arg("grid_experts"), nb::arg("w_data"), nb::arg("w_scale"), nb::arg("w_global_scale"),
       nb::arg("a_global_scale").none() = nb::none(), nb::arg("a_gs_per_expert") = false,
       nb::arg("a_row_scale").none() = nb::none(), nb::arg("epilogue"), nb::arg("swiglu_limit").none() = nb::none(),
       nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(),
       nb::arg("h_quant_scale").none() = nb::none(), nb::arg("max_total_rows"),
-      nb::arg("plan"), nb::arg("stream"),
-      "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only.");
+      nb::arg("plan"), nb::arg("stream"), nb::arg("slot_experts").none() = nb::none(),
+      nb::arg("entry_row_out").none() = nb::none(),
+      "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
+      "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
+      "of expert slot_experts[j] (none when that id is outside [0, E)); the silu_mul GEMM then writes the token's "
+      "entry_row into entry_row_out (j, or -1 when dropped).");
 
   m.def(
       "sm90_moe_combine",

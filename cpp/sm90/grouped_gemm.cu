@@ -79,7 +79,7 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
 
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.K % 16 != 0 || a.K <= 0 || a.N <= 0 || !a.act || !a.w_data || !a.w_scale || !a.w_global_scale ||
-      !a.expert_offsets || a.grid_experts <= 0)
+      (!a.expert_offsets && !a.slot_experts) || a.grid_experts <= 0)
     return cudaErrorInvalidValue;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && ((a.N % 32) != 0 || a.w_gs_per_expert != 2 || a.out_bf16)) return cudaErrorInvalidValue;
@@ -88,6 +88,8 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (!a.out && !a.out_bf16 && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   if (a.h_quant_gs && !(silu_mul && a.out_operand)) return cudaErrorInvalidValue;
   if (a.grid_experts > 65535) return cudaErrorInvalidValue;
+  if (a.slot_experts && a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;  // (its one-tile kernel only)
+  if (a.entry_row_out && !(a.slot_experts && silu_mul)) return cudaErrorInvalidValue;
   if (a.kernel == GemmKernel::kWgmma32 || a.kernel == GemmKernel::kWgmma64 || a.kernel == GemmKernel::kWgmma128) {
     // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
     if (a.kernel == GemmKernel::kWgmma32)
@@ -107,6 +109,12 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // (4 resident blocks/SM at 124 registers) prefetches its weights before waiting.
   GroupedGemmArgs sa = a;
   sa.prefetch_blocks = 4 * sm_count();
+  if (a.slot_experts) {  // one token without the align kernel: its L1 (fused) and L2 (staged rows), K % 64 == 0
+    if (nt != 1 || !vec || a.h_quant_gs || (silu_mul && (!a.act_rows || !a.out_operand)) || (!silu_mul && a.act_rows))
+      return cudaErrorInvalidValue;
+    if (silu_mul) return pdl_launch(stream_gemm_nt1_direct_kernel<true>, grid, kStreamThreads, 0, stream, sa);
+    return pdl_launch(stream_gemm_nt1_direct_kernel<false>, grid, kStreamThreads, 0, stream, sa);
+  }
   if (nt == 1) {
     const bool fused = a.act_rows || a.out_operand;
     const bool quant = a.h_quant_gs != nullptr;

@@ -57,13 +57,17 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 // so the weight stream starts while the gate/up GEMM before it drains. Only the first
 // a.prefetch_blocks blocks (about one wave: the ones that can start during the previous GEMM's
 // tail) do it; later blocks stream exactly as without PDL. Then every thread waits for the
-// predecessor grid and releases the next one.
+// predecessor grid and releases the next one. kDirect: the expert of a slot is a.slot_experts' (the token's
+// topk_ids, written before the forward: complete by rule 3 as well).
+template <bool kDirect = false>
 __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
   const int slot = int(blockIdx.y), rb = int(blockIdx.x);
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
-    const bool active = !a.num_active || slot < __ldcg(a.num_active);
-    const int expert = a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1) : slot;
+    const bool active = kDirect || !a.num_active || slot < __ldcg(a.num_active);
+    const int expert = kDirect            ? slot_expert_id(a, slot)
+                       : a.active_experts ? (active ? __ldcg(a.active_experts + slot) : -1)
+                                          : slot;
     const int64_t n0 = int64_t(rb) * kStreamRows;
     const int64_t nrows = a.N - n0 < kStreamRows ? a.N - n0 : kStreamRows;
     if (active && expert >= 0 && expert < a.num_experts && nrows > 0) {
@@ -368,11 +372,22 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // kQuantH (W4A4 with a static scale for h, staged rows): the kSiluMul epilogue quantizes h and writes its NVFP4
 // decode as the L2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-template <bool kVec, bool kFused, bool kQuantH>  // kVec: K % 64 == 0 (16-byte aligned weight rows, whole slices)
+// kDirect (GroupedGemmArgs::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
+// the first weight-row block of each slot writes a.entry_row_out[j] when set.
+template <bool kVec, bool kFused, bool kQuantH, bool kDirect = false>  // kVec: K % 64 == 0 (16-byte aligned weight
+                                                                       // rows, whole slices)
 __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
                                                 float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
-  if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) return;
+  if constexpr (kDirect) {
+    expert = slot_expert_id(a, int(slot));
+    row_begin = int(slot);
+    rows = expert >= 0 ? 1 : 0;
+    if (a.entry_row_out && rb == 0 && threadIdx.x == 0) a.entry_row_out[slot] = expert >= 0 ? int(slot) : -1;
+    if (expert < 0) return;
+  } else if (!expert_of_slot(a.active_experts, a.num_active, a.expert_offsets, slot, expert, row_begin, rows)) {
+    return;
+  }
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int64_t K = a.K, N = a.N, Kb = K / 16, slices = (Kb + 3) / 4, row_bytes = K / 2;
@@ -451,6 +466,17 @@ __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kerne
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(GroupedGemmArgs a) {
   stream_gemm_nt1_body<kVec, false, true>(a);
+}
+
+// One token without the align kernel (a.slot_experts; K % 64 == 0): kFused, the L1 GEMM of a W4A16 forward of bf16
+// x, gathering x's one row through act_rows (zeros) and writing h as the L2 operand (row j: slot j) and the token's
+// entry_row (a.entry_row_out); else the L2 GEMM, staged rows (row j: slot j). Held to 128 registers as the fused
+// kernel is (the staged one has 126 without the bound).
+template <bool kFused>
+__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_direct_kernel(GroupedGemmArgs a) {
+  __shared__ float partial[4][2][1][4][32];
+  stream_pdl_prologue<true>(a);
+  stream_nt1_item<true, kFused, false, true>(a, blockIdx.y, blockIdx.x, partial);
 }
 
 }  // namespace megamoe::sm90

@@ -10,7 +10,10 @@ fp32 accumulation (cpp/sm90). Pipeline of one forward,
 all on the current stream with no host synchronisation (CUDA-graph capturable for a
 fixed T):
 
-1. ``moe_align``      routing results -> rows grouped by expert (one kernel)
+1. ``moe_align``      routing results -> rows grouped by expert (one kernel); not for one token of bf16
+                      x, W4A16, on the one-tile streaming kernel (H and I multiples of 64): there
+                      slot j is row j of expert topk_ids[0, j], which both GEMMs read themselves,
+                      and L1 writes the token's entry_row (3 kernels: L1, L2, combine)
 2. L1 input           W4A16 with bf16 x up to wgmma tile 32: none (the L1 GEMM gathers its rows
                       through row_token: the streaming kernel from x itself, the wgmma kernel
                       from x staged once as the [T, H] bf16 operand); else bf16 per slot
@@ -41,9 +44,9 @@ GEMMs, align, bf16 staging and combine are launched with programmatic dependent 
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
 previous kernel's tail. W4A16, and W4A4 with static input scales: L1 writes h as the bf16 L2 operand
 (W4A4: its NVFP4 decode, bit for bit what the quantizer makes of fp32 h). W4A16 with bf16 x up to wgmma tile
-32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, plus the
-one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows); tiles 64
-and 128 stage x per slot instead.
+32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, 3 for one token,
+plus the one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows);
+tiles 64 and 128 stage x per slot instead.
 """
 from __future__ import annotations
 
@@ -265,6 +268,7 @@ class _Workspace:
         self.num_active = torch.zeros(1, **i32)
         self.row_token = torch.zeros(r, **i32)
         self.entry_row = torch.zeros(r, **i32)
+        self.token0_rows = torch.zeros(k, **i32)  # one token's row_token (the slots' rows without the align kernel)
         self.a2 = torch.empty((r, i), dtype=torch.bfloat16, device=device)
         # allocated on first use (only some paths need each), then kept: fixed addresses for graphs
         scratch = max(1, _ext.ext.sm90_align_scratch_size(t * k, e))
@@ -495,12 +499,14 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         r = t * k
         grid_experts = min(e, r)
         expected = -(-r // e)  # tokens per expert under uniform routing
-        ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
-                           stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
         w4a16 = cfg.act_mode == "w4a16"
         # W4A4 with a static scale for h: L1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
         h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
         plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static)
+        if self._without_align(t, cfg, plan):
+            return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
+        ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
+                           stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
                       grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
         if plan.gather_x:
@@ -533,6 +539,31 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
+        return out
+
+    @staticmethod
+    def _without_align(t: int, cfg, plan) -> bool:
+        """Whether the forward runs without the align kernel (_one_token): one token with plan.gather_x (W4A16, bf16
+        x) on the one-tile streaming kernel, H and I multiples of 64."""
+        return (t == 1 and plan.gather_x and plan.kernel == _ext.ext.Sm90GemmKernel.stream and plan.tokens_per_pass == 8
+                and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 64 == 0)
+
+    @staticmethod
+    def _one_token(prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
+        """One token of bf16 x, W4A16, on the one-tile streaming kernel, without the align kernel: slot j of the grid
+        is row j, of expert topk_ids[0, j] (no row when that id is dropped); L1 gathers x's row through token0_rows,
+        writes h as the L2 operand and the token's entry_row; L2 writes the y rows, the combine kernel sums them (the
+        same sums and roundings as the align path: bit for bit its output)."""
+        ext = _ext.ext
+        k = cfg.top_k
+        slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
+        ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
+                              w_global_scale=prepared.w13_gs, epilogue=ext.Sm90Epilogue.silu_mul,
+                              swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2, entry_row_out=ws.entry_row, **slots)
+        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
+                              w_global_scale=prepared.w2_gs, epilogue=ext.Sm90Epilogue.store, out=ws.y16, **slots)
+        out = torch.empty((1, x.shape[1]), dtype=x.dtype, device=x.device)
+        ext.sm90_moe_combine(ws.y16, ws.entry_row, topk_weights, out, stream)
         return out
 
     @staticmethod

@@ -151,6 +151,65 @@ def test_fused_w4a16_equals_staged(shape, gen):
                 assert c >= 0.9999, (t, c)
 
 
+@pytest.mark.parametrize("top_k", [1, 3, 8, 10])
+def test_one_token_without_align_equals_the_align_path(top_k, gen, monkeypatch):
+    """One token of bf16 x, W4A16, on the one-tile streaming kernel: no align kernel (slot j of the grid is row j of
+    expert topk_ids[0, j]; L1 writes the token's entry_row; the combine kernel reads it). Against the same forward
+    through the align kernel and its grouped rows: the output bit for bit, and each entry's L2 input (h) and y row
+    bit for bit (workspace poisoned with NaN, entry_row with a sentinel, before each forward), over int32 and int64
+    ids, a duplicated expert, dropped ids (-1 and E) and all entries dropped, k from 1 to 10; the align kernel is not
+    called (it raises here)."""
+    from megamoe import _ext
+
+    gpu, ref = _layers("tiny", act_mode="w4a16", hidden_size=1280, intermediate_size=768, num_experts=16, top_k=top_k)
+    be, cfg = gpu.backend, gpu.config
+    plan = be.plan(1, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, True, True, False)
+    assert be._without_align(1, cfg, plan)
+    align = _ext.ext.sm90_moe_align
+    cases = ["routed", "int64", "duplicate", "dropped", "all dropped"] if top_k > 1 else ["routed", "int64", "dropped"]
+    for case in cases:
+        x, ids, w = _route(gpu, 1, gen)
+        if case == "int64":  # (the router's ids are int32)
+            ids = ids.long()
+        elif case == "duplicate":
+            ids[0, 1] = ids[0, 0]
+        elif case == "dropped":
+            ids[0, 0], ids[0, -1] = -1, cfg.num_experts
+        elif case == "all dropped":
+            ids[0, :] = -1
+        results = []
+        for direct in (True, False):
+            monkeypatch.setattr(be, "_without_align", lambda *a, d=direct: d)
+            if direct:
+                monkeypatch.setattr(_ext.ext, "sm90_moe_align", lambda *a, **kw: pytest.fail("align kernel called"))
+            else:
+                monkeypatch.setattr(_ext.ext, "sm90_moe_align", align)
+            ws = be.workspace(1, cfg)
+            for buf in (ws.a2, ws.y16):
+                buf.fill_(float("nan"))
+            ws.entry_row.fill_(12345)
+            out = gpu.forward(x, ids, w, validate=False).clone()
+            rows = ws.entry_row[:top_k].long()
+            assert ((rows == -1) | ((rows >= 0) & (rows < top_k))).all(), (case, direct, rows)
+            valid = rows >= 0
+            results.append((out, valid, ws.a2[rows[valid]].clone(), ws.y16[rows[valid]].clone()))
+            if direct:  # slot j is row j
+                exp_valid = (ids[0] >= 0) & (ids[0] < cfg.num_experts)
+                assert torch.equal(valid, exp_valid), case
+                assert torch.equal(rows[valid], torch.nonzero(exp_valid).flatten().to(rows)), case
+        (o1, v1, h1, y1), (o2, v2, h2, y2) = results
+        assert torch.equal(v1, v2), case
+        assert torch.isfinite(o1.float()).all() and torch.isfinite(y1.float()).all(), case
+        assert torch.equal(h1.view(torch.int16), h2.view(torch.int16)), case
+        assert torch.equal(y1.view(torch.int16), y2.view(torch.int16)), case
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), case
+        if case != "all dropped":
+            c = cosine(o1.float(), ref.forward(x, ids, w, validate=False).float())
+            assert c >= 0.9999, (case, c)
+        else:
+            assert torch.equal(o1, torch.zeros_like(o1)), case
+
+
 @pytest.mark.parametrize("kernel", ["auto", "stream", "wgmma32", "wgmma64", "wgmma128"])
 @pytest.mark.parametrize("shape", [(1040, 464), (1280, 768)], ids=["K%64!=0", "K%256==0"])
 def test_w4a4_h_quantized_in_l1_equals_the_quantizer(kernel, shape, gen, forced_kernel, monkeypatch):

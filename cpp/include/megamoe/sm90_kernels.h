@@ -138,6 +138,14 @@ struct GroupedGemmArgs {
   int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
   int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
                             // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
+  // One token without the align kernel (the one-tile streaming kernel with K % 64 == 0 only): grid.y slot j is
+  // grouped row j, of expert slot_experts[j] (the token's topk_ids: int32, or int64 with slot_experts_int64; an id
+  // outside [0, E) is dropped: slot j has no row); expert_offsets, active_experts and num_active are not read. With
+  // entry_row_out (kSiluMul), slot j also writes entry_row_out[j] = j, or -1 when dropped: the align kernel's
+  // entry_row of the token, which the combine kernel reads.
+  const void* slot_experts = nullptr;
+  bool slot_experts_int64 = false;
+  int32_t* entry_row_out = nullptr;
 };
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
