@@ -211,14 +211,16 @@ void register_sm90(nb::module_& m) {
                                         dtype_name(slot_experts->dtype()));
           const bool l1 = epilogue == sm90::Epilogue::kSiluMul;
           if (plan.kernel != sm90::GemmKernel::kStream || plan.tokens_per_pass != 8 || a.K % 64 != 0 ||
-              h_quant_scale || active_experts || num_active || (l1 ? !act_rows || !a.out_operand : bool(act_rows)))
+              active_experts || num_active ||
+              (l1 ? !a.out_operand || bool(act_rows) == bool(h_quant_scale) : bool(act_rows)))
             throw std::invalid_argument("grouped_gemm: slot_experts runs on the one-tile streaming kernel with "
-                                        "K % 64 == 0: the silu_mul GEMM gathering act through act_rows into "
-                                        "out_operand, or the store GEMM of staged rows");
+                                        "K % 64 == 0: the silu_mul GEMM into out_operand, either gathering act "
+                                        "through act_rows or reading staged rows with h_quant_scale, or the store "
+                                        "GEMM of staged rows");
           const int64_t slots = grid_experts;
           const int64_t rows_out = int64_t((l1 ? *out_operand : *out).shape(0));
           if (numel(*slot_experts) < slots || max_total_rows < slots || rows_out < slots ||
-              (l1 ? numel(*act_rows) : int64_t(act.shape(0))) < slots)
+              (act_rows ? numel(*act_rows) : int64_t(act.shape(0))) < slots)
             throw std::invalid_argument("grouped_gemm: with slot_experts every grid slot j reads slot_experts[j] and "
                                         "activation row j and writes output row j: each needs grid_experts = " +
                                         std::to_string(slots) + " entries or rows (and max_total_rows as many)");
@@ -245,8 +247,8 @@ void register_sm90(nb::module_& m) {
       nb::arg("entry_row_out").none() = nb::none(),
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
       "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
-      "of expert slot_experts[j] (none when that id is outside [0, E)); the silu_mul GEMM then writes the token's "
-      "entry_row into entry_row_out (j, or -1 when dropped).");
+      "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input; the "
+      "silu_mul GEMM then writes the token's entry_row into entry_row_out (j, or -1 when dropped).");
 
   m.def(
       "sm90_moe_combine",

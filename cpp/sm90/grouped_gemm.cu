@@ -109,11 +109,16 @@ cudaError_t launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   // (4 resident blocks/SM at 124 registers) prefetches its weights before waiting.
   GroupedGemmArgs sa = a;
   sa.prefetch_blocks = 4 * sm_count();
-  if (a.slot_experts) {  // one token without the align kernel: its L1 (fused) and L2 (staged rows), K % 64 == 0
-    if (nt != 1 || !vec || a.h_quant_gs || (silu_mul && (!a.act_rows || !a.out_operand)) || (!silu_mul && a.act_rows))
-      return cudaErrorInvalidValue;
-    if (silu_mul) return pdl_launch(stream_gemm_nt1_direct_kernel<true>, grid, kStreamThreads, 0, stream, sa);
-    return pdl_launch(stream_gemm_nt1_direct_kernel<false>, grid, kStreamThreads, 0, stream, sa);
+  if (a.slot_experts) {  // one token without the align kernel, K % 64 == 0: its L2 (staged rows) and its L1, either
+                         // gathering bf16 x (W4A16) or reading staged rows and quantizing h (W4A4, static h scale)
+    if (nt != 1 || !vec) return cudaErrorInvalidValue;
+    if (!silu_mul) {
+      if (a.act_rows) return cudaErrorInvalidValue;
+      return pdl_launch(stream_gemm_nt1_direct_kernel<false>, grid, kStreamThreads, 0, stream, sa);
+    }
+    if (!a.out_operand || bool(a.act_rows) == bool(a.h_quant_gs)) return cudaErrorInvalidValue;
+    if (a.h_quant_gs) return pdl_launch(stream_gemm_nt1_direct_kernel<false, true>, grid, kStreamThreads, 0, stream, sa);
+    return pdl_launch(stream_gemm_nt1_direct_kernel<true>, grid, kStreamThreads, 0, stream, sa);
   }
   if (nt == 1) {
     const bool fused = a.act_rows || a.out_operand;

@@ -470,13 +470,15 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(G
 
 // One token without the align kernel (a.slot_experts; K % 64 == 0): kFused, the L1 GEMM of a W4A16 forward of bf16
 // x, gathering x's one row through act_rows (zeros) and writing h as the L2 operand (row j: slot j) and the token's
-// entry_row (a.entry_row_out); else the L2 GEMM, staged rows (row j: slot j). Held to 128 registers as the fused
-// kernel is (the staged one has 126 without the bound).
-template <bool kFused>
+// entry_row (a.entry_row_out); kQuantH, the L1 GEMM of a W4A4 forward with a static scale for h, reading staged rows
+// (row j: slot j, x's row quantized into each) and writing h's NVFP4 decode and the entry_row; else the L2 GEMM,
+// staged rows (row j: slot j). Held to 128 registers as the fused kernel is (the staged one has 126 without the bound).
+template <bool kFused, bool kQuantH = false>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_direct_kernel(GroupedGemmArgs a) {
+  static_assert(!(kFused && kQuantH), "a gather with the quantizing epilogue is not instantiated");
   __shared__ float partial[4][2][1][4][32];
   stream_pdl_prologue<true>(a);
-  stream_nt1_item<true, kFused, false, true>(a, blockIdx.y, blockIdx.x, partial);
+  stream_nt1_item<true, kFused, kQuantH, true>(a, blockIdx.y, blockIdx.x, partial);
 }
 
 }  // namespace megamoe::sm90

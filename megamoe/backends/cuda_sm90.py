@@ -269,6 +269,7 @@ class _Workspace:
         self.row_token = torch.zeros(r, **i32)
         self.entry_row = torch.zeros(r, **i32)
         self.token0_rows = torch.zeros(k, **i32)  # one token's row_token (the slots' rows without the align kernel)
+        self.token0_slots = torch.arange(k, **i32)  # one token's k operand rows (its entry_row without dropped slots)
         self.a2 = torch.empty((r, i), dtype=torch.bfloat16, device=device)
         # allocated on first use (only some paths need each), then kept: fixed addresses for graphs
         scratch = max(1, _ext.ext.sm90_align_scratch_size(t * k, e))
@@ -503,7 +504,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         # W4A4 with a static scale for h: L1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
         h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
         plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static)
-        if self._without_align(t, cfg, plan):
+        if self._without_align(t, cfg, plan, prepared):
             return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
@@ -542,28 +543,46 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return out
 
     @staticmethod
-    def _without_align(t: int, cfg, plan) -> bool:
-        """Whether the forward runs without the align kernel (_one_token): one token with plan.gather_x (W4A16, bf16
-        x) on the one-tile streaming kernel, H and I multiples of 64."""
-        return (t == 1 and plan.gather_x and plan.kernel == _ext.ext.Sm90GemmKernel.stream and plan.tokens_per_pass == 8
-                and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 64 == 0)
+    def _without_align(t: int, cfg, plan, prepared: PreparedSm90) -> bool:
+        """Whether the forward runs without the align kernel (_one_token): one token on the one-tile streaming kernel,
+        H and I multiples of 64; W4A16 with bf16 x (plan.gather_x), or W4A4 with h quantized in L1's epilogue
+        (plan.h_operand: a static scale for h) and x's row quantizing alike in every slot (a per-row dynamic scale,
+        or one static scale for all experts)."""
+        if not (t == 1 and plan.kernel == _ext.ext.Sm90GemmKernel.stream and plan.tokens_per_pass == 8
+                and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 64 == 0):
+            return False
+        if cfg.act_mode == "w4a16":
+            return plan.gather_x
+        return plan.h_operand and CudaSm90Backend._alike_in_every_slot(cfg, prepared)
 
-    @staticmethod
-    def _one_token(prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
-        """One token of bf16 x, W4A16, on the one-tile streaming kernel, without the align kernel: slot j of the grid
-        is row j, of expert topk_ids[0, j] (no row when that id is dropped); L1 gathers x's row through token0_rows,
-        writes h as the L2 operand and the token's entry_row; L2 writes the y rows, the combine kernel sums them (the
-        same sums and roundings as the align path: bit for bit its output)."""
+    def _one_token(self, prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
+        """One token on the one-tile streaming kernel, without the align kernel: slot j of the grid is row j, of expert
+        topk_ids[0, j] (no row when that id is dropped). W4A16: L1 gathers x's row through token0_rows; W4A4: x's row
+        is quantized once into the k rows first, and L1 quantizes h. L1 writes h as the L2 operand and the token's
+        entry_row; L2 writes the y rows, the combine kernel sums them (the same sums and roundings as the align path:
+        bit for bit its output)."""
         ext = _ext.ext
         k = cfg.top_k
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
-        ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
-                              w_global_scale=prepared.w13_gs, epilogue=ext.Sm90Epilogue.silu_mul,
-                              swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2, entry_row_out=ws.entry_row, **slots)
+        l1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
+                  epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2,
+                  entry_row_out=ws.entry_row, **slots)
+        if cfg.act_mode == "w4a16":
+            ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **l1)
+            a2_gs = None
+        else:
+            a_gs, per_e, a_rs = self._stage(x, None, ws.expert_offsets, ws.a1[:k], ws.a1_rs, cfg,
+                                            prepared.w13_input_scale, stream, plan.lane_order,
+                                            dst_rows=ws.token0_slots)
+            ext.sm90_grouped_gemm(act=ws.a1, a_global_scale=a_gs, a_gs_per_expert=per_e, a_row_scale=a_rs,
+                                  h_quant_scale=prepared.w2_input_scale, **l1)
+            a2_gs = prepared.w2_input_scale
+        y = ws.y16 if x.dtype == torch.bfloat16 else ws.y
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
-                              w_global_scale=prepared.w2_gs, epilogue=ext.Sm90Epilogue.store, out=ws.y16, **slots)
+                              w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
+                              epilogue=ext.Sm90Epilogue.store, out=y, **slots)
         out = torch.empty((1, x.shape[1]), dtype=x.dtype, device=x.device)
-        ext.sm90_moe_combine(ws.y16, ws.entry_row, topk_weights, out, stream)
+        ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
 
     @staticmethod
@@ -578,8 +597,12 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         and for W4A4 when all k slots of a token quantize alike (a per-row dynamic scale, or one static scale)."""
         if t < TOKEN_ORDER_FROM:
             return False
-        if cfg.act_mode == "w4a16":
-            return True
+        return cfg.act_mode == "w4a16" or CudaSm90Backend._alike_in_every_slot(cfg, prepared)
+
+    @staticmethod
+    def _alike_in_every_slot(cfg, prepared: PreparedSm90) -> bool:
+        """W4A4: whether a token's row of x quantizes alike in all its k slots (a per-row dynamic scale, or one static
+        scale for all experts)."""
         return CudaSm90Backend._dynamic_scale(cfg, prepared.w13_input_scale) or prepared.w13_input_scale_uniform
 
     @staticmethod
