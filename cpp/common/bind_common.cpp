@@ -57,7 +57,8 @@ void register_common(nb::module_& m) {
       "quantize_nvfp4",
       [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
-         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order, OptArray scatter_rows, int scatter_k) {
+         OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order, OptArray scatter_rows, int scatter_k,
+         OptArray row_experts) {
         if (src.ndim() != 2) throw std::invalid_argument("quantize_nvfp4: src must be 2-D [rows, cols]");
         QuantizeArgs a;
         a.src = src.data();
@@ -100,14 +101,29 @@ void register_common(nb::module_& m) {
           a.scatter_rows = ptr<const int32_t>(*scatter_rows, "scatter_rows", 4);
           a.scatter_k = scatter_k;
         }
+        if (row_experts) {
+          const auto d = row_experts->dtype();
+          if (d != nb::dtype<int32_t>() && d != nb::dtype<int64_t>())
+            throw std::invalid_argument("quantize_nvfp4: row_experts must be int32 or int64, got " + dtype_name(d));
+          if (numel(*row_experts) < a.rows)
+            throw std::invalid_argument("quantize_nvfp4: row_experts needs one expert id per row");
+          if (a.gs_mode != GlobalScaleMode::kPerExpert || expert_offsets || scatter_rows)
+            throw std::invalid_argument(
+                "quantize_nvfp4: row_experts needs the per-expert gs_mode on plain rows, without scatter_rows");
+          a.row_experts_int64 = d == nb::dtype<int64_t>();
+          a.row_experts = ptr<const void>(*row_experts, "row_experts", a.row_experts_int64 ? 8 : 4);
+          a.row_experts_bound = int(numel(*global_scale));
+        }
         check(launch_quantize_nvfp4(a, stream_of(stream)), "quantize_nvfp4");
       },
       nb::arg("src"), nb::arg("global_scale").none(), nb::arg("gs_mode"), nb::arg("src_rows").none(),
       nb::arg("expert_offsets").none(), nb::arg("dst_offsets").none(), nb::arg("data").none(),
       nb::arg("scale").none(), nb::arg("scale_swz").none(), nb::arg("sf_rows"), nb::arg("dequant").none(),
       nb::arg("row_scale_out").none(), nb::arg("stream"), nb::arg("dequant_lane_order") = false,
-      nb::arg("scatter_rows").none() = nb::none(), nb::arg("scatter_k") = 0,
-      "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h).");
+      nb::arg("scatter_rows").none() = nb::none(), nb::arg("scatter_k") = 0, nb::arg("row_experts").none() = nb::none(),
+      "NVFP4-quantize rows of src [rows, cols] (docs/SPEC.md §1) into the given outputs (see common_kernels.h). "
+      "row_experts (int32 or int64, plain rows, per-expert gs_mode): row r uses global_scale[row_experts[r]] and "
+      "is skipped when that id is outside [0, len(global_scale)).");
 
   m.def(
       "nvfp4_to_operand",

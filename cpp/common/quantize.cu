@@ -73,6 +73,13 @@ __device__ __forceinline__ RowPlace place_row(const QuantizeArgs& a, int64_t r) 
   return p;
 }
 
+// row_experts: the expert of row r, or -1 when its id is outside [0, row_experts_bound) (row skipped).
+__device__ __forceinline__ int row_expert(const QuantizeArgs& a, int64_t r) {
+  const int64_t e = a.row_experts_int64 ? int64_t(__ldg(static_cast<const long long*>(a.row_experts) + r))
+                                        : int64_t(__ldg(static_cast<const int*>(a.row_experts) + r));
+  return e >= 0 && e < a.row_experts_bound ? int(e) : -1;
+}
+
 // Shared memory of a CTA for lane_order_chunks(): 32 words per quad of threads.
 struct LaneOrderStage {
   uint32_t words[kLaneOrderQuads][32];
@@ -155,6 +162,8 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArg
   __shared__ LaneOrderStage st;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
+  const int row_ex = a.row_experts ? row_expert(a, r) : 0;
+  if (row_ex < 0) return;
   const int64_t blocks_per_row = a.cols / 16;
   const int64_t kb0 = int64_t(blockIdx.y) * kPer * blockDim.x + threadIdx.x;
   const int64_t src_row = a.src_rows ? a.src_rows[r] : r;
@@ -166,7 +175,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArg
     if (kb < blocks_per_row) load_block<T>(row + kb * 16, vec, x[j]);
   }
   const RowPlace p = place_row(a, r);
-  const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(p.expert)
+  const int64_t gi = a.gs_mode == GlobalScaleMode::kPerExpert ? int64_t(a.row_experts ? row_ex : p.expert)
                      : a.gs_mode == GlobalScaleMode::kPerRow  ? r
                                                               : int64_t(0);
   const float gs = a.global_scale[gi];
@@ -295,7 +304,11 @@ cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream)
     return cudaErrorInvalidValue;
   if (args.num_experts > 0 && (!args.expert_offsets || !args.dst_offsets)) return cudaErrorInvalidValue;
   if (args.dequant && args.dequant_lane_order && args.cols % 64 != 0) return cudaErrorInvalidValue;
-  if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0) return cudaErrorInvalidValue;
+  if (args.gs_mode == GlobalScaleMode::kPerExpert && args.num_experts <= 0 && !args.row_experts)
+    return cudaErrorInvalidValue;
+  if (args.row_experts && (args.gs_mode != GlobalScaleMode::kPerExpert || args.scatter_rows || args.num_experts > 0 ||
+                           args.row_experts_bound < 1))
+    return cudaErrorInvalidValue;
   if (args.scatter_rows && (args.scatter_k < 1 || args.num_experts > 0 || args.src_rows || args.data || args.scale ||
                             args.scale_swz))
     return cudaErrorInvalidValue;

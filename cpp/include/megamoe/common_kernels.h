@@ -64,6 +64,11 @@ struct QuantizeArgs {
   // them (e.g. a token's row of x into its k expert slots, when they share one global scale).
   const int32_t* scatter_rows = nullptr;
   int scatter_k = 0;
+  // Plain rows, kPerExpert, no scatter_rows: row r uses global_scale[row_experts[r]] (int32, or int64 with
+  // row_experts_int64); a row whose id is outside [0, row_experts_bound) is skipped (nothing written).
+  const void* row_experts = nullptr;
+  bool row_experts_int64 = false;
+  int row_experts_bound = 0;
 };
 cudaError_t launch_quantize_nvfp4(const QuantizeArgs& args, cudaStream_t stream);
 
