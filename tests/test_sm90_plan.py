@@ -147,14 +147,14 @@ def test_backend_asks_the_plan(monkeypatch):
 
 def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
     """One token runs without the align kernel (the GEMMs read topk_ids themselves, L1 writes entry_row) exactly when
-    its kernels are instantiated for it: W4A16 with bf16 x (plan.gather_x) on the one-tile streaming kernel, H and I
-    multiples of 64."""
+    its kernels are instantiated for it: on the one-tile streaming kernel, H and I multiples of 64, W4A16 with bf16 x
+    (plan.gather_x) or W4A4 with a static scale for h (plan.h_operand: L1 quantizes h)."""
     from types import SimpleNamespace
 
     from megamoe.backends import cuda_sm90
 
-    def cfg(h=4096, i=2048, k=6):
-        return SimpleNamespace(hidden_size=h, intermediate_size=i, top_k=k)
+    def cfg(h=4096, i=2048, k=6, act_mode="w4a16"):
+        return SimpleNamespace(hidden_size=h, intermediate_size=i, top_k=k, act_mode=act_mode)
 
     skip = cuda_sm90.CudaSm90Backend._without_align
     one = plan(1, k_l1=4096, k_l2=2048)
@@ -162,7 +162,13 @@ def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
     assert not skip(2, cfg(), one)  # two tokens share an expert's weights: grouped rows
     assert not skip(1, cfg(h=4128), plan(1, k_l1=4128))  # H % 64 != 0
     assert not skip(1, cfg(i=2080), plan(1, k_l2=2080))  # I % 64 != 0
-    assert not skip(1, cfg(), plan(1, w4a16=False))  # W4A4: the quantizer of x reads the grouped rows
     assert not skip(1, cfg(), plan(1, gather_input=False))  # fp16 / fp32 x: staged per grouped row
     assert not skip(1, cfg(), plan(1, kernel=kind("wgmma32")))
     assert not skip(1, cfg(), plan(1, tokens_per_pass=16))
+    w4a4 = cfg(act_mode="w4a4")
+    for gather_input in (True, False):  # x of any dtype: quantized into the slots' rows first
+        assert skip(1, w4a4, plan(1, w4a16=False, gather_input=gather_input, h_static_scale=True))
+    assert not skip(1, w4a4, plan(1, w4a16=False))  # a dynamic scale for h: the quantizer of h reads grouped rows
+    assert not skip(2, w4a4, plan(1, w4a16=False, h_static_scale=True))
+    assert not skip(1, cfg(h=4128, act_mode="w4a4"), plan(1, w4a16=False, h_static_scale=True, k_l1=4128))
+    assert not skip(1, w4a4, plan(1, w4a16=False, h_static_scale=True, kernel=kind("wgmma32")))

@@ -504,7 +504,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         # W4A4 with a static scale for h: L1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
         h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
         plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static)
-        if self._without_align(t, cfg, plan, prepared):
+        if self._without_align(t, cfg, plan):
             return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
@@ -543,22 +543,20 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return out
 
     @staticmethod
-    def _without_align(t: int, cfg, plan, prepared: PreparedSm90) -> bool:
+    def _without_align(t: int, cfg, plan) -> bool:
         """Whether the forward runs without the align kernel (_one_token): one token on the one-tile streaming kernel,
         H and I multiples of 64; W4A16 with bf16 x (plan.gather_x), or W4A4 with h quantized in L1's epilogue
-        (plan.h_operand: a static scale for h) and x's row quantizing alike in every slot (a per-row dynamic scale,
-        or one static scale for all experts)."""
+        (plan.h_operand: a static scale for h)."""
         if not (t == 1 and plan.kernel == _ext.ext.Sm90GemmKernel.stream and plan.tokens_per_pass == 8
                 and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 64 == 0):
             return False
-        if cfg.act_mode == "w4a16":
-            return plan.gather_x
-        return plan.h_operand and CudaSm90Backend._alike_in_every_slot(cfg, prepared)
+        return plan.gather_x if cfg.act_mode == "w4a16" else plan.h_operand
 
     def _one_token(self, prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
         """One token on the one-tile streaming kernel, without the align kernel: slot j of the grid is row j, of expert
         topk_ids[0, j] (no row when that id is dropped). W4A16: L1 gathers x's row through token0_rows; W4A4: x's row
-        is quantized once into the k rows first, and L1 quantizes h. L1 writes h as the L2 operand and the token's
+        is quantized into row j first (a static scale: expert topk_ids[0, j]'s; the dynamic one: once for all k
+        rows), and L1 quantizes h. L1 writes h as the L2 operand and the token's
         entry_row; L2 writes the y rows, the combine kernel sums them (the same sums and roundings as the align path:
         bit for bit its output)."""
         ext = _ext.ext
@@ -571,9 +569,15 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **l1)
             a2_gs = None
         else:
-            a_gs, per_e, a_rs = self._stage(x, None, ws.expert_offsets, ws.a1[:k], ws.a1_rs, cfg,
-                                            prepared.w13_input_scale, stream, plan.lane_order,
-                                            dst_rows=ws.token0_slots)
+            static_scale = prepared.w13_input_scale
+            if self._dynamic_scale(cfg, static_scale):
+                a_gs, per_e, a_rs = self._stage(x, None, ws.expert_offsets, ws.a1[:k], ws.a1_rs, cfg, static_scale,
+                                                stream, plan.lane_order, dst_rows=ws.token0_slots)
+            else:
+                common_ext().quantize_nvfp4(x, static_scale, GS_PER_EXPERT, ws.token0_rows, None, None, None, None,
+                                            None, 0, ws.a1, None, stream, dequant_lane_order=plan.lane_order,
+                                            row_experts=topk_ids.view(-1))
+                a_gs, per_e, a_rs = static_scale, True, None
             ext.sm90_grouped_gemm(act=ws.a1, a_global_scale=a_gs, a_gs_per_expert=per_e, a_row_scale=a_rs,
                                   h_quant_scale=prepared.w2_input_scale, **l1)
             a2_gs = prepared.w2_input_scale
@@ -597,12 +601,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         and for W4A4 when all k slots of a token quantize alike (a per-row dynamic scale, or one static scale)."""
         if t < TOKEN_ORDER_FROM:
             return False
-        return cfg.act_mode == "w4a16" or CudaSm90Backend._alike_in_every_slot(cfg, prepared)
-
-    @staticmethod
-    def _alike_in_every_slot(cfg, prepared: PreparedSm90) -> bool:
-        """W4A4: whether a token's row of x quantizes alike in all its k slots (a per-row dynamic scale, or one static
-        scale for all experts)."""
+        if cfg.act_mode == "w4a16":
+            return True
         return CudaSm90Backend._dynamic_scale(cfg, prepared.w13_input_scale) or prepared.w13_input_scale_uniform
 
     @staticmethod

@@ -13,6 +13,11 @@ from _helpers import sm90_and_torch_layers as _layers
 pytestmark = pytest.mark.gpu
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a 2- or 4-byte float tensor as integers (NaN compares equal to the same NaN)."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
 def _forward_vs_torch(gpu, ref, t, gen, label):
     """t routed random tokens through both layers: the output must be finite and within cosine 0.9999
     of the torch backend's. Returns x, ids, w and both outputs (float32)."""
@@ -151,24 +156,40 @@ def test_fused_w4a16_equals_staged(shape, gen):
                 assert c >= 0.9999, (t, c)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4 one x scale", "w4a4 dynamic x", "w4a4 fp32 x"])
 @pytest.mark.parametrize("top_k", [1, 3, 8, 10])
-def test_one_token_without_align_equals_the_align_path(top_k, gen, monkeypatch):
-    """One token of bf16 x, W4A16, on the one-tile streaming kernel: no align kernel (slot j of the grid is row j of
-    expert topk_ids[0, j]; L1 writes the token's entry_row; the combine kernel reads it). Against the same forward
-    through the align kernel and its grouped rows: the output bit for bit, and each entry's L2 input (h) and y row
-    bit for bit (workspace poisoned with NaN, entry_row with a sentinel, before each forward), over int32 and int64
-    ids, a duplicated expert, dropped ids (-1 and E) and all entries dropped, k from 1 to 10; the align kernel is not
-    called (it raises here)."""
+def test_one_token_without_align_equals_the_align_path(mode, top_k, gen, monkeypatch):
+    """One token on the one-tile streaming kernel: no align kernel (slot j of the grid is row j of expert
+    topk_ids[0, j]; L1 writes the token's entry_row; the combine kernel reads it). W4A16 with bf16 x; W4A4 with
+    static scales for h (L1 quantizes h), x quantized per slot with its expert's static scale (per-expert scales,
+    one scale for all experts) or once with its dynamic scale, bf16 or fp32 x. Against the same forward through the
+    align kernel and its grouped rows: the output bit for bit, and each entry's L1 input (W4A4), L2 input (h) and y
+    row bit for bit (workspace poisoned with NaN, entry_row with a sentinel, before each forward), over int32 and
+    int64 ids, a duplicated expert, dropped ids (-1 and E) and all entries dropped, k from 1 to 10; the align kernel
+    is not called (it raises here)."""
     from megamoe import _ext
+    from megamoe.moe import MoELayer
 
-    gpu, ref = _layers("tiny", act_mode="w4a16", hidden_size=1280, intermediate_size=768, num_experts=16, top_k=top_k)
+    act_mode = mode.split()[0]
+    gpu, ref = _layers("tiny", act_mode=act_mode, hidden_size=1280, intermediate_size=768, num_experts=16,
+                       top_k=top_k)
+    if mode != act_mode and mode != "w4a4 fp32 x":
+        w = gpu.weights
+        if mode == "w4a4 one x scale":
+            w.w13_input_scale = torch.full_like(w.w13_input_scale, float(w.w13_input_scale.max()))
+        else:  # a dynamic scale for x, the static one for h
+            w.w13_input_scale = None
+        gpu = MoELayer(w, gpu.config, backend="cuda-sm90")
+        ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
     be, cfg = gpu.backend, gpu.config
-    plan = be.plan(1, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, True, True, False)
+    x_dtype = torch.float32 if mode == "w4a4 fp32 x" else torch.bfloat16
+    plan = be.plan(1, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, act_mode == "w4a16",
+                   x_dtype == torch.bfloat16, act_mode == "w4a4")
     assert be._without_align(1, cfg, plan)
     align = _ext.ext.sm90_moe_align
     cases = ["routed", "int64", "duplicate", "dropped", "all dropped"] if top_k > 1 else ["routed", "int64", "dropped"]
     for case in cases:
-        x, ids, w = _route(gpu, 1, gen)
+        x, ids, w = _route(gpu, 1, gen, dtype=x_dtype)
         if case == "int64":  # (the router's ids are int32)
             ids = ids.long()
         elif case == "duplicate":
@@ -185,24 +206,26 @@ def test_one_token_without_align_equals_the_align_path(top_k, gen, monkeypatch):
             else:
                 monkeypatch.setattr(_ext.ext, "sm90_moe_align", align)
             ws = be.workspace(1, cfg)
-            for buf in (ws.a2, ws.y16):
+            y = ws.y16 if x_dtype == torch.bfloat16 else ws.y
+            bufs = (ws.a2, y) if act_mode == "w4a16" else (ws.a1, ws.a2, y)
+            for buf in bufs:
                 buf.fill_(float("nan"))
             ws.entry_row.fill_(12345)
             out = gpu.forward(x, ids, w, validate=False).clone()
             rows = ws.entry_row[:top_k].long()
             assert ((rows == -1) | ((rows >= 0) & (rows < top_k))).all(), (case, direct, rows)
             valid = rows >= 0
-            results.append((out, valid, ws.a2[rows[valid]].clone(), ws.y16[rows[valid]].clone()))
+            results.append((out, valid, [b[rows[valid]].clone() for b in bufs]))
             if direct:  # slot j is row j
                 exp_valid = (ids[0] >= 0) & (ids[0] < cfg.num_experts)
                 assert torch.equal(valid, exp_valid), case
                 assert torch.equal(rows[valid], torch.nonzero(exp_valid).flatten().to(rows)), case
-        (o1, v1, h1, y1), (o2, v2, h2, y2) = results
+        (o1, v1, b1), (o2, v2, b2) = results
         assert torch.equal(v1, v2), case
-        assert torch.isfinite(o1.float()).all() and torch.isfinite(y1.float()).all(), case
-        assert torch.equal(h1.view(torch.int16), h2.view(torch.int16)), case
-        assert torch.equal(y1.view(torch.int16), y2.view(torch.int16)), case
-        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)), case
+        assert torch.isfinite(o1.float()).all() and all(torch.isfinite(b.float()).all() for b in b1), case
+        for u, v in zip(b1, b2):
+            assert torch.equal(_bits(u), _bits(v)), case
+        assert torch.equal(_bits(o1), _bits(o2)), case
         if case != "all dropped":
             c = cosine(o1.float(), ref.forward(x, ids, w, validate=False).float())
             assert c >= 0.9999, (case, c)
