@@ -162,6 +162,51 @@ def test_token_order_w4a4_l1_input_equals_gathered(k, dynamic, src_dtype, gen):
           None, 0, dq, None, stream, scatter_rows=entry_row.cuda(), scatter_k=k)
 
 
+@pytest.mark.parametrize("k,src_dtype,ids_dtype", [(6, torch.bfloat16, torch.int32), (8, torch.float32, torch.int64),
+                                                     (1, torch.float16, torch.int32)])
+def test_one_token_w4a4_l1_input_by_row_experts_equals_gathered(k, src_dtype, ids_dtype, gen):
+    """One token's W4A4 L1 input without the align kernel: row j = x's row quantized with the static scale of expert
+    ids[j] (``row_experts``; scales differing per expert) equals, bit for bit, the per-slot quantization of the
+    aligned rows (row entry_row[j]), in operand and lane order; the rows of dropped ids (-1, E) keep their poison;
+    bad arguments raise."""
+    backend_or_skip("cuda-sm90")
+    from megamoe.backends.cuda_common import GS_PER_EXPERT, GS_SINGLE, common_ext, current_stream
+
+    q = common_ext().quantize_nvfp4
+    h, e = 448, 40
+    ids = torch.randperm(e, generator=gen)[:k].to(ids_dtype)
+    if k > 2:
+        ids[1], ids[-1] = -1, e
+    off, _, _, row_token, entry_row = _align(ids.view(1, k).int().cuda(), e, None)
+    total = int(off[-1])
+    x = (torch.randn((1, h), generator=gen) * 3).to(src_dtype).cuda()
+    gs = (float(x.float().abs().max()) / (6 * 448) * (0.5 + torch.rand((e,), generator=gen))).cuda()
+    stream = current_stream()
+    valid = (ids >= 0) & (ids < e)
+    for lane in (False, True):
+        grouped = torch.full((k, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        direct = torch.full_like(grouped, float("nan"))
+        q(x, gs, GS_PER_EXPERT, row_token.cuda(), off.cuda(), None, None, None, None, 0, grouped, None, stream,
+          dequant_lane_order=lane)
+        q(x, gs, GS_PER_EXPERT, torch.zeros(k, dtype=torch.int32, device="cuda"), None, None, None, None, None, 0,
+          direct, None, stream, dequant_lane_order=lane, row_experts=ids.cuda())
+        g, d = grouped.cpu(), direct.cpu()
+        er = entry_row.cpu().long()
+        assert torch.equal(er >= 0, valid) and total == int(valid.sum()), (k, lane)
+        assert (d[valid] != 0).float().mean() > 0.5, (k, lane)  # not a zero operand
+        assert torch.equal(d[valid].view(torch.int16), g[er[valid]].view(torch.int16)), (k, lane)
+        assert torch.isnan(d[~valid]).all(), (k, lane)
+    dq = torch.empty((k, h), dtype=torch.bfloat16, device="cuda")
+    rows0 = torch.zeros(k, dtype=torch.int32, device="cuda")
+    with pytest.raises(Exception, match="row_experts"):  # one id per row
+        q(x, gs, GS_PER_EXPERT, rows0, None, None, None, None, None, 0, dq, None, stream, row_experts=ids[:-1].cuda())
+    with pytest.raises(Exception, match="row_experts"):  # the per-expert scales only
+        q(x, gs[:1], GS_SINGLE, rows0, None, None, None, None, None, 0, dq, None, stream, row_experts=ids.cuda())
+    with pytest.raises(Exception, match="row_experts"):
+        q(x, gs, GS_PER_EXPERT, rows0, None, None, None, None, None, 0, dq, None, stream,
+          row_experts=ids.cuda().float())
+
+
 def _assert_token_order_forward_equals_gathered(gpu, ref, t, gen, monkeypatch, dtype=torch.bfloat16):
     """gpu's forward of t tokens (wgmma tile 128, two dropped entries among the ids) equals, bit for bit, the one
     with the L1 input gathered per slot (TOKEN_ORDER_FROM out of reach), and ref's within cosine 0.9999. The
