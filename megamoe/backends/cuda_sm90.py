@@ -10,10 +10,13 @@ fp32 accumulation (cpp/sm90). Pipeline of one forward,
 all on the current stream with no host synchronisation (CUDA-graph capturable for a
 fixed T):
 
-1. ``moe_align``      routing results -> rows grouped by expert (one kernel); not for one token of bf16
-                      x, W4A16, on the one-tile streaming kernel (H and I multiples of 64): there
-                      slot j is row j of expert topk_ids[0, j], which both GEMMs read themselves,
-                      and L1 writes the token's entry_row (3 kernels: L1, L2, combine)
+1. ``moe_align``      routing results -> rows grouped by expert (one kernel); not for one token on
+                      the one-tile streaming kernel (H and I multiples of 64; W4A16 with bf16 x, or
+                      W4A4 with a static scale for h): there slot j is row j of expert
+                      topk_ids[0, j], which both GEMMs read themselves, and L1 writes the token's
+                      entry_row (3 kernels: L1, L2, combine; W4A4 4, x quantized into the k
+                      rows first: row j with expert topk_ids[0, j]'s static scale, or all with
+                      the row's dynamic one)
 2. L1 input           W4A16 with bf16 x up to wgmma tile 32: none (the L1 GEMM gathers its rows
                       through row_token: the streaming kernel from x itself, the wgmma kernel
                       from x staged once as the [T, H] bf16 operand); else bf16 per slot
@@ -44,7 +47,7 @@ GEMMs, align, bf16 staging and combine are launched with programmatic dependent 
 (cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
 previous kernel's tail. W4A16, and W4A4 with static input scales: L1 writes h as the bf16 L2 operand
 (W4A4: its NVFP4 decode, bit for bit what the quantizer makes of fp32 h). W4A16 with bf16 x up to wgmma tile
-32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, 3 for one token,
+32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, 3 for one token (W4A4: 4),
 plus the one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows);
 tiles 64 and 128 stage x per slot instead.
 """
