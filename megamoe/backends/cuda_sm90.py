@@ -559,9 +559,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         """One token on the one-tile streaming kernel, without the align kernel: slot j of the grid is row j, of expert
         topk_ids[0, j] (no row when that id is dropped). W4A16: L1 gathers x's row through token0_rows; W4A4: x's row
         is quantized into row j first (a static scale: expert topk_ids[0, j]'s; the dynamic one: once for all k
-        rows), and L1 quantizes h. L1 writes h as the L2 operand and the token's
-        entry_row; L2 writes the y rows, the combine kernel sums them (the same sums and roundings as the align path:
-        bit for bit its output)."""
+        rows), and L1 quantizes h. L1 writes h as the L2 operand and the token's entry_row; L2 writes the y rows, the
+        combine kernel sums them (the same sums and roundings as the align path: bit for bit its output)."""
         ext = _ext.ext
         k = cfg.top_k
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
