@@ -34,10 +34,10 @@ fi
 # ldconfig lives in /sbin, which a user's PATH need not contain
 ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"
 if [[ ! -e "$dest/lib/libb64.so.0d" ]]; then
-  found="$("$ldconfig" -p | awk '/libb64\.so\.0d/{print $NF; exit}')"
+  found="$("$ldconfig" -p | awk '/libb64\.so\.0d/ && !n++ {print $NF}')"
   if [[ -z "$found" ]] && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
     { apt-get install -y -q libb64-0d || { apt-get update -q && apt-get install -y -q libb64-0d; }; } >/dev/null 2>&1 || true
-    found="$("$ldconfig" -p | awk '/libb64\.so\.0d/{print $NF; exit}')"
+    found="$("$ldconfig" -p | awk '/libb64\.so\.0d/ && !n++ {print $NF}')"
   fi
   [[ -n "$found" ]] || { echo "libb64.so.0d is missing: install the Debian package libb64-0d" >&2; exit 1; }
   cp -L "$found" "$dest/lib/libb64.so.0d"
