@@ -40,7 +40,7 @@ if [[ ! -e "$dest/lib/libb64.so.0d" ]]; then
     found="$("$ldconfig" -p | awk '/libb64\.so\.0d/ && !n++ {print $NF}')"
   fi
   [[ -n "$found" ]] || { echo "libb64.so.0d is missing: install the Debian package libb64-0d" >&2; exit 1; }
-  cp -L "$found" "$dest/lib/libb64.so.0d"
+  mkdir -p "$dest/lib" && cp -L "$found" "$dest/lib/libb64.so.0d"
 fi
 cat >"$venv/bin/perf_analyzer" <<'W'
 #!/usr/bin/env bash
