@@ -48,8 +48,9 @@ build_wheel() {
 
 install_wheel() {
   local wheels="$1" venv="$2"
-  local wheel
-  wheel="$(ls "$wheels"/megamoe-*.whl | head -n 1)"
+  local built=("$wheels"/megamoe-*.whl)
+  local wheel="${built[0]}"
+  [[ -e "$wheel" ]] || { echo "no megamoe wheel in $wheels" >&2; exit 1; }
   "$python" -m venv "$venv"
   if [[ "$mode" == cpu ]]; then
     # CI reuses the torch (and the rest) of the environment running this script, seen
