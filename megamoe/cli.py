@@ -107,6 +107,12 @@ def _cmd_serve(argv: list[str]) -> int:
     return service.main(argv)
 
 
+def _version() -> str:
+    from megamoe import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megamoe", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -117,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  megamoe selftest --backend auto --level full  kernel health checks (docs/SPEC.md §5)\n"
                "  megamoe synth --preset tiny --out tiny.safetensors\n"
                "  megamoe serve --help                          the HTTP service (KServe v2) and its settings")
+    p.add_argument("--version", action="version", version=f"megamoe {_version()}",
+                   help="print megamoe's version and exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     inf = sub.add_parser("info", help="show the build, the GPU and the backends available here; with "
@@ -142,8 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run against a deliberately broken scale layout, to see the checks catch it")
 
     sy = sub.add_parser("synth", help="write a synthetic NVFP4 checkpoint of a preset",
-                        description="Write a ModelOpt-format NVFP4 MoE checkpoint with random weights "
-                                    "(outliers, per-expert global scales, gate/up scales that differ).")
+                        description="Write one synthetic NVFP4 MoE layer with random weights (outliers, per-expert "
+                                    "global scales, gate/up scales that differ) as one .safetensors file in "
+                                    "megamoe's own format: the packed NVFP4 tensors under the fused ModelOpt "
+                                    "tensor names (w13_weight, w13_weight_scale, ...), the layer's config in the "
+                                    "file's metadata. megamoe's loader, megamoe serve --checkpoint and "
+                                    "megamoe info --checkpoint read it; it is not a ModelOpt export (no "
+                                    "config.json or hf_quant_config.json).")
     sy.add_argument("--preset", default="tiny", help="tiny, small, v4-flash or v3 (default: tiny)")
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--out", required=True, help="output .safetensors path")

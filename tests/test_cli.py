@@ -56,3 +56,22 @@ def test_top_level_help_is_plain_text():
     for markup in ("``", ":func:", ":class:", "`"):
         assert markup not in out, markup
     assert "docs/SPEC.md §5" in run("selftest", "--help").stdout
+
+
+def test_version_is_the_package_version():
+    import megamoe
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"megamoe {megamoe.__version__}"
+
+
+def test_synth_help_names_the_format_it_writes(tmp_path):
+    from megamoe import checkpoint
+
+    text = " ".join(run("synth", "--help").stdout.split())
+    assert "megamoe's own format" in text and "not a ModelOpt export" in text
+    assert "ModelOpt-format" not in text
+    out = tmp_path / "t.safetensors"
+    assert run("synth", "--preset", "tiny", "--quiet", "--out", str(out)).returncode == 0
+    assert checkpoint.load(out).report.format == "megamoe"  # what the help says it writes
