@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv/ with megamoe, its service and test extras, on a fresh machine.
-#  - torch: the CPU build 2.13.0 unless the environment already has a torch.
+#  - torch 2.13.0 unless the environment already has a torch, from pip's configured index; where that
+#    index serves the CUDA build (PyPI on Linux x86-64: the CUDA wheel and several GB of NVIDIA
+#    libraries), MEGAMOE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU-only one.
 #  - CUDA kernels: compiled when nvcc is found (MEGAMOE_CUDA_ARCHS, default "90a;100a");
 #    then a compile error fails the set-up (MEGAMOE_REQUIRE_CUDA=ON). Without nvcc the
 #    package installs with the torch backend only and says so.
@@ -14,8 +16,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
-  echo "[setup] installing torch (CPU 2.13.0)"
-  python -m pip install -q "torch==2.13.0"
+  if [ -n "${MEGAMOE_TORCH_INDEX_URL:-}" ]; then
+    echo "[setup] installing torch 2.13.0 from $MEGAMOE_TORCH_INDEX_URL"
+    python -m pip install -q --index-url "$MEGAMOE_TORCH_INDEX_URL" "torch==2.13.0"
+  else
+    echo "[setup] installing torch 2.13.0 from pip's index (CPU-only build: MEGAMOE_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu)"
+    python -m pip install -q "torch==2.13.0"
+  fi
 fi
 echo "[setup] build tools"
 python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "nvidia-cutlass==4.2.0.0" "cmake>=3.28" ninja
