@@ -187,7 +187,7 @@ class ServiceState:
         """The most values one request's JSON may hold: every input at the largest T, plus slack
         (some clients, perf_analyzer among them, send all the optional inputs)."""
         cfg = self.model.config
-        per_row = cfg.hidden_size + 2 * cfg.top_k + cfg.num_experts
+        per_row = cfg.hidden_size + 2 * cfg.top_k + cfg.num_experts + 1  # + 1: input_ids
         return self.settings.max_tokens_per_request * per_row + JSON_VALUES_SLACK
 
     def body_buffer(self, declared: int, header_length: int) -> memoryview:

@@ -40,8 +40,8 @@ INT_TYPES = ("INT32", "INT64")
 #: every tensor format (perf_analyzer and tritonclient refuse BF16 in JSON); the server accepts all
 #: of ``parameters.datatypes`` regardless. hidden_states and output are advertised with the
 #: hidden_datatype setting (FP32, or BF16), and every answer is in the dtype of hidden_states.
-ADVERTISED = {"topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32"}
-INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits")
+ADVERTISED = {"topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32", "input_ids": "INT32"}
+INPUT_NAMES = ("hidden_states", "topk_ids", "topk_weights", "router_logits", "input_ids")
 OUTPUT_NAME = "output"
 
 
@@ -56,6 +56,8 @@ class ModelRequest:
     router_logits: torch.Tensor | None = None
     #: hidden_states is checked for NaN/Inf on the device after its copy there (see launch_batch)
     finite_on_device: bool = False
+    #: [T] int64 token ids, kept only where the layer routes by them (hash routing, own router or logits)
+    input_ids: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -64,7 +66,7 @@ class ModelRequest:
     @property
     def batch_key(self) -> tuple:
         """Requests batch together only when one forward call can serve them all."""
-        return (self.hidden_states.dtype, self.mode)
+        return (self.hidden_states.dtype, self.mode, self.input_ids is not None)
 
 
 def resolve_backend(spec: str):
@@ -123,6 +125,9 @@ class ServedModel:
         # would cost a device sync per batch, so it is skipped where the layer allows it
         params = inspect.signature(layer.forward).parameters
         self._forward_kwargs = {"validate": False} if "validate" in params else {}
+        #: the layer's forward takes token ids (``input_ids``); a hash-routed layer needs them to route
+        self.takes_input_ids = "input_ids" in params
+        self.needs_input_ids = self.takes_input_ids and bool(getattr(layer, "needs_input_ids", False))
         self._graphs: dict[tuple, _Graph | None] = {}
         self._pad_ids: dict[int, torch.Tensor] = {}
         self._pinned = PinnedPool()
@@ -160,6 +165,10 @@ class ServedModel:
             ("topk_weights", ADVERTISED["topk_weights"], FLOAT_TYPES, cfg.top_k, True),
             ("router_logits", ADVERTISED["router_logits"], FLOAT_TYPES, cfg.num_experts, True),
         ]
+        if self.takes_input_ids:
+            # [T] token ids: a hash-routed layer's experts are tid2eid[input_ids] (required when it routes
+            # itself, by its router or router_logits); other layers accept and ignore them
+            inputs.append(("input_ids", ADVERTISED["input_ids"], INT_TYPES, None, not self.needs_input_ids))
         return inputs, (OUTPUT_NAME, self.hidden_datatype, FLOAT_TYPES, cfg.hidden_size, False)
 
     def metadata(self) -> dict:
@@ -171,7 +180,7 @@ class ServedModel:
             "versions": [self.version],
             "platform": "megamoe",
             "inputs": [
-                {"name": name, "datatype": datatype, "shape": [-1, width],
+                {"name": name, "datatype": datatype, "shape": [-1] if width is None else [-1, width],
                  **({"optional": True} if optional else {}), "parameters": {"datatypes": list(accepted)}}
                 for name, datatype, accepted, width, optional in inputs
             ],
@@ -187,6 +196,7 @@ class ServedModel:
                 "num_experts": experts,
                 "top_k": top_k,
                 "has_router": self.has_router,
+                "hash_routing": self.needs_input_ids,
                 "max_tokens_per_request": self.max_tokens_per_request,
                 "torch_threads": self.torch_threads,
             },
@@ -202,7 +212,8 @@ class ServedModel:
         inputs, output = self._tensors()
 
         def tensor(name, datatype, width, optional=None):
-            entry = {"name": name, "data_type": f"TYPE_{datatype}", "format": "FORMAT_NONE", "dims": [-1, width],
+            entry = {"name": name, "data_type": f"TYPE_{datatype}", "format": "FORMAT_NONE",
+                     "dims": [-1] if width is None else [-1, width],
                      "is_shape_tensor": False}
             if optional is not None:
                 entry.update(allow_ragged_batch=False, optional=optional)
@@ -229,6 +240,7 @@ class ServedModel:
                 "max_batch_tokens": max_batch_tokens, "queue_delay_ms": queue_delay_ms,
                 "accepted_float_datatypes": ",".join(FLOAT_TYPES), "accepted_int_datatypes": ",".join(INT_TYPES),
                 "routing": "topk_ids + topk_weights if given, else router_logits if given, else the layer's router",
+                "hash_routing": self.needs_input_ids,
             }.items()},
         }
 
@@ -260,6 +272,7 @@ class ServedModel:
         # Routing, all inputs optional: topk_ids + topk_weights if given, else router_logits if
         # given, else the layer's router. Every input sent is checked, also one that routing then
         # does not use (Triton's tools send every optional input, e.g. perf_analyzer --input-data zero).
+        token_ids = self._token_ids(inputs, datatypes, tokens)
         has_ids, has_weights, has_logits = ("topk_ids" in inputs), ("topk_weights" in inputs), ("router_logits" in inputs)
         if has_ids != has_weights:
             raise ProtocolError("topk_ids and topk_weights go together: send both or neither")
@@ -287,11 +300,37 @@ class ServedModel:
             _expect_finite("topk_weights", weights)
             return ModelRequest(hidden, "topk", topk_ids=ids.to(torch.int32), topk_weights=weights.float(),
                                 finite_on_device=on_device)
+        if self.needs_input_ids and token_ids is None:
+            raise ProtocolError("input 'input_ids' is required: this model routes by token id (hash routing, experts = "
+                                "tid2eid[input_ids]); send input_ids [T], or topk_ids and topk_weights")
         if has_logits:
-            return ModelRequest(hidden, "logits", router_logits=logits.float(), finite_on_device=on_device)
+            return ModelRequest(hidden, "logits", router_logits=logits.float(), finite_on_device=on_device,
+                                input_ids=token_ids if self.needs_input_ids else None)
         if not self.has_router:
             raise ProtocolError("this model has no router: send topk_ids and topk_weights, or router_logits")
-        return ModelRequest(hidden, "router", finite_on_device=on_device)
+        return ModelRequest(hidden, "router", finite_on_device=on_device,
+                            input_ids=token_ids if self.needs_input_ids else None)
+
+    def _token_ids(self, inputs: dict, datatypes: dict, tokens: int) -> torch.Tensor | None:
+        """``input_ids`` checked (integers, shape [T], within the layer's vocabulary when it has a
+        tid2eid table) as int64, or None when not sent."""
+        if "input_ids" not in inputs:
+            return None
+        if not self.takes_input_ids:
+            raise ProtocolError("this model takes no input_ids (its layer's forward has no token-id input)")
+        ids = inputs["input_ids"]
+        _expect_dtype("input_ids", datatypes["input_ids"], INT_TYPES)
+        if list(ids.shape) != [tokens]:
+            raise ProtocolError(f"input_ids must have shape [{tokens}] (one token id per row of hidden_states), "
+                                f"got {list(ids.shape)}")
+        table = getattr(getattr(self.layer, "weights", None), "tid2eid", None)
+        if table is not None and tokens:
+            low, high = (int(v) for v in torch.aminmax(ids))
+            vocab = int(table.shape[0])
+            if low < 0 or high >= vocab:
+                raise ProtocolError(f"input_ids out of range: {low if low < 0 else high} (the model's token ids are "
+                                    f"0..{vocab - 1})")
+        return ids.to(torch.int64)
 
     # --- the batched forward -------------------------------------------------------
     #
@@ -310,7 +349,9 @@ class ServedModel:
         sizes = [r.tokens for r in requests]
         if self.device.type != "cuda":
             with torch.inference_mode():
-                out = self.layer.forward(*self._stacked(requests), **self._forward_kwargs)
+                hidden, ids, weights, logits, token_ids = self._stacked(requests)
+                out = self.layer.forward(hidden, ids, weights, logits, **self._forward_kwargs,
+                                         **({"input_ids": token_ids} if token_ids is not None else {}))
             done = time.perf_counter()
             return _Launched(out, sizes, None, {"compute": done - started})
         return self._launch_cuda(requests, sizes, started)
@@ -342,13 +383,14 @@ class ServedModel:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         hidden = stacked("hidden_states")
-        return hidden, stacked("topk_ids"), stacked("topk_weights"), stacked("router_logits")
+        return hidden, stacked("topk_ids"), stacked("topk_weights"), stacked("router_logits"), stacked("input_ids")
 
     def _launch_cuda(self, requests: list[ModelRequest], sizes: list[int], started: float) -> "_Launched":
         tokens = sum(sizes)
         head = requests[0]
         key = (head.mode, head.hidden_states.dtype)
-        graph = self._graph_for(key, tokens)
+        # (token ids route a hash layer on the device: not captured in the bucketed graphs)
+        graph = self._graph_for(key, tokens) if head.input_ids is None else None
         rows = graph.rows if graph is not None else tokens
         names = ROUTING_INPUTS.get(head.mode, ()) + ("hidden_states",)
         # Large batches: each request's rows go to the device straight from its body (pinned host
@@ -401,9 +443,13 @@ class ServedModel:
                 graph.graph.replay()
                 out_dev = graph.output
             else:
+                extra = {}
+                if head.input_ids is not None:  # [T] int64, small: one host concat and copy
+                    token_ids = torch.cat([r.input_ids for r in requests]) if len(requests) > 1 else head.input_ids
+                    extra["input_ids"] = token_ids.to(self.device, non_blocking=False)
                 out_dev = self.layer.forward(dev["hidden_states"], topk_ids=dev.get("topk_ids"),
                                              topk_weights=dev.get("topk_weights"),
-                                             router_logits=dev.get("router_logits"), **self._forward_kwargs)
+                                             router_logits=dev.get("router_logits"), **self._forward_kwargs, **extra)
             events[2].record()
             out = torch.empty((tokens, out_dev.shape[1]), dtype=out_dev.dtype, pin_memory=True)
             out.copy_(out_dev[:tokens], non_blocking=True)

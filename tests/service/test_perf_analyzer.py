@@ -10,6 +10,7 @@ under ``sys.prefix``, so a PATH without the venv's bin folder is fine.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def zero_shapes(layer, tokens: int) -> list[str]:
     cfg = layer.config
     widths = {"hidden_states": cfg.hidden_size, "topk_ids": cfg.top_k, "topk_weights": cfg.top_k,
               "router_logits": cfg.num_experts}
-    return [a for name, width in widths.items() for a in ("--shape", f"{name}:{tokens},{width}")]
+    shapes = [a for name, width in widths.items() for a in ("--shape", f"{name}:{tokens},{width}")]
+    if "input_ids" in inspect.signature(layer.forward).parameters:  # advertised, [T]: token 0 is a valid id
+        shapes += ["--shape", f"input_ids:{tokens}"]
+    return shapes
 
 
 def test_config_route_is_triton_model_configuration(server, layer):
@@ -174,6 +178,7 @@ def test_bf16_hidden_datatype_is_advertised_and_sent_by_perf_analyzer(perf_analy
     runs: half the bytes of FP32 each way."""
     _, metadata = bf16_server.get(f"/v2/models/{PRESET}")
     types = {i["name"]: i["datatype"] for i in metadata["inputs"]}
+    types.pop("input_ids", None)  # INT32 where the layer takes token ids (test_service_input_ids.py)
     assert types == {"hidden_states": "BF16", "topk_ids": "INT32", "topk_weights": "FP32", "router_logits": "FP32"}
     assert metadata["outputs"][0]["datatype"] == "BF16"
     _, config = bf16_server.get(f"/v2/models/{PRESET}/config")

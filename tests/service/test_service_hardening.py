@@ -31,50 +31,11 @@ from megamoe.service.protocol import ProtocolError, parse_header_length, parse_i
 from megamoe.service.server import build_server
 from megamoe.service.settings import ServiceSettings
 from megamoe_test_backends import SlowDeviceCallsBackend
-from service_testkit import PRESET, REPO, TOKEN, free_port, random_inputs
+from service_testkit import PRESET, REPO, TOKEN, LocalServer, free_port, random_inputs
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = f"/v2/models/{PRESET}/infer"
 H, E, K = 256, 8, 2  # the tiny preset (checked in served_layer)
-
-
-class LocalServer:
-    """The service's server on a thread of this process (see the module doc)."""
-
-    def __init__(self, layer, **overrides):
-        fields = dict(host="127.0.0.1", port=free_port(), preset=PRESET, backend="torch", selftest_level="off",
-                      log_level="warning", max_tokens_per_request=64, queue_delay_ms=2.0)
-        fields.update(overrides)
-        self.settings = ServiceSettings(**fields)
-        self.server = build_server(self.settings, layer=layer)
-        self.state = self.server.service_state
-        self.port = self.settings.port
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.run, name="local-server", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server.started and self.state.batcher is not None):
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise AssertionError("the local server did not start")
-            time.sleep(0.02)
-
-    def sigterm(self) -> None:
-        self.server.handle_exit(signal.SIGTERM, None)
-
-    def stop(self, timeout_s: float = 60) -> None:
-        if self.thread.is_alive():
-            self.sigterm()
-            self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the local server did not stop"
-
-    def metric(self, name: str, **labels) -> float:
-        text = self.state.metrics.render().decode()
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
 
 
 @pytest.fixture(scope="module")
