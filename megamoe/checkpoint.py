@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from megamoe import nvfp4
+from megamoe import nvfp4, reference
 from megamoe.presets import MoEConfig, get_preset
 from megamoe.routing import UnknownArchitecture, architecture_routing
 from megamoe.weights import MoEWeights
@@ -123,6 +123,10 @@ def _amax_scale(x: torch.Tensor) -> torch.Tensor:
     return nvfp4.default_global_scale(x)
 
 
+#: Token ids in a synthetic hash-routed layer's ``tid2eid`` table.
+SYNTHETIC_VOCAB = 4096
+
+
 def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool = False,
                       static_input_scales: bool = True) -> MoEWeights:
     """Realistic random NVFP4 weights for ``cfg``.
@@ -165,16 +169,21 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
         xc = _with_outliers((calib_tokens, h), 1.0, gen, device, frac=1e-3, lo=3.0, hi=8.0)
         in1[ex] = _amax_scale(xc)
         gu = nvfp4.dequantize(nvfp4.quantize(xc, in1[ex])) @ nvfp4.dequantize(q13).T
-        hmid = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        hmid = reference.swiglu(gu, i, cfg.swiglu_limit)
         in2[ex] = _amax_scale(hmid)
 
     router = (torch.randn((e, h), generator=gen, device=device) * h ** -0.5).to(torch.bfloat16)
-    bias = (torch.randn((e,), generator=gen, device=device) * 0.01) if cfg.scoring == "sigmoid" else None
+    bias = (torch.randn((e,), generator=gen, device=device) * 0.01) if cfg.scoring != "softmax" else None
     shared_gu = shared_down = None
     if cfg.n_shared_experts:
         is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
         shared_gu = (torch.randn((2 * is_, h), generator=gen, device=device) * h ** -0.5).to(torch.bfloat16)
         shared_down = (torch.randn((h, is_), generator=gen, device=device) * is_ ** -0.5).to(torch.bfloat16)
+    tid2eid = None
+    if cfg.hash_routing:
+        # a token-id table of SYNTHETIC_VOCAB ids, each with top_k distinct experts (drawn last, so
+        # the other weights of a seed are those of the same config without hash routing)
+        tid2eid = torch.rand((SYNTHETIC_VOCAB, e), generator=gen, device=device).argsort(dim=1)[:, :cfg.top_k]
     return MoEWeights(
         w13=nvfp4.NVFP4Tensor(w13_data, w13_scale, w13_gs),
         w2=nvfp4.NVFP4Tensor(w2_data, w2_scale, w2_gs),
@@ -184,6 +193,7 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
         router_bias=bias,
         shared_gate_up=shared_gu,
         shared_down=shared_down,
+        tid2eid=tid2eid,
     )
 
 
@@ -208,6 +218,7 @@ def save(path, weights: MoEWeights, cfg: MoEConfig) -> Path:
         "w2_input_scale": weights.w2_input_scale,
         "gate.weight": weights.router_weight,
         "gate.e_score_correction_bias": weights.router_bias,
+        "gate.tid2eid": weights.tid2eid,
         "shared_experts.gate_up_proj.weight": weights.shared_gate_up,
         "shared_experts.down_proj.weight": weights.shared_down,
     }
@@ -822,6 +833,7 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     input scales come along).
     """
     out = {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
+           "tid2eid": get_optional("gate.tid2eid"),
            "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
            "shared_kind": "none", "shared_report": None}
     has = getattr(get_optional, "has", None)
@@ -857,7 +869,8 @@ def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
         down = None if down is None else down.to(torch.bfloat16)
     return MoEWeights(
         w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
-        router_bias=None if bias is None else bias.float(), shared_gate_up=gu, shared_down=down, **kw,
+        router_bias=None if bias is None else bias.float(), shared_gate_up=gu, shared_down=down,
+        tid2eid=None if dense.get("tid2eid") is None else dense["tid2eid"].long(), **kw,
     )
 
 

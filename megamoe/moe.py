@@ -10,7 +10,8 @@ import torch
 from megamoe import checkpoint, nvfp4, reference
 from megamoe.backends import Backend, get_backend
 from megamoe.presets import MoEConfig, get_preset
-from megamoe.routing import route
+from megamoe.invariant import matmul_rows
+from megamoe.routing import hash_expert_ids, route
 from megamoe.weights import MoEWeights
 
 __all__ = ["MoEWeights", "MoELayer", "MoEConfig"]
@@ -63,26 +64,40 @@ class MoELayer:
         return layer
 
     # ------------------------------------------------------------------ routing
-    def route(self, hidden_states=None, router_logits=None):
-        """``(topk_weights f32 [T,k], topk_ids i32 [T,k])`` from logits, or from the layer's router."""
+    @property
+    def needs_input_ids(self) -> bool:
+        """True when the layer routes by token id (hash routing): its own router then needs the
+        rows' ``input_ids``."""
+        return bool(self.config.hash_routing)
+
+    def route(self, hidden_states=None, router_logits=None, input_ids=None):
+        """``(topk_weights f32 [T,k], topk_ids i32 [T,k])`` from logits, or from the layer's router.
+
+        A hash-routed layer takes its experts from ``tid2eid[input_ids]`` (``input_ids`` int
+        ``[T]`` required, else :class:`megamoe.routing.InputIdsRequired`) and their weights
+        from the scores. The router GEMM is float32 and batch-invariant
+        (:func:`megamoe.invariant.matmul_rows`); ties go to the lowest expert id.
+        """
         cfg = self.config
+        expert_ids = hash_expert_ids(self.weights.tid2eid, input_ids) if cfg.hash_routing else None
         if router_logits is None:
             if self.weights.router_weight is None:
                 raise ValueError("this layer has no router weight: pass topk_ids/topk_weights or router_logits")
-            router_logits = hidden_states.float() @ self._float32("router_weight").T
+            router_logits = matmul_rows(hidden_states.float(), self._float32("router_weight"))
         if router_logits.shape[-1] != cfg.num_experts or router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         return route(router_logits, cfg.top_k, cfg.scoring, self.weights.router_bias, cfg.n_group,
-                     cfg.topk_group, cfg.renormalize, cfg.routed_scaling_factor)
+                     cfg.topk_group, cfg.renormalize, cfg.routed_scaling_factor, expert_ids=expert_ids)
 
-    def _routing(self, x, topk_ids, topk_weights, router_logits):
+    def _routing(self, x, topk_ids, topk_weights, router_logits, input_ids=None):
         """``(topk_ids int32, topk_weights float32)`` on the layer's device: the given ones, or routed."""
         if topk_ids is None:
-            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device))
+            topk_weights, topk_ids = self.route(x, None if router_logits is None else router_logits.to(self.device),
+                                                input_ids)
             return topk_ids, topk_weights
         return topk_ids.to(self.device, torch.int32), topk_weights.to(self.device, torch.float32)
 
-    def _check_inputs(self, x, topk_ids, topk_weights, router_logits):
+    def _check_inputs(self, x, topk_ids, topk_weights, router_logits, input_ids=None):
         cfg = self.config
         if not torch.is_tensor(x) or x.dim() != 2 or x.shape[1] != cfg.hidden_size:
             shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
@@ -103,11 +118,14 @@ class MoELayer:
                                  f"min {int(topk_ids.min())}, max {int(topk_ids.max())}")
         if router_logits is not None and tuple(router_logits.shape) != (t, cfg.num_experts):
             raise ValueError(f"router_logits must be [{t}, {cfg.num_experts}], got {tuple(router_logits.shape)}")
+        if input_ids is not None and (not torch.is_tensor(input_ids) or tuple(input_ids.shape) != (t,)):
+            shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be [{t}] (one token id per row), got {shape}")
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None, router_logits: torch.Tensor | None = None,
-                validate: bool = True) -> torch.Tensor:
+                validate: bool = True, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """MoE forward (docs/SPEC.md §3).
 
         Args:
@@ -118,14 +136,19 @@ class MoELayer:
                 check costs a device sync; pass False inside CUDA-graph capture). Unvalidated,
                 a top-k id outside ``[0, E)`` (the mask value -1) is a masked slot: it
                 contributes nothing (docs/SPEC.md §3.1).
+            input_ids: int ``[T]`` token ids of the rows; required when the layer routes by
+                token id (:attr:`needs_input_ids`) and routes itself, ignored otherwise.
 
         Returns:
             ``[T, H]`` in the dtype of ``hidden_states``.
+
+        Raises:
+            megamoe.routing.InputIdsRequired: a hash-routed layer without ``input_ids``.
         """
         if validate:
-            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
+            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits, input_ids)
         x = hidden_states.to(self.device)
-        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
+        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits, input_ids)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         y = self.backend.moe_forward(self._prepared, self.config, x, topk_ids, topk_weights).float()
@@ -155,15 +178,15 @@ class MoELayer:
                                    self.config.swiglu_limit)
 
     def reference_bf16(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None,
-                       router_logits=None, validate: bool = True) -> torch.Tensor:
+                       router_logits=None, validate: bool = True, input_ids=None) -> torch.Tensor:
         """The yardstick of docs/SPEC.md §3: the same forward (:mod:`megamoe.reference`) with
         dequantized weights and no activation quantization, computed in float32. Returns
         float32 ``[T, H]``. Arguments as for :meth:`forward`."""
         if validate:
-            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
+            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits, input_ids)
         cfg, w = self.config, self.weights
         x = hidden_states.to(self.device).float()
-        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
+        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits, input_ids)
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # (the experts may sit in host memory)
             return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e].to(self.device)),

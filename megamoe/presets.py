@@ -10,7 +10,9 @@ class MoEConfig:
 
     Attributes:
         hidden_size: H.  intermediate_size: I (per expert).  num_experts: E.  top_k: k.
-        scoring: "softmax" or "sigmoid" router scores.
+        scoring: "softmax", "sigmoid" or "sqrtsoftplus" (``sqrt(softplus(logits))``) router scores.
+        hash_routing: the experts are ``tid2eid[input_ids]`` (a frozen token-id table, DeepSeek-V4's
+            ``hash_moe`` layers) instead of the top-k of the scores; the scores still give the weights.
         n_group / topk_group: group-limited routing (None: off).
         renormalize: renormalise the chosen weights.  routed_scaling_factor: final weight scale.
         n_shared_experts / shared_intermediate_size: dense SwiGLU expert added to every token.
@@ -25,6 +27,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     scoring: str = "softmax"
+    hash_routing: bool = False
     n_group: int | None = None
     topk_group: int | None = None
     renormalize: bool = True
@@ -44,8 +47,12 @@ class MoEConfig:
             raise ValueError(f"need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
         if self.act_mode not in ("w4a4", "w4a16"):
             raise ValueError(f"act_mode={self.act_mode!r}: expected 'w4a4' or 'w4a16'")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"scoring={self.scoring!r}: expected 'softmax' or 'sigmoid'")
+        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"scoring={self.scoring!r}: expected 'softmax', 'sigmoid' or 'sqrtsoftplus'")
+        if self.hash_routing and self.n_group and self.n_group > 1:
+            raise ValueError("hash_routing chooses the experts from a table: n_group does not apply")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit}: expected a positive limit or None")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,8 +69,11 @@ class MoEConfig:
 PRESETS: dict[str, MoEConfig] = {
     "tiny": MoEConfig(256, 128, 8, 2),
     "small": MoEConfig(1024, 512, 32, 4),
-    # DeepSeek-V4-Flash MoE shape: sigmoid scores with a correction bias.
-    "v4-flash": MoEConfig(4096, 2048, 256, 6, scoring="sigmoid", routed_scaling_factor=1.5),
+    # DeepSeek-V4-Flash's MoE (a top-k `moe` layer): sqrt(softplus) scores with a correction bias,
+    # SwiGLU clamped at 10, one shared expert of width 2048. Its `hash_moe` layers are the same
+    # with hash_routing=True.
+    "v4-flash": MoEConfig(4096, 2048, 256, 6, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                          n_shared_experts=1, shared_intermediate_size=2048, swiglu_limit=10.0),
     "v3": MoEConfig(7168, 2048, 256, 8, scoring="sigmoid", n_group=8, topk_group=4,
                     routed_scaling_factor=2.5, n_shared_experts=1, shared_intermediate_size=2048),
 }

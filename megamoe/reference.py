@@ -12,6 +12,9 @@ The NVFP4 format's own math (quantize, dequantize, scale-factor layout) is
   weighted contributions, expert by expert in ascending id order;
 * :func:`dense_mlp`: the shared expert (dense, unquantized).
 
+Every GEMM here is :func:`megamoe.invariant.matmul_rows`, so a row's result does not depend on
+the other rows of its batch (docs/SPEC.md §3.5).
+
 The torch backend (:mod:`megamoe.backends.torch_ref`) runs :func:`routed_experts` with
 quantized activations; :meth:`megamoe.moe.MoELayer.reference_bf16` runs it on decoded
 weights without activation quantization; the layer's shared expert is :func:`dense_mlp`.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe import nvfp4
+from megamoe.invariant import matmul_rows
 
 __all__ = ["row_global_scales", "activation_to_gemm_input", "swiglu", "expert_mlp", "valid_slots",
            "routed_experts", "dense_mlp"]
@@ -72,10 +76,10 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: t
     """
     dtype = w13.dtype
     a1 = activation_to_gemm_input(x, cfg, in1, dtype) if quantize_activations else x.to(dtype)
-    hmid = swiglu(a1 @ w13.T, w2.shape[1], cfg.swiglu_limit)
+    hmid = swiglu(matmul_rows(a1, w13), w2.shape[1], cfg.swiglu_limit)
     # the second activation is quantized from float32, as a kernel's epilogue holds it
     a2 = activation_to_gemm_input(hmid.float(), cfg, in2, dtype) if quantize_activations else hmid
-    return a2 @ w2.T
+    return matmul_rows(a2, w2)
 
 
 def valid_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -128,5 +132,5 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None) -> torch.Tensor:
     """The shared expert: ``swiglu(x @ gate_up.T) @ down.T`` in the dtype of the weights
     (``gate_up`` ``[2Is, H]``, ``down`` ``[H, Is]``)."""
-    gu = x.to(gate_up.dtype) @ gate_up.T
-    return swiglu(gu, down.shape[1], limit) @ down.T
+    gu = matmul_rows(x.to(gate_up.dtype), gate_up)
+    return matmul_rows(swiglu(gu, down.shape[1], limit), down)

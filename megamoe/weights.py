@@ -32,6 +32,8 @@ class MoEWeights:
             scales of a shared expert stored in NVFP4 (then ``shared_gate_up`` and
             ``shared_down`` are :class:`~megamoe.nvfp4.NVFP4Tensor`, gate/up global scale
             ``[2]``), or None (docs/SPEC.md §3.4).
+        tid2eid: int64 ``[vocab, k]`` the experts of each token id in a hash-routed layer
+            (DeepSeek-V4 ``hash_moe``), or None.
     """
 
     w13: nvfp4.NVFP4Tensor
@@ -44,6 +46,7 @@ class MoEWeights:
     shared_down: torch.Tensor | None = None
     shared_gate_up_input_scale: torch.Tensor | None = None
     shared_down_input_scale: torch.Tensor | None = None
+    tid2eid: torch.Tensor | None = None
 
     def to(self, device, routed_device=None) -> "MoEWeights":
         """Every tensor on ``device``; the routed experts (``w13``, ``w2``) on ``routed_device``
@@ -79,7 +82,7 @@ class MoEWeights:
             router_weight=self.router_weight, router_bias=self.router_bias,
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
             shared_gate_up_input_scale=self.shared_gate_up_input_scale,
-            shared_down_input_scale=self.shared_down_input_scale,
+            shared_down_input_scale=self.shared_down_input_scale, tid2eid=self.tid2eid,
         )
 
     def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
@@ -110,6 +113,18 @@ class MoEWeights:
             is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
             want["shared_experts.gate_up_proj.weight"] = (self.shared_gate_up, (2 * is_, h), None)
             want["shared_experts.down_proj.weight"] = (self.shared_down, (h, is_), None)
+        if cfg.hash_routing:
+            if self.tid2eid is None:
+                raise ValueError("gate.tid2eid: missing (the config routes by token id: hash_routing=True)")
+            if self.tid2eid.dim() != 2 or self.tid2eid.shape[1] != cfg.top_k:
+                raise ValueError(f"gate.tid2eid: shape {tuple(self.tid2eid.shape)}, expected [vocab, {cfg.top_k}]")
+            if torch.is_floating_point(self.tid2eid) or self.tid2eid.dtype == torch.bool:
+                raise ValueError(f"gate.tid2eid: dtype {self.tid2eid.dtype}, expected an integer type")
+            if self.tid2eid.numel() and (int(self.tid2eid.min()) < 0 or int(self.tid2eid.max()) >= e_all):
+                raise ValueError(f"gate.tid2eid: expert ids outside [0, {e_all}): min {int(self.tid2eid.min())}, "
+                                 f"max {int(self.tid2eid.max())}")
+        elif self.tid2eid is not None:
+            raise ValueError("gate.tid2eid: present, but the config does not route by token id (hash_routing=False)")
         for name, (t, shape, dtype) in want.items():
             if t is None:
                 raise ValueError(f"{name}: missing")
