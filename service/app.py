@@ -101,6 +101,8 @@ class ServiceState:
         #: an instance of several names itself in every response (which one answered)
         self.instance_header = (b"megamoe-instance", str(instance).encode()) if instance is not None else None
         self.model_name = settings.served_model_name()
+        token = settings.token_value()
+        self.token_bytes = token.encode("ascii") if token is not None else None
         # one device thread: forwards and self-test calls never overlap on the device
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megamoe-device")
         self.preloaded_layer = layer
@@ -181,6 +183,24 @@ class ServiceState:
         if not self.draining:
             self.draining = True
             self.shutdown_deadline = time.monotonic() + self.settings.graceful_shutdown_s
+
+    def authorized(self, authorization: bytes | None) -> bool:
+        """Whether an ``Authorization`` header's raw bytes carry the bearer token (always, without one)."""
+        if self.token_bytes is None:
+            return True
+        scheme, _, given = (authorization or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.token_bytes)
+
+    def admits_body(self, path: str, authorization: bytes | None) -> bool:
+        """Whether a request's body may be given a buffer before the app reads it: it is bound for
+        this model's infer route, with the token. Any other request is answered (404, 401) before
+        anything is reserved for its body, which is discarded as it arrives."""
+        if self.model is None:
+            return False
+        prefix = f"/v2/models/{self.model_name}/"
+        if path not in (prefix + "infer", f"{prefix}versions/{ServedModel.version}/infer"):
+            return False
+        return self.authorized(authorization)
 
     @property
     def json_value_limit(self) -> int:
@@ -466,7 +486,6 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
     state = ServiceState(settings, layer, instance)
     metrics = state.metrics
     token = settings.token_value()
-    token_bytes = token.encode("ascii") if token is not None else None
 
     async def startup() -> None:
         loop = asyncio.get_running_loop()
@@ -561,11 +580,8 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
         return _error(400, f"invalid request: {exc.errors()}")
 
     def authorized(request: Request) -> bool:
-        if token_bytes is None:
-            return True
         # the header's raw bytes (Starlette decodes headers as latin-1): no re-encoding guesses
-        scheme, _, given = request.headers.get("authorization", "").encode("latin-1").partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), token_bytes)
+        return state.authorized(request.headers.get("authorization", "").encode("latin-1"))
 
     def unauthorized() -> JSONResponse:
         return _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})

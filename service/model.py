@@ -559,6 +559,13 @@ def _pinned_block(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
+def _release_pinned() -> None:
+    """Give torch's cached, unused pinned host blocks back to the system (torch keeps them otherwise)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 class _Lease(np.ndarray):
     """A view of a pooled block (see PinnedPool.take)."""
 
@@ -570,24 +577,44 @@ class PinnedPool:
     are gone. Taken from the event loop (request bodies) and the device thread (staging)."""
 
     MIN_BYTES = 64 * 1024
+    #: free blocks kept for reuse, in bytes at most: a block given back beyond it is released
+    MAX_POOLED_BYTES = 1 << 30
 
-    def __init__(self, allocate=None) -> None:
-        """``allocate(nbytes)``: a new block as a uint8 numpy array (default: pinned host memory)."""
+    def __init__(self, allocate=None, max_pooled_bytes: int | None = None, release=None) -> None:
+        """``allocate(nbytes)``: a new block as a uint8 numpy array (default: pinned host memory);
+        ``release()``: called after a block was let go (default: torch's host cache emptied, so that
+        pinned memory goes back to the system)."""
         self._free: dict[int, list] = {}
         self._allocate = allocate or _pinned_block
+        self._release = release if release is not None else (_release_pinned if allocate is None else None)
+        self.max_pooled_bytes = self.MAX_POOLED_BYTES if max_pooled_bytes is None else max_pooled_bytes
+        self._pooled = 0
+        self._released = False
 
     def take(self, nbytes: int) -> np.ndarray:
         size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
         free = self._free.setdefault(size, [])
+        if self._released and self._release is not None:
+            self._released = False
+            self._release()  # the blocks let go since the last call: back to the system
         try:
             block = free.pop()
         except IndexError:
             block = self._allocate(size)
+        else:
+            self._pooled -= size
         # a subclass view: numpy points every view made from it at it (not past it, at the block),
         # so it lives exactly as long as anything that uses its memory
         view = block[:nbytes].view(_Lease)
-        weakref.finalize(view, free.append, block)
+        weakref.finalize(view, self._give_back, size, block)
         return view
+
+    def _give_back(self, size: int, block) -> None:
+        if self._pooled + size <= self.max_pooled_bytes:
+            self._free[size].append(block)
+            self._pooled += size
+            return
+        self._released = True  # beyond the cap: let go (pinned memory is locked memory), returned at the next take
 
     @property
     def pooled_bytes(self) -> int:

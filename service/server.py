@@ -67,8 +67,10 @@ class _ServiceProtocol:
 
     head_timeout_s: float
     body_timeout_s: float
+    write_timeout_s: float
     state = None  # ServiceState: counts the requests that are not even HTTP
     _head_timer = None
+    _write_timer = None
     _draining = False
 
     def connection_made(self, transport) -> None:
@@ -100,10 +102,28 @@ class _ServiceProtocol:
         if self._reading_unanswered() and not self.transport.is_closing():
             self.transport.close()
 
+    def pause_writing(self) -> None:
+        # the client is not reading what it is sent: it has write_timeout_s to start again
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing() or self.flow.write_paused:
+            self.transport.abort()  # what it has not read is dropped, and the response's buffers with it
+
     def connection_lost(self, exc) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        for timer in (self._head_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._write_timer = None
         super().connection_lost(exc)
         if self.state is not None:
             self.state.connection_closed()  # an instance of several tells the parent (instances.py)
@@ -133,6 +153,7 @@ def h11_protocol_class(settings: ServiceSettings, state=None) -> type[H11Protoco
     class ServiceH11Protocol(_ServiceProtocol, H11Protocol):
         head_timeout_s = settings.timeout_request_head_s
         body_timeout_s = settings.timeout_body_s
+        write_timeout_s = settings.timeout_write_s
 
         def _head_arriving(self) -> bool:
             return self.conn.their_state is h11.IDLE
@@ -158,17 +179,43 @@ class _DirectBody:
     """A binary infer body read by the transport straight into its buffer (``recv_into``), past the
     HTTP parser: no bytes objects per chunk, no copies between them, no wake-up of the app per chunk."""
 
-    __slots__ = ("view", "filled", "_cycle", "done", "delivered")
+    __slots__ = ("view", "filled", "length", "_cycle", "done", "delivered", "plain")
 
-    def __init__(self, view: memoryview, cycle):
+    def __init__(self, view: memoryview | None, cycle, length: int | None = None, plain: bool = False):
+        """``view``: the buffer the body is read into; None: the body is discarded as it arrives
+        (``length`` bytes: a request that gets no buffer, see ServiceState.admits_body). ``plain``:
+        ``view`` is a bytearray's, delivered as that bytearray (a JSON body)."""
         # the cycle's receive holds this object: a weak reference back, so that no reference cycle
         # keeps the body's buffer (a pooled pinned block) alive until the garbage collector runs
         self.view, self.filled, self._cycle = view, 0, weakref.ref(cycle)
+        self.length = len(view) if view is not None else length
         self.done = self.delivered = False
+        self.plain = plain
+
+    def take(self, chunk) -> int:
+        """Bytes of ``chunk`` that belong to this body, stored (or discarded); returns how many."""
+        n = min(len(chunk), self.length - self.filled)
+        if self.view is not None:
+            self.view[self.filled:self.filled + n] = chunk[:n]
+        self.filled += n
+        return n
 
     @property
     def cycle(self):
         return self._cycle()
+
+
+def _content_length(headers) -> int | None:
+    """A request's one plain-decimal Content-Length, 0 without a body, None when chunked or unclear."""
+    declared = None
+    for name, value in headers:
+        if name == b"content-length":
+            if declared is not None or not value.isdigit():
+                return None
+            declared = int(value)
+        elif name == b"transfer-encoding":
+            return None
+    return declared or 0
 
 
 def _direct_length(headers, max_body_bytes: int) -> tuple[int, int] | None:
@@ -211,7 +258,9 @@ async def _direct_receive(direct: _DirectBody):
         return {"type": "http.disconnect"}
     direct.delivered = True
     view, direct.view = direct.view, None  # the app holds it from here on
-    return {"type": "http.request", "body": view, "more_body": False}
+    if view is None:  # discarded (the request was answered without its body)
+        return {"type": "http.request", "body": b"", "more_body": False}
+    return {"type": "http.request", "body": view.obj if direct.plain else view, "more_body": False}
 
 
 def httptools_protocol_class(settings: ServiceSettings, state=None):
@@ -228,6 +277,7 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
     class ServiceHttpToolsProtocol(_ServiceProtocol, HttpToolsProtocol, asyncio.BufferedProtocol):
         head_timeout_s = settings.timeout_request_head_s
         body_timeout_s = settings.timeout_body_s
+        write_timeout_s = settings.timeout_write_s
         _in_head = False
         _head_bytes = 0
         _direct: _DirectBody | None = None
@@ -237,7 +287,7 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
 
         def get_buffer(self, sizehint: int) -> memoryview:
             direct = self._direct
-            if direct is not None:
+            if direct is not None and direct.view is not None:
                 return direct.view[direct.filled:]
             if self._scratch is None:
                 self._scratch = memoryview(bytearray(READ_CHUNK))
@@ -250,15 +300,51 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
                 self.data_received(self._scratch[:nbytes])
                 return
             self._unset_keepalive_if_required()
-            direct.filled += nbytes
-            if direct.filled == len(direct.view):
+            if direct.view is not None:
+                direct.filled += nbytes
+                rest = b""
+            else:  # discarded: read into the scratch buffer, which may also hold the next request
+                taken = direct.take(self._scratch[:nbytes])
+                rest = bytes(self._scratch[taken:nbytes])
+            if direct.filled == direct.length:
                 # the parser saw the head only: a fresh one reads the next request
-                self.parser = httptools.HttpRequestParser(self)
-                try:
-                    self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
-                except AttributeError:
-                    pass
+                self._fresh_parser()
                 self._direct_done()
+            self._after_read()
+            if rest:
+                self.data_received(rest)
+
+        def _fresh_parser(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            try:
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            except AttributeError:
+                pass
+
+        def data_received(self, data) -> None:
+            # uvicorn's, but an Upgrade this server does not speak (h2c, say) is ignored (RFC 9110
+            # section 7.8): the parser stops at such a request's head, so its body is read here and the
+            # parser replaced for the next request
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+                return
+            except httptools.HttpParserUpgrade as exc:
+                rest = memoryview(data)[exc.args[0]:]
+                self._fresh_parser()
+                direct = self._direct
+                if direct is not None:
+                    rest = rest[direct.take(rest):]
+                    if direct.filled == direct.length:
+                        self._direct_done()
+                if rest:
+                    self._after_read()
+                    self.data_received(bytes(rest))
+                    return
             self._after_read()
 
         def _direct_done(self) -> None:
@@ -277,7 +363,9 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             cycle.message_event.set()
 
         def connection_lost(self, exc) -> None:
-            self._direct = None  # the buffer of a body that will not complete
+            direct, self._direct = self._direct, None
+            if direct is not None and not direct.delivered:
+                direct.view = None  # the buffer of a body that will not complete: freed now
             super().connection_lost(exc)
 
         def on_body(self, body: bytes) -> None:
@@ -286,13 +374,14 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
                 super().on_body(body)
                 return
             # the part of the body that came with the head (the parser never passes the declared length)
-            n = len(body)
-            direct.view[direct.filled:direct.filled + n] = body
-            direct.filled += n
+            direct.take(body)
 
         def on_message_complete(self) -> None:
-            if self._direct is not None:
-                self._direct_done()  # the whole body came with the head: the parser is at the next request
+            direct = self._direct
+            if direct is not None:
+                if direct.filled == direct.length:
+                    self._direct_done()  # the whole body came with the head: the parser is at the next request
+                # else an ignored Upgrade: the parser stopped at the head, data_received reads the body
                 return
             super().on_message_complete()
 
@@ -317,13 +406,32 @@ def httptools_protocol_class(settings: ServiceSettings, state=None):
             self._in_head = False
             super().on_headers_complete()
             cycle = self.cycle
-            if (self.state is None or cycle is None or cycle.scope is not self.scope
-                    or self.scope.get("method") != "POST" or not self.scope.get("path", "").endswith("/infer")):
+            if self.state is None or cycle is None or cycle.scope is not self.scope:
                 return
-            lengths = _direct_length(self.headers, settings.max_body_bytes)
-            if lengths is None:
+            upgrade = self.parser.should_upgrade()  # one this server does not speak: ignored, see data_received
+            path = self.scope.get("path", "")
+            authorization = next((v for n, v in self.headers if n == b"authorization"), None)
+            # route and token first: no request that will be refused gets a body buffer
+            admitted = self.scope.get("method") == "POST" and self.state.admits_body(path, authorization)
+            lengths = _direct_length(self.headers, settings.max_body_bytes) if admitted else None
+            if lengths is not None:
+                direct = _DirectBody(self.state.body_buffer(*lengths), cycle)
+            elif upgrade:
+                declared = _content_length(self.headers)
+                if declared is None:
+                    self.send_400_response("an Upgrade request with a body of no declared length is not served")
+                    return
+                if not declared:
+                    return  # no body: the parser's on_message_complete ends the request
+                fits = admitted and declared <= min(settings.max_body_bytes, settings.max_json_body_bytes)
+                if fits:
+                    direct = _DirectBody(memoryview(bytearray(declared)), cycle, plain=True)
+                else:  # discarded as it arrives, and the connection closed after the answer
+                    direct = _DirectBody(None, cycle, declared)
+                    cycle.keep_alive = False
+            else:
                 return
-            direct = self._direct = _DirectBody(self.state.body_buffer(*lengths), cycle)
+            self._direct = direct
             # the cycle's task has not started yet: its receive is the direct body's
             cycle.receive = functools.partial(_direct_receive, direct)
 

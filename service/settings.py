@@ -93,6 +93,10 @@ class ServiceSettings(BaseSettings):
         10.0, gt=0, description="a request line and headers must arrive within this long of their first byte, "
         "else the connection is closed",
     )
+    timeout_write_s: float = Field(
+        30.0, gt=0, description="a response the client does not read for this long (the connection's send "
+        "buffer stays full) ends the connection, freeing what the response holds",
+    )
     timeout_body_s: float = Field(
         60.0, gt=0, description="an infer request's body must arrive within this long of its headers, else 408",
     )
