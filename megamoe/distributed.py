@@ -1,4 +1,7 @@
-"""Expert parallelism (EP) for the MoE layer on ``torch.distributed``.
+"""Expert parallelism (EP) and tensor parallelism (TP) for the MoE layer on ``torch.distributed``.
+
+Expert parallelism (:class:`ExpertParallelMoE`)
+-----------------------------------------------
 
 Each of the ``W`` ranks of a process group holds ``E / W`` routed experts, a contiguous
 block: rank ``r`` owns experts ``[r*E/W, (r+1)*E/W)``. ``E % W`` must be 0.
@@ -37,10 +40,57 @@ it reads only its experts' rows of every per-expert tensor (a slice of the file'
 map, copied so the shard owns exactly its bytes); the router and the shared expert are
 read whole (replicated).
 
+Tensor parallelism (:class:`TensorParallelMoE`)
+-----------------------------------------------
+
+Every rank of a group of ``W`` holds a ``1/W`` slice of *every* expert's intermediate
+dimension: rank ``r`` holds columns ``[r*I/W, (r+1)*I/W)`` of I (:func:`intermediate_range`),
+that is the gate rows and the up rows of ``w13`` with those indices and the same columns
+of ``w2`` (``K = I/W`` of the second GEMM), with their block scales; the per-expert global
+scales and input scales are kept whole (they scale every slice alike). ``I/W`` must be a
+multiple of 16, so every slice is made of whole NVFP4 blocks (V4-Flash: I = 2048 at
+W = 8 gives 256 per rank; on cuda-sm90 a K that is a multiple of 64 runs the wgmma kernels,
+of 256 every tile). The shared expert is sliced the same way (its own width ``/ W``); the
+router, the correction bias and a hash-routing table are replicated.
+
+One forward (every rank of the group calls it with the *same* tokens):
+
+1. **route** on every rank (replicated router, the same float32 batch-invariant GEMM on
+   the same inputs: the same experts and weights on every rank; ``ep``-style dispatch is
+   not needed);
+2. **partial**: the local backend's ``moe_forward`` with the rank's slices (a layer of
+   intermediate size ``I/W``, :func:`tp_local_config`), plus the rank's slice of the shared
+   expert, as float32 ``[T, H]``. SwiGLU is elementwise in I, so a rank's slice of the
+   intermediate activation is exactly the unsharded layer's columns; the second GEMM's
+   sum over I splits into the ranks' partial sums;
+3. **sum over ranks** in a fixed order (:func:`sum_over_ranks`): a reduce-scatter by
+   ``all_to_all_single`` (rank ``q`` receives every rank's rows of chunk ``q``) summed in
+   ascending rank order in float32, then ``all_gather`` of the summed chunks. Every rank
+   ends with the same bits, run after run (an ``all_reduce`` leaves the order to the
+   collective library), with the traffic of a ring all-reduce.
+
+Against the unsharded layer only the float32 order of the second GEMM's sum differs (and,
+with bfloat16 activations on a kernel backend, each rank's partial is rounded to bfloat16,
+as the backend's output is). One approximation is inherent to W4A4 with *dynamic*
+activation scales (``dynamic_act_scale``, or no static input scales): the second GEMM's
+input is quantized with a per-row global scale from the amax of the rank's slice of the
+row, not of the whole row. With static input scales (as ModelOpt and compressed-tensors
+checkpoints store them) the quantization is the unsharded layer's, block for block.
+
+Checkpoint slicing (:func:`load_tp_shard`): each rank reads only its slice of every expert
+tensor from the safetensors files (``get_slice`` over the memory map, through
+:class:`TensorSliceCheckpoint`, a view of :class:`megamoe.checkpoint.OpenCheckpoint` that
+the unchanged loader reads): gate and up rows, down columns in whole 16-value blocks, the
+matching FP8 block-scale rows and columns; the global and input scales whole. Per-expert
+(ModelOpt, compressed-tensors) and fused (``w13_weight``, any declared gate/up order)
+layouts. Expert weights stored in a float dtype (quantized at load, with a global scale of
+the whole tensor) are refused: quantize the checkpoint first.
+
 Launch (one process per GPU, or per CPU "rank" with gloo)::
 
     torchrun --nproc-per-node 2 -m megamoe.distributed check --preset tiny --backend torch
     torchrun --nproc-per-node 8 -m megamoe.distributed check --checkpoint /ckpt --level full
+    torchrun --nproc-per-node 8 -m megamoe.distributed check --checkpoint /ckpt --tp 8 --compare
 """
 from __future__ import annotations
 
@@ -48,14 +98,15 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from megamoe import checkpoint, health, reference
+from megamoe import checkpoint, health, nvfp4, reference
 from megamoe.backends import Backend, get_backend
 from megamoe.moe import MoELayer
 from megamoe.weights import MoEWeights
@@ -69,12 +120,22 @@ __all__ = [
     "load_shard",
     "shard_weights",
     "ExpertParallelMoE",
+    "intermediate_range",
+    "tp_local_config",
+    "tp_slice_weights",
+    "TensorSliceCheckpoint",
+    "TensorShardLoadReport",
+    "TensorShardLoaded",
+    "load_tp_shard",
+    "sum_over_ranks",
+    "TensorParallelMoE",
     "run_checks_all_ranks",
     "merge_rank_reports",
     "global_rank",
 ]
 
 EP_THRESHOLD_COSINE = 0.9999  # EP dispatch/combine vs the all-reduce path (same NVFP4 weights and inputs)
+TP_THRESHOLD_COSINE = 0.9999  # TP ordered sum vs all_reduce of the same partials
 
 
 # ------------------------------------------------------------------------------------------
@@ -315,14 +376,14 @@ class ExpertParallelMoE(MoELayer):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
                 topk_weights: torch.Tensor | None = None, router_logits: torch.Tensor | None = None,
-                validate: bool = True) -> torch.Tensor:
+                validate: bool = True, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Collective MoE forward of this rank's tokens (see :meth:`MoELayer.forward` for the arguments).
 
         Every rank of the group must call it, the same number of times; ``T`` may be 0.
         Returns ``[T, H]`` in the dtype of ``hidden_states``, rows in their original order.
         """
         if validate:
-            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits)
+            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits, input_ids)
         x = hidden_states.to(self.device)
         self._mark("start")
         k = self.config.top_k
@@ -330,7 +391,7 @@ class ExpertParallelMoE(MoELayer):
             topk_ids = torch.zeros((0, k), dtype=torch.int32, device=self.device)
             topk_weights = torch.zeros((0, k), dtype=torch.float32, device=self.device)
         else:
-            topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits)
+            topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits, input_ids)
         self._mark("routed")
         y = self.routed_experts(x, topk_ids, topk_weights)
         if self.config.n_shared_experts and x.shape[0]:
@@ -437,6 +498,508 @@ class ExpertParallelMoE(MoELayer):
 
 
 # ------------------------------------------------------------------------------------------
+# tensor parallelism: partition of the intermediate dimension
+# ------------------------------------------------------------------------------------------
+
+def intermediate_range(intermediate_size: int, world_size: int, rank: int, what: str = "intermediate size"
+                       ) -> tuple[int, int]:
+    """``(start, end)`` of the intermediate columns rank ``rank`` of ``world_size`` holds.
+
+    Raises ValueError when ``intermediate_size / world_size`` is not a whole number of
+    16-value NVFP4 blocks.
+    """
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if intermediate_size % (16 * world_size):
+        per = intermediate_size / world_size
+        raise ValueError(f"tensor parallelism needs the {what} split into whole 16-value NVFP4 blocks per rank: "
+                         f"{intermediate_size} on {world_size} ranks gives {per:g} per rank, not a multiple of 16")
+    per = intermediate_size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def tp_local_config(cfg: MoEConfig, world_size: int) -> MoEConfig:
+    """The config of one rank's slice: intermediate size ``I / W`` (and the shared expert's width
+    ``/ W``); routing, activation mode and everything else as ``cfg``."""
+    _, per = intermediate_range(cfg.intermediate_size, world_size, 0)
+    kw = {"intermediate_size": per}
+    if cfg.n_shared_experts and cfg.shared_intermediate_size:
+        kw["shared_intermediate_size"] = intermediate_range(cfg.shared_intermediate_size, world_size, 0,
+                                                            "shared expert's width")[1]
+    return cfg.with_(**kw)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy that owns exactly its bytes (so the rest of the source can be freed)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _halves(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of each half of dimension ``dim`` (gate rows, then up rows)."""
+    half = t.shape[dim] // 2
+    return torch.cat([t.narrow(dim, start, end - start), t.narrow(dim, half + start, end - start)], dim=dim)
+
+
+def _columns(t: torch.Tensor, start: int, end: int, values_per_element: int) -> torch.Tensor:
+    """Columns ``[start, end)`` (in values) of the last dimension: packed E2M1 holds 2 values a
+    byte, a block scale 16."""
+    a, b = start // values_per_element, end // values_per_element
+    return _own(t[..., a:b])
+
+
+def _slice_gate_up(w, start: int, end: int, dim: int):
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return nvfp4.NVFP4Tensor(_halves(w.data, dim, start, end), _halves(w.scale, dim, start, end),
+                                 _own(w.global_scale))
+    return _halves(w, dim, start, end)
+
+
+def _slice_down(w, start: int, end: int):
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return nvfp4.NVFP4Tensor(_columns(w.data, start, end, 2), _columns(w.scale, start, end, nvfp4.BLOCK),
+                                 _own(w.global_scale))
+    return _columns(w, start, end, 1)
+
+
+def tp_slice_weights(weights: MoEWeights, rank: int, world_size: int) -> MoEWeights:
+    """Rank ``rank``'s slice (of ``world_size``) of full in-memory ``weights``, as copies: every
+    expert's gate and up rows and down columns ``[r*I/W, (r+1)*I/W)`` with their block scales,
+    the global and input scales whole; the shared expert sliced alike (its own width); router,
+    correction bias and hash table whole. Every other field is kept as it is."""
+    i = weights.w2.data.shape[-1] * 2
+    start, end = intermediate_range(i, world_size, rank)
+    kw = {"w13": _slice_gate_up(weights.w13, start, end, 1), "w2": _slice_down(weights.w2, start, end)}
+    if weights.shared_gate_up is not None:
+        sd = weights.shared_down
+        shared = sd.data.shape[-1] * 2 if isinstance(sd, nvfp4.NVFP4Tensor) else sd.shape[-1]
+        s0, s1 = intermediate_range(shared, world_size, rank, "shared expert's width")
+        kw["shared_gate_up"] = _slice_gate_up(weights.shared_gate_up, s0, s1, 0)
+        kw["shared_down"] = _slice_down(weights.shared_down, s0, s1)
+    return replace(weights, **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# tensor parallelism: each rank reads its slices from the files
+# ------------------------------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F32": torch.float32, "F64": torch.float64, "I16": torch.int16, "I32": torch.int32,
+                       "I64": torch.int64, "BOOL": torch.bool}
+
+_PROJ_TENSOR = r"(?:weight|weight_packed|weight_scale)"
+#: (pattern of a tensor's name after the layer prefix, how it is sliced, routed expert tensor?)
+_TP_SLICED = (
+    (re.compile(rf"experts\.\d+\.(?:gate_proj|up_proj|w1|w3)\.{_PROJ_TENSOR}"), "rows", True),
+    (re.compile(rf"experts\.\d+\.(?:down_proj|w2)\.{_PROJ_TENSOR}"), "columns", True),
+    (re.compile(r"w13_weight(?:_scale)?"), "halves", True),
+    (re.compile(r"w2_weight(?:_scale)?"), "columns", True),
+    (re.compile(r"experts\.(?:gate_up_proj|down_proj)"), "float-experts", True),
+    (re.compile(rf"shared_experts\.(?:gate_proj|up_proj)\.{_PROJ_TENSOR}"), "rows", False),
+    (re.compile(r"shared_experts\.gate_up_proj\.weight"), "halves", False),
+    (re.compile(rf"shared_experts\.down_proj\.{_PROJ_TENSOR}"), "columns", False),
+)
+
+
+def _tp_kind(name: str, prefix: str) -> tuple[str, bool] | None:
+    """How tensor ``name`` of the layer at ``prefix`` is sliced under TP, or None (read whole)."""
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):]
+    for pat, kind, routed in _TP_SLICED:
+        if pat.fullmatch(rest):
+            return kind, routed
+    return None
+
+
+class TensorSliceCheckpoint(checkpoint.OpenCheckpoint):
+    """One rank's view of an open checkpoint under tensor parallelism: :meth:`get` and
+    :meth:`get_rows` return only the rank's slice of every expert tensor of the layer at
+    ``prefix`` (and of its shared expert), read from the files with safetensors ``get_slice``;
+    everything else whole. :meth:`shape` gives the slice's shape. The loader
+    (:func:`megamoe.checkpoint.load_open`) reads through it unchanged.
+
+    Sliced: the gate and up rows ``[r*I/W, (r+1)*I/W)`` (``experts.{e}.{gate,up}_proj`` /
+    ``w1`` / ``w3``; in a fused ``w13_weight`` those rows of each half, or the matching
+    ``2*I/W`` contiguous rows of an interleaved one), the down columns (``down_proj`` /
+    ``w2`` / ``w2_weight``) in whole 16-value blocks, and their FP8 block scales alike.
+    Whole: global scales (``weight_scale_2``, ``weight_global_scale``), input scales, router,
+    correction bias, hash table. ``bytes_read`` counts what was read.
+
+    Args:
+        ck: the open checkpoint (:func:`megamoe.checkpoint.open_checkpoint`).
+        prefix: the MoE layer's tensor-name prefix.
+        rank, world_size: this rank of the TP group.
+        w13_layout: row order of a fused ``w13_weight`` (``megamoe.checkpoint.W13_LAYOUTS``).
+        cache: tensors read whole already (name -> tensor), returned instead of read again.
+    """
+
+    def __init__(self, ck: checkpoint.OpenCheckpoint, prefix: str, rank: int, world_size: int,
+                 w13_layout: str = "gate-up", cache: dict | None = None) -> None:
+        super().__init__(ck.path, ck._handles)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if w13_layout not in checkpoint.W13_LAYOUTS:
+            raise ValueError(f"w13_layout={w13_layout!r}: expected one of {checkpoint.W13_LAYOUTS}")
+        self.prefix, self.rank, self.world_size, self.w13_layout = prefix, rank, world_size, w13_layout
+        self._cache = {} if cache is None else cache
+
+    def sliced(self, name: str) -> bool:
+        """Whether tensor ``name`` is read as this rank's slice."""
+        return _tp_kind(name, self.prefix) is not None
+
+    def _file_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def _plan(self, name: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """``(dim, [(start, end), ...])``: the index ranges of dimension ``dim`` that make the slice
+        (two for the halves of a gate/up tensor); None: read whole."""
+        kind = _tp_kind(name, self.prefix)
+        if kind is None:
+            return None
+        kind, routed = kind
+        sl = self._file(name).get_slice(name)
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        packed = dtype == "U8"
+        if routed and not packed and not dtype.startswith("F8"):
+            raise checkpoint.CheckpointError(
+                f"{name}: expert weights stored in {dtype}: tensor parallelism reads NVFP4 expert weights only (a "
+                f"float expert is quantized at load with a global scale of the whole tensor, which one rank's "
+                f"slice does not see); quantize the checkpoint to NVFP4 first")
+        if kind == "float-experts":  # (only reached for a packed tensor under this name)
+            raise checkpoint.CheckpointError(f"{name}: dtype {dtype}: not an expert tensor megamoe reads")
+        per_value = 16 if dtype.startswith("F8") else (2 if packed else 1)
+        w = self.world_size
+        if kind == "columns":
+            dim = len(shape) - 1
+            k = shape[dim] * per_value
+            a, b = intermediate_range(k, w, self.rank, f"K of {name}")
+            return dim, [(a // per_value, b // per_value)]
+        dim = len(shape) - 2  # rows: [I, K] per expert, [E, 2I, K] fused, [2Is, K] shared
+        n = shape[dim]
+        if kind == "rows":
+            a, b = intermediate_range(n, w, self.rank, f"rows of {name}")
+            return dim, [(a, b)]
+        if n % 2:
+            raise checkpoint.CheckpointError(f"{name}: {n} rows do not split into gate and up halves")
+        a, b = intermediate_range(n // 2, w, self.rank, f"gate/up rows of {name}")
+        if self.w13_layout == "interleaved" and routed:  # [g0, u0, g1, u1, ...]: pairs a..b-1
+            return dim, [(2 * a, 2 * b)]
+        return dim, [(a, b), (n // 2 + a, n // 2 + b)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape :meth:`get` returns (this rank's slice), from the header; reads no data."""
+        shape = list(self._file_shape(name))
+        plan = self._plan(name)
+        if plan is not None:
+            dim, ranges = plan
+            shape[dim] = sum(b - a for a, b in ranges)
+        return tuple(shape)
+
+    def _read(self, name: str, lead: tuple[int, int] | None = None) -> torch.Tensor:
+        if lead is None and name in self._cache:  # (the loader may ask for a tensor twice)
+            return self._cache[name]
+        plan = self._plan(name)
+        if plan is None:
+            if lead is None:
+                self._cache[name] = super().get(name)
+                return self._cache[name]
+            return super().get_rows(name, *lead)
+        dim, ranges = plan
+        sl = self._file(name).get_slice(name)
+        ndim = len(self._file_shape(name))
+        parts = []
+        for a, b in ranges:
+            key = [slice(None)] * ndim
+            if lead is not None:
+                key[0] = slice(*lead)
+            key[dim] = slice(a, b)
+            parts.append(sl[tuple(key)])
+        t = _own(parts[0]) if len(parts) == 1 else torch.cat(parts, dim=dim)
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
+        if lead is None:
+            self._cache[name] = t
+        return t
+
+    def get(self, name: str) -> torch.Tensor:
+        """This rank's slice of an expert tensor; any other tensor whole."""
+        return self._read(name)
+
+    def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of the first dimension (an expert range), of this rank's slice."""
+        return self._read(name, (start, end))
+
+
+class _ShapesOnly(checkpoint.OpenCheckpoint):
+    """A view that reads no expert weights: every tensor TP would slice is returned as zeros of
+    its full shape and dtype (the loader then checks names, shapes, dtypes and the real global
+    and input scales); the rest is read (and cached for the sliced read that follows)."""
+
+    def __init__(self, ck: checkpoint.OpenCheckpoint, prefix: str, cache: dict) -> None:
+        super().__init__(ck.path, ck._handles)
+        self.prefix, self._cache = prefix, cache
+
+    def _zeros(self, name: str, lead: tuple[int, int] | None = None) -> torch.Tensor:
+        sl = self._file(name).get_slice(name)
+        shape = list(sl.get_shape())
+        if lead is not None:
+            shape[0] = lead[1] - lead[0]
+        return torch.zeros(shape, dtype=_SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32))
+
+    def get(self, name: str) -> torch.Tensor:
+        if _tp_kind(name, self.prefix) is not None:
+            return self._zeros(name)
+        if name not in self._cache:
+            self._cache[name] = super().get(name)
+        return self._cache[name]
+
+    def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        if _tp_kind(name, self.prefix) is not None:
+            return self._zeros(name, (start, end))
+        return super().get_rows(name, start, end)
+
+
+@dataclass
+class TensorShardLoadReport:
+    """What :func:`load_tp_shard` read: the rank's intermediate columns and the bytes of sliced
+    tensors (routed and shared experts); ``load`` is the loader's report of the layer (format,
+    choices, routing, warnings) and ``tensors`` the tensors of the sliced read."""
+
+    path: str
+    rank: int
+    world_size: int
+    intermediate_start: int
+    intermediate_end: int
+    intermediate_size: int
+    layout: str = "fused"
+    prefix: str = ""
+    sliced_bytes_read: int = 0       # bytes of sliced tensors (routed + shared experts) this rank read
+    sliced_bytes_in_file: int = 0    # bytes of those tensors in the checkpoint
+    replicated_bytes_read: int = 0   # scales, router, bias, hash table
+    tensors: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    load: checkpoint.LoadReport | None = None
+
+    def summary(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: intermediate [{self.intermediate_start}, "
+                f"{self.intermediate_end}) of {self.intermediate_size} from {self.path} ({self.layout}); read "
+                f"{self.sliced_bytes_read} of {self.sliced_bytes_in_file} expert bytes, "
+                f"{self.replicated_bytes_read} replicated bytes")
+
+
+@dataclass
+class TensorShardLoaded:
+    weights: MoEWeights   # this rank's slices; router etc. whole
+    config: MoEConfig     # the layer's (global) config
+    report: TensorShardLoadReport
+
+
+def load_tp_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) -> TensorShardLoaded:
+    """Load rank ``rank``'s slice (of ``world_size``) of every expert of one NVFP4 MoE layer.
+
+    The checkpoint loader itself (:func:`megamoe.checkpoint.load_open`, files opened once), in
+    two passes over :class:`megamoe.checkpoint.OpenCheckpoint` views: first with expert 0's
+    weights as zeros of their shape (no weight bytes read), which settles the format, the
+    layout and the layer's config with every check of :func:`megamoe.checkpoint.load`; then
+    through :class:`TensorSliceCheckpoint` with the rank's config (:func:`tp_local_config`),
+    which reads this rank's slices only. ``load_kw``: the loader's keyword arguments.
+
+    Raises:
+        ValueError: I (or the shared expert's width) not divisible into 16-value blocks per rank.
+        CheckpointError: as :func:`megamoe.checkpoint.load`; expert weights in a float dtype.
+    """
+    load_kw = dict(load_kw)
+    with checkpoint.open_checkpoint(path) as ck:
+        prefix, layout, _ = checkpoint.layer_experts(ck, load_kw.pop("layer", None), load_kw.pop("prefix", None))
+        cache: dict = {}
+        input_scales = load_kw.pop("input_scales", "per-expert")
+        shapes_only = _ShapesOnly(ck, prefix, cache)
+        first = checkpoint.load_open(shapes_only, experts=(0, 1), prefix=prefix, input_scales="per-expert", **load_kw)
+        cfg, rep = first.config, first.report
+        if rep.quantized_at_load:
+            raise checkpoint.CheckpointError(
+                f"{rep.quantized_at_load[0]}: stored in a float dtype: tensor parallelism reads NVFP4 weights only "
+                f"(a float tensor is quantized at load with a global scale of the whole tensor, which one rank's "
+                f"slice does not see); quantize the checkpoint to NVFP4 first")
+        start, end = intermediate_range(cfg.intermediate_size, world_size, rank)
+        local_cfg = tp_local_config(cfg, world_size)
+        w13_layout = rep.w13_layout if rep.w13_layout in checkpoint.W13_LAYOUTS else "gate-up"
+        view = TensorSliceCheckpoint(ck, prefix, rank, world_size, w13_layout=w13_layout, cache=cache)
+        loaded = checkpoint.load_open(view, prefix=prefix, config=local_cfg, input_scales=input_scales,
+                                      w13_layout=load_kw.get("w13_layout"), device=device, act_mode=local_cfg.act_mode)
+        sliced = [n for n in ck.names() if view.sliced(n)]
+        report = TensorShardLoadReport(
+            path=str(ck.path), rank=rank, world_size=world_size, intermediate_start=start, intermediate_end=end,
+            intermediate_size=cfg.intermediate_size, layout=layout, prefix=prefix,
+            sliced_bytes_read=sum(view.bytes_read.get(n, 0) for n in sliced),
+            sliced_bytes_in_file=sum(ck.nbytes(n) for n in sliced),
+            replicated_bytes_read=sum(b for bytes_read in (shapes_only.bytes_read, view.bytes_read)
+                                      for n, b in bytes_read.items() if not view.sliced(n)),
+            tensors=dict(loaded.report.tensors), warnings=list(rep.warnings) + list(loaded.report.warnings),
+            load=rep)
+    return TensorShardLoaded(loaded.weights, cfg, report)
+
+
+# ------------------------------------------------------------------------------------------
+# tensor parallelism: the deterministic sum and the layer
+# ------------------------------------------------------------------------------------------
+
+def sum_over_ranks(partial: torch.Tensor, group=None) -> torch.Tensor:
+    """``sum_r partial_r`` of every rank's ``[T, H]`` float32 partial, the same bits on every rank.
+
+    A reduce-scatter by ``all_to_all_single`` (rows in ``W`` chunks of ``ceil(T/W)``; rank
+    ``q`` receives every rank's chunk ``q``) summed in ascending rank order, then
+    ``all_gather`` of the summed chunks: a fixed order of additions, whatever the collective
+    library does, with the traffic of a ring all-reduce. Collective: every rank of ``group``
+    calls it with the same ``T``.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return partial
+    t, h = partial.shape
+    c = -(-t // world)
+    send = partial.new_zeros((world * c, h))
+    send[:t] = partial
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    blocks = recv.view(world, c, h)
+    acc = blocks[0].clone()
+    for q in range(1, world):  # ascending rank order
+        acc += blocks[q]
+    parts = [torch.empty_like(acc) for _ in range(world)]
+    dist.all_gather(parts, acc, group=group)
+    return torch.cat(parts)[:t]
+
+
+class TensorParallelMoE(MoELayer):
+    """An NVFP4 MoE layer whose every expert is split over the ranks of ``group`` along its
+    intermediate dimension (tensor parallelism; see the module documentation).
+
+    Same interface as :class:`MoELayer`, but ``forward`` is a *collective*: every rank of the
+    group calls it with the *same* tokens (and routing inputs) and gets the same output, the
+    ordered sum of every rank's partial (:func:`sum_over_ranks`). ``weights`` holds this
+    rank's slices (:func:`load_tp_shard` or :func:`tp_slice_weights`) and the router whole.
+
+    Args:
+        weights: this rank's slices + replicated router.
+        config: the layer's global config (``intermediate_size`` = I of the whole layer).
+        group: process group (None: the default group).
+        backend / device: the local backend, as for :class:`MoELayer`.
+    """
+
+    def __init__(self, weights: MoEWeights, config: MoEConfig, *, group=None, backend: str | Backend = "auto",
+                 device=None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TensorParallelMoE needs torch.distributed initialised (see init_distributed)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.intermediate_start, self.intermediate_end = intermediate_range(config.intermediate_size,
+                                                                            self.world_size, self.rank)
+        super().__init__(weights, config, backend=backend, device=device)
+        self.last_stats: dict = {}
+
+    def _check_weights(self, weights: MoEWeights, config: MoEConfig) -> None:
+        local = tp_local_config(config, self.world_size)
+        try:
+            weights.validate(local)
+        except ValueError as exc:
+            raise ValueError(f"rank {self.rank} of {self.world_size}: the weights are not one rank's slice of this "
+                             f"layer (I = {config.intermediate_size}, {local.intermediate_size} per rank): {exc}") from None
+
+    @property
+    def local_config(self) -> MoEConfig:
+        """What the local backend sees: intermediate size ``I / W`` (follows ``config``)."""
+        return tp_local_config(self.config, self.world_size)
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_preset(cls, preset: str, seed: int = 0, backend: str | Backend = "auto", device=None, group=None,
+                    **config_overrides) -> "TensorParallelMoE":
+        """Synthetic weights (every rank generates the same full set, keeps its slices)."""
+        cfg = get_preset(preset).with_(**config_overrides) if config_overrides else get_preset(preset)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        tp_local_config(cfg, world)  # fail before synthesizing
+        be = get_backend(backend, device=device)
+        full = checkpoint.synthetic_weights(cfg, seed=seed, device=be.device)
+        local = tp_slice_weights(full, rank, world)
+        del full
+        return cls(local, cfg, group=group, backend=be)
+
+    @classmethod
+    def from_checkpoint(cls, path, backend: str | Backend = "auto", device=None, group=None,
+                        **load_kw) -> "TensorParallelMoE":
+        """This rank's slices of a checkpoint (:func:`load_tp_shard`)."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        loaded = load_tp_shard(path, rank, world, **load_kw)
+        layer = cls(loaded.weights, loaded.config, group=group, backend=backend, device=device)
+        layer.load_report = loaded.report
+        return layer
+
+    # ------------------------------------------------------------------ forward
+    def _check_replicated(self, x: torch.Tensor) -> None:
+        """Every rank was given the same tokens (row count and two checksums); else ValueError on
+        every rank. Collective."""
+        xf = x.detach().to(self.device, torch.float64)
+        pos = torch.arange(1, xf.shape[0] + 1, dtype=torch.float64, device=self.device).unsqueeze(1)
+        mine = torch.stack([torch.tensor(float(xf.shape[0]), dtype=torch.float64, device=self.device),
+                            xf.sum(), (xf * pos).sum()])
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        differ = [q for q in range(self.world_size) if not torch.equal(every[q], every[0])]
+        if differ:
+            rows = [int(v[0]) for v in every]
+            raise ValueError(f"tensor parallelism needs the same hidden_states on every rank: ranks {differ} differ "
+                             f"from rank 0 (rows per rank: {rows})")
+
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor | None = None,
+                topk_weights: torch.Tensor | None = None, router_logits: torch.Tensor | None = None,
+                validate: bool = True, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Collective MoE forward (arguments as :meth:`MoELayer.forward`); every rank passes the same
+        inputs and returns the same ``[T, H]``, in the dtype of ``hidden_states``. ``validate`` also
+        checks, with one small collective, that every rank was given the same hidden states."""
+        if validate:
+            self._check_inputs(hidden_states, topk_ids, topk_weights, router_logits, input_ids)
+            self._check_replicated(hidden_states)
+        x = hidden_states.to(self.device)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits, input_ids)
+        y = sum_over_ranks(self.partial_forward(x, topk_ids, topk_weights), self.group)
+        self.last_stats = {"tokens": int(x.shape[0]), "rows_summed_here": -(-int(x.shape[0]) // self.world_size)}
+        return y.to(hidden_states.dtype)
+
+    __call__ = forward
+
+    def partial_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, float32 ``[T, H]``: its slices of the routed experts
+        (weighted, summed in ascending expert order by the backend) plus its slice of the shared
+        expert. No collective."""
+        y = self.backend.moe_forward(self._prepared, self.local_config, x, topk_ids, topk_weights).float()
+        if self.config.n_shared_experts:
+            y = y + self._shared_expert(x)
+        return y
+
+    def reference_bf16(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The bf16 yardstick of :meth:`MoELayer.reference_bf16` on this rank's slices, summed over
+        the ranks like :meth:`forward` (collective; every rank passes the same inputs)."""
+        partial = super().reference_bf16(hidden_states, *args, **kwargs)
+        return partial if partial.shape[0] == 0 else sum_over_ranks(partial, self.group)
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size,
+                "intermediate": [self.intermediate_start, self.intermediate_end],
+                "intermediate_size": self.config.intermediate_size, "backend": self.backend.name,
+                "device": str(self.device)}
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"TensorParallelMoE(rank {self.rank}/{self.world_size}, intermediate [{self.intermediate_start}, "
+                f"{self.intermediate_end}) of I={c.intermediate_size}, H={c.hidden_size}, E={c.num_experts}, "
+                f"k={c.top_k}, {c.act_mode}, backend={self.backend.name})")
+
+
+# ------------------------------------------------------------------------------------------
 # health: every rank runs docs/SPEC.md §5, plus one collective check of dispatch/combine
 # ------------------------------------------------------------------------------------------
 
@@ -488,6 +1051,50 @@ def check_ep_dispatch_combine(layer: ExpertParallelMoE, seed: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported as a failed check with the reason
         status, metric, detail = "fail", None, f"{type(exc).__name__}: {exc}"
     return {"name": "ep_dispatch_combine", "status": status, "metric": metric, "threshold": EP_THRESHOLD_COSINE,
+            "detail": detail, "duration_ms": round((time.perf_counter() - t0) * 1e3, 2)}
+
+
+def check_tp_partial_sum(layer: "TensorParallelMoE", seed: int) -> dict:
+    """The ordered sum over ranks against ``all_reduce`` of the same partials, on this layer's weights;
+    every rank's output bit-identical; the router's choice identical on every rank.
+
+    Every rank draws the same random tokens (37 rows) and routing. Collective: every rank
+    must run it.
+    """
+    t0 = time.perf_counter()
+    cfg, w = layer.config, layer.world_size
+    gen = torch.Generator().manual_seed(seed * 1000003 + 7)
+    t = 37
+    x = torch.randn((t, cfg.hidden_size), generator=gen).to(torch.bfloat16).to(layer.device)
+    ids = torch.rand((t, cfg.num_experts), generator=gen).argsort(dim=1)[:, : cfg.top_k].to(torch.int32)
+    tw = torch.rand((t, cfg.top_k), generator=gen) + 0.05
+    ids, tw = ids.to(layer.device), (tw / tw.sum(1, keepdim=True)).to(layer.device)
+    try:
+        out = layer.forward(x, ids, tw, validate=False).float()
+        ref = layer.partial_forward(x, ids, tw).contiguous()
+        dist.all_reduce(ref, group=layer.group)
+        outs = [torch.empty_like(out) for _ in range(w)]
+        dist.all_gather(outs, out.contiguous(), group=layer.group)
+        differ = [q for q in range(w) if not torch.equal(outs[q], outs[0])]
+        route_note, route_differ = "caller's routing (no router)", []
+        if layer.weights.router_weight is not None and not getattr(cfg, "hash_routing", False):
+            _, mine = layer.route(x)
+            mine = mine.to(torch.int32).contiguous()
+            every = [torch.empty_like(mine) for _ in range(w)]
+            dist.all_gather(every, mine, group=layer.group)
+            route_differ = [q for q in range(w) if not torch.equal(every[q], every[0])]
+            route_note = "router's choice identical on every rank" if not route_differ else \
+                f"router's choice differs from rank 0's on ranks {route_differ}"
+        c, e = health.cosine(out, ref), health.rel_err(out, ref)
+        ok = c >= TP_THRESHOLD_COSINE and not differ and not route_differ
+        status, metric = ("pass" if ok else "fail"), c
+        detail = (f"{t} tokens on {w} ranks, I {layer.intermediate_end - layer.intermediate_start} per rank; ordered "
+                  f"sum vs all_reduce: cosine {c:.7f}, rel err {e:.2e}; output "
+                  + ("bit-identical on every rank" if not differ else f"differs from rank 0's on ranks {differ}")
+                  + f"; {route_note}")
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check with the reason
+        status, metric, detail = "fail", None, f"{type(exc).__name__}: {exc}"
+    return {"name": "tp_partial_sum", "status": status, "metric": metric, "threshold": TP_THRESHOLD_COSINE,
             "detail": detail, "duration_ms": round((time.perf_counter() - t0) * 1e3, 2)}
 
 
@@ -548,10 +1155,11 @@ def merge_rank_reports(reports: list[dict]) -> dict:
             "ranks": reports, "duration_ms": max(r["duration_ms"] for r in reports)}
 
 
-def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: int | None = None,
-                         dst: int = 0) -> dict | None:
+def run_checks_all_ranks(layer: "ExpertParallelMoE | TensorParallelMoE", level: str = "quick",
+                         seed: int | None = None, dst: int = 0) -> dict | None:
     """docs/SPEC.md §5 on every rank (:func:`megamoe.health.run_checks` with the rank's backend) plus
-    ``ep_dispatch_combine``; gathered on rank ``dst``. Collective: every rank calls it.
+    ``ep_dispatch_combine`` (expert parallelism) or ``tp_partial_sum`` (tensor parallelism);
+    gathered on rank ``dst``. Collective: every rank calls it.
 
     Returns the merged report (:func:`merge_rank_reports`) on ``dst``, None elsewhere.
     """
@@ -561,11 +1169,16 @@ def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: i
         seed = int(seed_t)
     report = health.run_checks(level=level, backend=layer.backend, seed=seed + layer.rank)
     t0 = time.perf_counter()
-    report["checks"].append(check_ep_dispatch_combine(layer, seed))
+    tp = isinstance(layer, TensorParallelMoE)
+    report["checks"].append(check_tp_partial_sum(layer, seed) if tp else check_ep_dispatch_combine(layer, seed))
     report["duration_ms"] = round(report["duration_ms"] + (time.perf_counter() - t0) * 1e3, 1)
     if report["checks"][-1]["status"] == "fail":
         report["status"] = "fail"
-    report.update(rank=layer.rank, world_size=layer.world_size, experts=[layer.expert_start, layer.expert_end])
+    report.update(rank=layer.rank, world_size=layer.world_size)
+    if tp:
+        report.update(intermediate=[layer.intermediate_start, layer.intermediate_end])
+    else:
+        report.update(experts=[layer.expert_start, layer.expert_end])
     gathered = [None] * layer.world_size if layer.rank == dst else None
     dist.gather_object(report, gathered, dst=global_rank(layer.group, dst), group=layer.group)
     return merge_rank_reports(gathered) if layer.rank == dst else None
@@ -575,16 +1188,22 @@ def run_checks_all_ranks(layer: ExpertParallelMoE, level: str = "quick", seed: i
 # python -m megamoe.distributed
 # ------------------------------------------------------------------------------------------
 
-def _build(args) -> ExpertParallelMoE:
+def _build(args, world: int) -> ExpertParallelMoE | TensorParallelMoE:
+    cls = ExpertParallelMoE
+    if args.tp:
+        if args.tp != world:
+            raise SystemExit(f"--tp {args.tp}: tensor parallelism runs over every rank of the job, which has {world}; "
+                             f"launch {args.tp} processes (torchrun --nproc-per-node {args.tp}) or pass --tp {world}")
+        cls = TensorParallelMoE
     if args.checkpoint:
-        return ExpertParallelMoE.from_checkpoint(args.checkpoint, backend=args.backend)
-    return ExpertParallelMoE.from_preset(args.preset, seed=args.seed, backend=args.backend)
+        return cls.from_checkpoint(args.checkpoint, backend=args.backend)
+    return cls.from_preset(args.preset, seed=args.seed, backend=args.backend)
 
 
 def _cmd_check(args) -> int:
-    """Health of every rank, then EP forward vs the single-process MoELayer on rank 0's tokens."""
+    """Health of every rank, then the EP/TP forward vs the single-process MoELayer on the same tokens."""
     rank, world, _ = init_distributed(args.dist_backend)
-    layer = _build(args)
+    layer = _build(args, world)
     report = run_checks_all_ranks(layer, args.level)
     status = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
@@ -592,18 +1211,20 @@ def _cmd_check(args) -> int:
         print(health.format_table(report))
         status[0] = 0 if report["status"] == "pass" else 1
     if args.compare:
-        gen = torch.Generator().manual_seed(args.seed + 17 * rank)
+        tp = isinstance(layer, TensorParallelMoE)
+        # EP: every rank its own tokens; TP: the same tokens on every rank
+        gen = torch.Generator().manual_seed(args.seed + (0 if tp else 17 * rank))
         x = torch.randn((args.tokens, layer.config.hidden_size), generator=gen).to(torch.bfloat16)
         y = layer(x)
-        xs = _all_gather_padded(x, args.tokens, layer)
-        ys = _all_gather_padded(y, args.tokens, layer)
+        xs = [x] if tp else _all_gather_padded(x, args.tokens, layer)
+        ys = [y.cpu()] if tp else _all_gather_padded(y, args.tokens, layer)
         if rank == 0:
             single = (MoELayer.from_checkpoint(args.checkpoint, backend=args.backend) if args.checkpoint
                       else MoELayer.from_preset(args.preset, seed=args.seed, backend=args.backend))
             ref = single(torch.cat(xs)).float().cpu()
             err = float((torch.cat(ys).float() - ref).abs().max() / ref.abs().max())
-            print(f"EP forward vs single-process MoELayer, {world} x {args.tokens} tokens (bf16): "
-                  f"max |diff| / max |ref| = {err:.3e} (limit 2^-7, one bf16 ulp)")
+            print(f"{'TP' if tp else 'EP'} forward vs single-process MoELayer, {len(xs)} x {args.tokens} tokens "
+                  f"(bf16): max |diff| / max |ref| = {err:.3e} (limit 2^-7, one bf16 ulp)")
             if err > 2 ** -7:
                 status[0] = 1
     if rank == 0 and args.json:
@@ -618,15 +1239,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megamoe.distributed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="docs/SPEC.md §5 checks on every rank + EP dispatch/combine (run under torchrun)")
+    c = sub.add_parser("check", help="docs/SPEC.md §5 checks on every rank + EP dispatch/combine or the TP sum "
+                                     "(run under torchrun)")
     c.add_argument("--checkpoint", default=None, help="ModelOpt NVFP4 checkpoint (default: synthetic --preset)")
     c.add_argument("--preset", default="tiny")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--backend", default="auto", help="local backend of every rank (torch, cuda-sm90, ...)")
     c.add_argument("--dist-backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     c.add_argument("--level", choices=("quick", "full"), default="quick")
+    c.add_argument("--tp", type=int, default=0, metavar="N",
+                   help="tensor parallelism over the job's N ranks (N must equal the number of processes): every "
+                        "rank holds 1/N of every expert's intermediate dimension; default: expert parallelism")
     c.add_argument("--compare", action="store_true",
-                   help="also compare the EP forward with a single-process MoELayer on rank 0 ("
+                   help="also compare the EP/TP forward with a single-process MoELayer on rank 0 ("
                         "rank 0 must hold every expert in memory)")
     c.add_argument("--tokens", type=int, default=37, help="tokens per rank for --compare")
     c.add_argument("--json", action="store_true")
