@@ -115,7 +115,7 @@ __device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int
 // Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed scale codes of K slice
 // s (64 elements) of the lane's 4 rows; zeros for invalid rows and past the end of K.
 // kVec: K % 64 == 0 (16-byte aligned rows, whole slices); else 8-byte loads, one scale block at a time.
-// (slices and Kb by reference: that keeps the multi-tile kernels' code as it was when this was a lambda.)
+// (slices and Kb by reference: the multi-tile kernels then compile as with this body written in place.)
 template <bool kVec>
 __device__ __forceinline__ void load_weight_slice(int64_t s, const int64_t& slices, const int64_t& Kb,
                                                   const uint8_t* const (&wrow)[2][2],
@@ -362,8 +362,8 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
   }
 }
 
-// One token tile per pass, staged operand-order activations: the layout measured fastest at
-// decode (62-71 % of copy bandwidth at T = 8, 32), kept as its own kernel.
+// One token tile per pass, staged operand-order activations: the decode kernel (the plan runs it up to
+// kStreamOneTileUpTo tokens per expert), kept apart from the multi-tile loop.
 // kFused (W4A16 only): the activation rows are gathered from x (a.act_rows, natural
 // order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
 // write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between

@@ -53,9 +53,10 @@
 //     warps issues the TMA boxes of tile kt+kStages into the slot during its next stage, while that stage's
 //     wgmmas run (the prologue issued tiles 0..kStages-1): no thread waits for a slot to free, or for the
 //     atomic.
-// (Measured, docs/PERFORMANCE.md: when every copy is TMA the last-warp issue made the GEMM kernels 7% faster
-// than thread 0 waiting on the empty barrier; with copied rows, where every thread waits on that barrier
-// anyway, it made the forward 1-2% slower.)
+// Why two schemes: with TMA rows no thread needs to wait for a slot, so the warp that frees it last refills it
+// and nobody stalls on the empty barrier (with thread 0 issuing every box a slot is refilled only when warp 0
+// gets to it, and its warpgroup pays every issue); with copied rows every thread waits on that barrier before
+// its own copies anyway, so thread 0 issues the boxes there (docs/PERFORMANCE.md, rejected variants).
 #pragma once
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
@@ -192,7 +193,8 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
 }
 // Row blocks per block (wg_tile): up to 2 in tiles 32 and 64 with TMA rows and h not quantized (that epilogue takes
 // the ring), 2 where a row block's K-tiles fill whole scale chunks; 1 elsewhere (tile 128 and copied rows keep the
-// one-item loop: in pairs they measured no faster, docs/PERFORMANCE.md).
+// one-item loop: in pairs neither gained, tile 128's blocks being long enough that a pair mostly lengthens the
+// grid's last wave, and the copied-rows loop spilling; docs/PERFORMANCE.md, rejected variants).
 // act_tma and quant_h: the kernel's kActTma and kQuantH (the host passes the ones of the kernel it launches).
 __host__ __device__ constexpr int wg_max_items(int max_n, bool act_tma, bool quant_h) {
   return (max_n == kWgSmall || max_n == kWgTiny) && act_tma && !quant_h ? 2 : 1;
@@ -274,8 +276,8 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
 // and + 8 of row block rb, tokens m0 + 8j + 2tig + {0, 1}: acc[4j + t] row g, acc[4j + 2 + t] row g + 8); scales it
 // and writes output rows row_begin + token (tokens < rows). silu_mul, Nw = a.N and I = Nw / 2 come from the caller.
 // Straight-line code: the row scales of the thread's N / 4 tokens are loaded together, every value is computed, and
-// each store is predicated on its token (a branch and a dependent load per token made this epilogue about a tenth
-// of a tile-64 block at T = 2048, docs/PERFORMANCE.md). Token i = 2j + t of the thread is tile token
+// each store is predicated on its token, so that no token's stores wait behind a branch and a dependent load of
+// its own. Token i = 2j + t of the thread is tile token
 // m0 + 2tig + wg_tok(i); its values are acc[wg_acc(i)] (row g) and acc[wg_acc(i) + 2] (row g + 8).
 __host__ __device__ constexpr int wg_tok(int i) { return 8 * (i >> 1) + (i & 1); }
 __host__ __device__ constexpr int wg_acc(int i) { return 4 * (i >> 1) + (i & 1); }
@@ -544,9 +546,9 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
         }
       }
       // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
-      // written). The other warpgroups on the SM keep the tensor cores busy meanwhile: overlapping
-      // the decode with this warpgroup's own wgmmas was measured no faster (docs/PERFORMANCE.md,
-      // rejected variants).
+      // written). The other warpgroups on the SM keep the tensor cores busy meanwhile, so one drain per
+      // stage costs little (overlapping the decode with this warpgroup's own wgmmas gained nothing:
+      // docs/PERFORMANCE.md, rejected variants).
       wgmma_wait<0>();
       __syncwarp();
       if constexpr (!kActTma) {

@@ -340,8 +340,8 @@ __device__ __forceinline__ void store8(T* o, const float (&v)[8]) {
 // partial rows read exactly once); fp32 sum in j order, dropped entries skipped. kBatch slots at a time: their rows
 // and weights, then their partial rows, then the products. kBatch = kSlotBatch where the grid is small (a thread then
 // waits twice per token instead of twice per slot); 1 for large grids, where the waits are hidden by the other
-// threads and the batch's registers (84 instead of about 40 with bf16 rows) cost more than they save (measured:
-// launch_moe_combine).
+// threads and the batch's registers (84 instead of about 40 with bf16 rows) cost more than they save
+// (launch_moe_combine picks kBatch by the grid's size).
 // The sums and their order are the same for every kBatch.
 template <typename T, typename Y, int kBatch>
 __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
@@ -465,11 +465,9 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
   const int64_t n = tokens * (hidden / 8);
   if (n == 0) return cudaSuccess;
   const unsigned grid = grid_of(n, 256);
-  // Batched slots up to kCombineBatchedMax threads (decode and small prefill: latency-bound), one slot at a time
-  // above (bandwidth-bound). One H100, same run, two rounds each, combine kernel µs, one slot at a time -> batched:
-  // v4-flash T = 1 3.0 -> 2.3, T = 8 8.3 -> 7.6, T = 32 4.7 -> 3.4, T = 128 (65536 threads) 9.1 -> 8.4; v3 T = 1
-  // 3.6 -> 2.5, T = 8 6.3 -> 4.6, T = 32 5.9 -> 3.9; but v3 T = 128 (114688 threads) 10.9 -> 11.8, v4-flash T = 2048
-  // 39 -> 43 and T = 8192 165 -> 181 (bench/results/moe_h100_ab_slot_batch.json).
+  // Batched slots up to kCombineBatchedMax threads (decode and small prefill: latency-bound, each thread's waits
+  // are the cost), one slot at a time above (bandwidth-bound: the other threads hide the waits, and the batch's
+  // registers would lower occupancy; docs/PERFORMANCE.md, rejected variants).
   constexpr int64_t kCombineBatchedMax = int64_t(1) << 16;
   return with_elem_type(out_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
