@@ -61,6 +61,13 @@ class ServiceSettings(BaseSettings):
         "instance that exits unexpectedly stops the server (exit status 1); SIGTERM drains every instance. Not with "
         "torchrun (expert-parallel serving is one process per rank)",
     )
+    tp: int = Field(
+        1, ge=1,
+        description="under torchrun (python -m megamoe.service.distributed): tensor parallelism over the job's N "
+        "ranks, N = the number of processes: every rank holds 1/N of every expert's intermediate dimension and "
+        "runs every token; 1: expert parallelism (each rank holds E/N whole experts). A single-process server "
+        "serves the whole layer",
+    )
     hidden_datatype: str = Field(
         "FP32", pattern=f"^({'|'.join(HIDDEN_DATATYPES)})$",
         description="datatype of hidden_states and output in the model metadata and config (FP32 or BF16). Every "
@@ -161,6 +168,15 @@ class ServiceSettings(BaseSettings):
 
     def token_value(self) -> str | None:
         return self.token.get_secret_value() if self.token is not None else None
+
+
+def configure_logging(settings: ServiceSettings, instance: int | None = None) -> None:
+    """The service's log format at its level; an instance of several names itself in every line."""
+    import logging
+
+    where = f"[instance {instance}] " if instance is not None else ""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 
 
 def parse_settings(argv: list[str] | None) -> ServiceSettings:

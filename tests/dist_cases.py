@@ -212,3 +212,107 @@ def single_process_outputs(single, per_rank: list[dict], overrides: dict | None 
     ref = single(cat("x"), topk_ids=cat("topk_ids"), topk_weights=cat("topk_weights"),
                  router_logits=cat("router_logits"), validate=per_rank[0].get("validate", True))
     return list(ref.cpu().split([p["x"].shape[0] for p in per_rank]))
+
+
+# ------------------------------------------------------------------------------------------
+# tensor parallelism (tests/dist_tp_worker.py)
+# ------------------------------------------------------------------------------------------
+
+#: DeepSeek-V4's semantics on the tiny shape (H 256, I 128, E 8, k 2): sqrt(softplus) scores with a
+#: correction bias, SwiGLU clamped at 10, one shared expert of width 128 (16 per rank at TP = 8)
+TP_OVERRIDES = dict(scoring="sqrtsoftplus", routed_scaling_factor=1.5, n_shared_experts=1,
+                    shared_intermediate_size=128, swiglu_limit=10.0)
+#: cases run with other layer settings (config overrides, both sides)
+TP_VARIANTS = {
+    "w4a16": {"act_mode": "w4a16"},
+    "dynamic_scales": {"dynamic_act_scale": True},
+    "swiglu_limit": {"swiglu_limit": 0.5},
+}
+
+
+def write_tp_checkpoints(d: Path, seed: int) -> Path:
+    """``tp.safetensors`` (a top-k layer) and ``tp_hash.safetensors`` (the same weights, hash-routed:
+    a tid2eid table); fused layout, megamoe's writer."""
+    from megamoe.checkpoint import write_synthetic
+
+    write_synthetic(d / "tp.safetensors", "tiny", seed=seed, **TP_OVERRIDES)
+    write_synthetic(d / "tp_hash.safetensors", "tiny", seed=seed, hash_routing=True, **TP_OVERRIDES)
+    return d
+
+
+def tp_cases(cfg, gen: torch.Generator, vocab: int) -> dict:
+    """One input per case: every rank runs it with the same tokens."""
+    h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
+
+    def x(t, dtype=torch.float32):
+        return (torch.randn((t, h), generator=gen) * 2).to(dtype)
+
+    def topk(t):
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        w = torch.rand((t, k), generator=gen) + 0.05
+        return ids, w / w.sum(1, keepdim=True)
+
+    ids, w = topk(29)
+    masked_ids, masked_w = topk(23)
+    masked = torch.rand((23, k), generator=gen) < 0.4
+    masked[0] = True
+    cases = {
+        "router_bf16": {"x": x(37, torch.bfloat16)},
+        "router_fp32": {"x": x(48)},
+        "topk_fp32": {"x": x(29), "topk_ids": ids, "topk_weights": w},
+        "logits_fp32": {"x": x(31), "router_logits": torch.randn((31, e), generator=gen)},
+        "masked": {"x": x(23), "topk_ids": torch.where(masked, torch.full_like(masked_ids, -1), masked_ids),
+                   "topk_weights": masked_w, "validate": False},
+        "T1": {"x": x(1)},
+        "T0": {"x": x(0)},
+        "prime_T": {"x": x(97)},
+        "hash": {"x": x(41), "input_ids": torch.randint(0, vocab, (41,), generator=gen)},
+    }
+    for name in TP_VARIANTS:
+        cases[name] = {"x": x(37)}
+    return cases
+
+
+def launch_tp(world: int, workdir: Path, cfg, gen: torch.Generator, dist_backend: str = "gloo",
+              backend: str = "torch") -> tuple[dict, list[dict]]:
+    """Write the TP cases, spawn ``world`` ranks once (tests/dist_tp_worker.py), return (cases, results)."""
+    import torch.multiprocessing as mp
+
+    import dist_tp_worker
+    from megamoe.checkpoint import SYNTHETIC_VOCAB
+
+    cases = tp_cases(cfg, gen, SYNTHETIC_VOCAB)
+    torch.save(cases, workdir / f"tp_cases_w{world}.pt")
+    torch.save(_front_batches(cfg, gen), workdir / f"tp_front_w{world}.pt")
+    for r in range(world):
+        (workdir / f"tp_rank{r}.pt").unlink(missing_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                     ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(var, off)  # NVLink multicast stays off
+    try:
+        mp.spawn(dist_tp_worker.run, args=(world, _free_port(), str(workdir), dist_backend, backend),
+                 nprocs=world, join=True)
+    except Exception as exc:
+        errors = []
+        for r in range(world):
+            f = workdir / f"tp_rank{r}.pt"
+            if f.exists():
+                res = torch.load(f, weights_only=False)
+                if res.get("error"):
+                    errors.append(f"rank {r}:\n{res['error']}")
+        raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
+    return cases, [torch.load(workdir / f"tp_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def tp_single_output(single, case: dict, overrides: dict | None = None, reference: bool = False) -> torch.Tensor:
+    """The single-process layer (or its bf16 reference) on one TP case."""
+    saved = single.config
+    if overrides:
+        single.config = saved.with_(**overrides)
+    try:
+        fn = single.reference_bf16 if reference else single.forward
+        kw = {k: case[k] for k in ("topk_ids", "topk_weights", "router_logits", "input_ids") if case.get(k) is not None}
+        return fn(case["x"], validate=case.get("validate", True), **kw).cpu()
+    finally:
+        single.config = saved

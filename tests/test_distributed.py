@@ -615,3 +615,289 @@ def test_load_shard_of_hf_dense_fused_experts(tmp_path):
                                f"rank {rank}")
         assert shard.report.expert_bytes_read * 2 == shard.report.expert_bytes_in_file
         assert sorted(shard.report.quantized_at_load) == sorted(full.report.quantized_at_load)
+
+
+# ==========================================================================================
+# tensor parallelism (megamoe.distributed.TensorParallelMoE), 2, 4 and 8 gloo ranks
+# ==========================================================================================
+#
+# One group per world size, spawned once (tests/dist_tp_worker.py); every rank runs every case
+# with the same tokens. Asserted: every rank returns the same bits; against the single-process
+# layer on the whole checkpoint, |tp - ref| <= 1e-5 * max|ref| + 1e-5 * |ref| for fp32 outputs
+# (only the float32 order of the second GEMM's sum over I differs) and one bf16 ulp (2^-7) for
+# bf16 outputs. A slice error (a wrong row or column block, a lost or doubled partial) moves
+# outputs by far more (the slicing test below checks the slices bit for bit besides).
+
+TP_WORLD_SIZES = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    from dist_cases import write_tp_checkpoints
+
+    return write_tp_checkpoints(tmp_path_factory.mktemp("tp"), SEED % 1000)
+
+
+@pytest.fixture(scope="module")
+def tp_singles(tp_checkpoints):
+    """The yardsticks: single-process layers on the whole checkpoints (top-k and hash-routed)."""
+    from megamoe.moe import MoELayer
+
+    return {name: MoELayer.from_checkpoint(tp_checkpoints / f"{name}.safetensors", backend="torch")
+            for name in ("tp", "tp_hash")}
+
+
+@pytest.fixture(scope="module", params=TP_WORLD_SIZES, ids=lambda w: f"tp{w}")
+def tp(request, tp_checkpoints, tp_singles):
+    from dist_cases import launch_tp
+
+    world = request.param
+    cases, results = launch_tp(world, tp_checkpoints, tp_singles["tp"].config,
+                               torch.Generator().manual_seed(SEED + 31 * world))
+    return world, cases, results
+
+
+def _tp_assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, rtol_fp32: float = 1e-5) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (what, out.dtype, ref.dtype, out.shape, ref.shape)
+    if ref.numel() == 0:
+        return
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    scale = float(ref.float().abs().max())
+    rtol = 2 ** -7 if ref.dtype == torch.bfloat16 else rtol_fp32
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol_fp32 * scale, msg=lambda m: f"{what}: {m}")
+    print(f"{what}: {int((out != ref).sum())} of {ref.numel()} differ; max |diff| / max |ref| = "
+          f"{float((out.float() - ref.float()).abs().max()) / scale:.2e}")
+
+
+def _tp_output(results, case: str, key: str = "outputs") -> torch.Tensor:
+    """Rank 0's output of ``case``, after checking every rank returned the same bits."""
+    outs = [res[key][case] for res in results]
+    assert outs[0] is not None, f"{case} raised:\n{results[0].get('case_errors', {}).get(case)}"
+    for r, o in enumerate(outs):
+        assert torch.equal(o, outs[0]), f"{case}: rank {r}'s {key} differ from rank 0's"
+    return outs[0]
+
+
+@pytest.mark.parametrize("case", ["router_bf16", "router_fp32", "topk_fp32", "logits_fp32", "masked", "T1", "T0",
+                                  "prime_T", "hash", "w4a16", "swiglu_limit"])
+def test_tp_forward_matches_single_process(tp_singles, tp, case):
+    """The V4 semantics (sqrt(softplus) scores, correction bias, SwiGLU clamp, shared expert), hash
+    routing with input_ids, T = 0, 1 and a prime T (uneven chunks of the sum), masked slots, W4A16."""
+    from dist_cases import TP_VARIANTS, tp_single_output
+
+    world, cases, results = tp
+    single = tp_singles["tp_hash" if case == "hash" else "tp"]
+    out = _tp_output(results, case)
+    ref = tp_single_output(single, cases[case], TP_VARIANTS.get(case))
+    _tp_assert_close(out, ref, f"{case}, TP {world}")
+
+
+def test_tp_dynamic_activation_scales_are_per_rank(tp_singles, tp):
+    """W4A4 with dynamic activation scales: the second GEMM's input takes its per-row scale from the
+    amax of the rank's slice of the row (documented), another quantization than the single
+    process's: TP agrees with it to quantization noise (cosine >= 0.99) and is as close to the bf16
+    reference (within 0.005 of cosine; a slice's scale is never coarser than the row's), and the
+    bf16 references (no quantization) agree to float32 rounding."""
+    from dist_cases import TP_VARIANTS, tp_single_output
+    from megamoe.health import cosine
+
+    world, cases, results = tp
+    case, over = cases["dynamic_scales"], TP_VARIANTS["dynamic_scales"]
+    out = _tp_output(results, "dynamic_scales")
+    single = tp_single_output(tp_singles["tp"], case, over)
+    ref = tp_single_output(tp_singles["tp"], case, over, reference=True)
+    print(f"dynamic scales, TP {world}: cosine vs single {cosine(out, single):.5f}; vs bf16 reference: TP "
+          f"{cosine(out, ref):.5f}, single {cosine(single, ref):.5f}")
+    assert cosine(out, single) >= 0.99
+    assert cosine(out, ref) >= cosine(single, ref) - 0.005
+    _tp_assert_close(_tp_output(results, "dynamic_scales", "references"), ref, f"dynamic_scales reference, TP {world}")
+
+
+@pytest.mark.parametrize("case", ["router_bf16", "topk_fp32", "hash"])
+def test_tp_reference_matches_single_process(tp_singles, tp, case):
+    from dist_cases import tp_single_output
+
+    world, cases, results = tp
+    single = tp_singles["tp_hash" if case == "hash" else "tp"]
+    out = _tp_output(results, case, "references")
+    _tp_assert_close(out, tp_single_output(single, cases[case], reference=True), f"{case} reference, TP {world}")
+
+
+def test_tp_rerun_is_bit_identical(tp):
+    world, _, results = tp
+    assert all(res["rerun_identical"] for res in results)
+
+
+def test_tp_errors_name_the_problem(tp):
+    world, _, results = tp
+    for r, res in enumerate(results):
+        assert res["hash_without_ids"] is not None and "input_ids" in res["hash_without_ids"], res["hash_without_ids"]
+        assert res["not_replicated"] is not None and f"ranks [{world - 1}]" in res["not_replicated"], res["not_replicated"]
+        per = (16 * world + 16) / world
+        assert res["indivisible"] is not None and f"{per:g} per rank" in res["indivisible"], res["indivisible"]
+
+
+def test_tp_loading_reads_only_the_rank_slices(tp_checkpoints, tp):
+    """Every rank reads every expert tensor as its slice only (get_slice, never whole), bit for bit
+    the rank's slice of the full load; global and input scales, router and bias whole."""
+    from megamoe.checkpoint import load
+    from megamoe.distributed import tp_slice_weights
+
+    world, _, results = tp
+    full = load(tp_checkpoints / "tp.safetensors")
+    sliced_names = {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
+                    "shared_experts.gate_up_proj.weight", "shared_experts.down_proj.weight"}
+    for r, res in enumerate(results):
+        ld = res["load"]
+        assert ld["config"] == full.config.to_dict()
+        whole = {name for kind, name, _, _ in ld["reads"] if kind == "get_tensor"}
+        assert not whole & sliced_names, f"rank {r} read whole: {sorted(whole & sliced_names)}"
+        slices = {name for kind, name, _, _ in ld["reads"] if kind == "slice"}
+        # (the first pass reads expert 0's global and input scales as rows of the stacked scales)
+        assert slices - sliced_names <= {"w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale",
+                                         "w2_input_scale"} and sliced_names <= slices, slices
+        read = sum(b for kind, name, _, b in ld["reads"] if kind == "slice" and name in sliced_names)
+        rep = ld["report"]
+        assert read == rep["sliced_bytes_read"] == rep["sliced_bytes_in_file"] // world, rep
+        assert (rep["intermediate_start"], rep["intermediate_end"]) == (r * 128 // world, (r + 1) * 128 // world)
+        want = weight_tensors(tp_slice_weights(full.weights, r, world))
+        assert sorted(ld["tensors"]) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(ld["tensors"][name], t), f"rank {r}: {name}"
+
+
+def test_tp_health_report_covers_every_rank(tp):
+    world, _, results = tp
+    rep = results[0]["health"]
+    assert all(res["health"] is None for res in results[1:])
+    assert rep["status"] == "pass", rep["checks"]
+    assert [r["rank"] for r in rep["ranks"]] == list(range(world))
+    assert [r["intermediate"] for r in rep["ranks"]] == [[q * 128 // world, (q + 1) * 128 // world]
+                                                         for q in range(world)]
+    names = {c["name"] for c in rep["checks"]}
+    assert {"sf_roundtrip", "moe_cosine", "tp_partial_sum"} <= names and "ep_dispatch_combine" not in names
+    check = next(c for c in rep["checks"] if c["name"] == "tp_partial_sum")
+    assert check["status"] == "pass" and check["metric"] >= 0.9999, check
+    assert "bit-identical on every rank" in check["detail"] and "identical on every rank" in check["detail"]
+    fault = results[0]["health_fault"]
+    assert fault["status"] == "fail"
+    assert {r["rank"]: r["status"] for r in fault["ranks"]} == {q: ("fail" if q == world - 1 else "pass")
+                                                              for q in range(world)}
+
+
+def test_tp_front_end_drives_every_rank(tp_checkpoints, tp_singles, tp):
+    """The service's front end on rank 0: the whole batch broadcast, rank 0's sum returned; the
+    hash-routed layer with input_ids; the health of every rank."""
+    from dist_cases import tp_single_output
+
+    world, cases, results = tp
+    batches = torch.load(tp_checkpoints / f"tp_front_w{world}.pt")
+    for i, (b, out) in enumerate(zip(batches, results[0]["front_outputs"])):
+        _tp_assert_close(out, tp_singles["tp"](**b).cpu(), f"front batch {i}, TP {world}")
+    assert [res["worker_forwards"] for res in results[1:]] == [len(batches)] * (world - 1)
+    assert results[0]["front_needs_input_ids"] is True
+    _tp_assert_close(results[0]["front_hash"], tp_single_output(tp_singles["tp_hash"], cases["hash"]),
+                     f"front hash, TP {world}")
+    assert results[0]["front_health"]["status"] == "pass"
+
+
+# ---------------------------------------------------------------- in-process (no process group)
+
+@pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "llmc_nvfp4", "modelopt_nvfp4_shared_bf16", "llmc_nvfp4a16"])
+def test_tp_slices_of_real_checkpoints(fixture):
+    """ModelOpt and compressed-tensors (llmcompressor) per-expert namings, an NVFP4 and a bf16
+    shared expert, W4A4 and W4A16: every rank's sliced load equals the rank's slice of the full
+    load, bit for bit, and reads exactly 1/W of the sliced tensors' bytes."""
+    from pathlib import Path
+
+    from megamoe.checkpoint import load
+    from megamoe.distributed import load_tp_shard, tp_slice_weights
+
+    path = Path(__file__).parent / "fixtures" / "real" / fixture
+    full = load(path)
+    for world in (2, 4):
+        for rank in range(world):
+            shard = load_tp_shard(path, rank, world)
+            assert shard.config == full.config
+            got, want = weight_tensors(shard.weights), weight_tensors(tp_slice_weights(full.weights, rank, world))
+            assert sorted(got) == sorted(want)
+            for name, t in want.items():
+                assert torch.equal(got[name], t), f"{fixture} rank {rank} of {world}: {name}"
+            rep = shard.report
+            assert rep.sliced_bytes_read * world == rep.sliced_bytes_in_file, rep.summary()
+            assert rep.load is not None and rep.load.format == full.report.format
+
+
+def test_tp_slice_weights_cuts_whole_blocks():
+    """Rows of gate and up, columns of down in whole 16-value blocks, scales alike; global and input
+    scales and router whole; the slices put back together are the layer."""
+    from megamoe.checkpoint import synthetic_weights
+    from megamoe.distributed import tp_local_config, tp_slice_weights
+    from megamoe.presets import get_preset
+
+    cfg = get_preset("tiny").with_(n_shared_experts=1, shared_intermediate_size=64)
+    full = synthetic_weights(cfg, seed=SEED % 1000)
+    parts = [tp_slice_weights(full, r, 4) for r in range(4)]
+    for p in parts:
+        p.validate(tp_local_config(cfg, 4))
+        assert torch.equal(p.w13.global_scale, full.w13.global_scale) and p.router_weight is full.router_weight
+        assert torch.equal(p.w13_input_scale, full.w13_input_scale)
+        assert p.w13.data.untyped_storage().nbytes() == p.w13.data.numel()  # owns exactly its bytes
+    i = cfg.intermediate_size
+    gate = torch.cat([p.w13.data[:, : i // 4] for p in parts], 1)
+    up = torch.cat([p.w13.data[:, i // 4:] for p in parts], 1)
+    assert torch.equal(torch.cat([gate, up], 1), full.w13.data)
+    assert torch.equal(torch.cat([p.w2.data for p in parts], 2), full.w2.data)
+    assert torch.equal(torch.cat([p.w2.scale.view(torch.uint8) for p in parts], 2), full.w2.scale.view(torch.uint8))
+    assert torch.equal(torch.cat([p.shared_down for p in parts], 1), full.shared_down)
+    with pytest.raises(ValueError, match="128 on 16 ranks gives 8 per rank"):
+        tp_slice_weights(full, 0, 16)
+
+
+def test_tp_refuses_float_experts(tmp_path):
+    """Float expert weights are quantized at load with a global scale of the whole tensor, which a
+    rank's slice cannot reproduce: refused, naming the tensor."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megamoe import nvfp4
+    from megamoe.checkpoint import CheckpointError, synthetic_weights
+    from megamoe.distributed import load_tp_shard
+    from megamoe.presets import MoEConfig
+
+    cfg = MoEConfig(64, 32, 4, 2)
+    w = synthetic_weights(cfg, seed=SEED % 1000)
+    p = "model.layers.0.mlp."
+    save_file({p + "experts.gate_up_proj": nvfp4.dequantize(w.w13).to(torch.bfloat16),
+               p + "experts.down_proj": nvfp4.dequantize(w.w2).to(torch.bfloat16),
+               p + "gate.weight": w.router_weight}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "norm_topk_prob": True}))
+    with pytest.raises(CheckpointError, match="experts.gate_up_proj.*NVFP4"):
+        load_tp_shard(tmp_path, 0, 2)
+
+
+def test_tp_interleaved_fused_layout(tmp_path):
+    """A fused w13 whose rows are interleaved [g0, u0, g1, u1, ...] (declared by the caller): each rank
+    reads its contiguous pairs, equal to the rank's slice of the full load."""
+    from safetensors.torch import save_file
+
+    from megamoe.checkpoint import load, synthetic_weights
+    from megamoe.distributed import load_tp_shard, tp_slice_weights
+    from megamoe.presets import MoEConfig
+
+    cfg = MoEConfig(64, 64, 4, 2)
+    w = synthetic_weights(cfg, seed=SEED % 1000)
+    perm = torch.stack([torch.arange(64), torch.arange(64, 128)], 1).reshape(-1)  # g0, u0, g1, u1...
+    save_file({"w13_weight": w.w13.data[:, perm].contiguous(), "w13_weight_scale": w.w13.scale[:, perm].contiguous(),
+               "w13_weight_scale_2": w.w13.global_scale[:, :1].expand(-1, 2).contiguous(),
+               "w2_weight": w.w2.data, "w2_weight_scale": w.w2.scale, "w2_weight_scale_2": w.w2.global_scale,
+               "gate.weight": w.router_weight}, str(tmp_path / "m.safetensors"))
+    full = load(tmp_path / "m.safetensors", w13_layout="interleaved", top_k=2)
+    for rank in range(2):
+        shard = load_tp_shard(tmp_path / "m.safetensors", rank, 2, w13_layout="interleaved", top_k=2)
+        got, want = weight_tensors(shard.weights), weight_tensors(tp_slice_weights(full.weights, rank, 2))
+        for name, t in want.items():
+            assert torch.equal(got[name], t), f"rank {rank}: {name}"
