@@ -153,3 +153,13 @@ def test_readme_fault_injection_statement_is_what_selftest_reports():
     status = {c["name"]: c["status"] for c in json.loads(r.stdout)["checks"]}
     assert status == {"sf_roundtrip": "fail", "gemm_cosine_uniform": "pass", "gemm_cosine_random": "fail",
                       "moe_cosine": "pass", "moe_vs_reference": "skip"}, status
+
+
+def test_performance_page_and_results_hold_the_current_state():
+    """docs/PERFORMANCE.md is the reader's page (at most 200 lines), and bench/results/ keeps the latest record of
+    each benchmark per GPU: the same-run A/B records of rejected variants live in git history."""
+    assert len((REPO / "docs" / "PERFORMANCE.md").read_text().splitlines()) <= 200
+    names = sorted(p.name for p in (REPO / "bench" / "results").iterdir())
+    assert not [n for n in names if re.search(r"_ab_|_switch_|_queued", n)], names
+    for gpu in ("h100", "h200"):
+        assert f"moe_{gpu}.json" in names and f"moe_{gpu}.png" in names
