@@ -46,11 +46,19 @@ def _counts_from_routing(t: int, e: int, k: int, seed: int) -> list[int]:
     return torch.bincount(ids.reshape(-1).long(), minlength=e).tolist()
 
 
-def _plan(counts, parts, n_part, k, a_gs=None, b_gs=None, sm_count=SM_COUNT):
+def _plan(counts, parts, n_part, k, a_gs=None, b_gs=None, sm_count=SM_COUNT, tile_n=128):
     e = len(counts)
     a_gs = [1.0] if a_gs is None else list(a_gs)
     b_gs = [1.0] * (e * parts) if b_gs is None else list(b_gs)
-    return _ext_mod().sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs, b_gs, sm_count)
+    return _ext_mod().sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs, b_gs, sm_count, tile_n=tile_n)
+
+
+def _compact_offsets(counts) -> list[int]:
+    """First compact row of each expert in A and D (and the total): sum_{j<e} count_j."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
 
 
 def _f32_mul(a: float, b: float) -> float:
@@ -63,25 +71,28 @@ def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_
     parts, n_part, k = plan["parts"], plan["n_part"], plan["k"]
     e = len(counts)
     kb = k // 16
-    row_offsets = nvfp4.grouped_row_offsets(counts).tolist()
+    sf_offsets = nvfp4.grouped_row_offsets(counts).tolist()  # scale factors: 128-row expert blocks
+    row_offsets = _compact_offsets(counts)                  # A and D: compact
     sfb_part_bytes = math.prod(nvfp4.sf_padded_shape(n_part, kb))
     ldd = parts * n_part
     d_bytes = plan["d_element_bytes"]
     assert plan["num_groups"] == e * parts == len(plan["groups"])
-    assert plan["total_rows"] == row_offsets[-1]
+    assert plan["total_rows"] == row_offsets[-1] == sum(counts)
+    assert plan["sf_rows"] == sf_offsets[-1]
     assert plan["a_bytes"] == row_offsets[-1] * k // 2
-    assert plan["sfa_bytes"] == math.prod(nvfp4.sf_padded_shape(row_offsets[-1], kb))
+    assert plan["d_elems"] == row_offsets[-1] * ldd
+    assert plan["sfa_bytes"] == math.prod(nvfp4.sf_padded_shape(sf_offsets[-1], kb))
     assert plan["sfb_bytes"] == e * parts * sfb_part_bytes
     for g, grp in enumerate(plan["groups"]):
         ex, p = divmod(g, parts)
         c = counts[ex]
         assert (grp["expert"], grp["part"], grp["tokens"]) == (ex, p, c)
         assert grp["problem_shape"] == ((c, n_part, k) if c else (0, 0, 0))
-        r0 = row_offsets[ex]
-        assert grp["row_offset"] == r0 and r0 % 128 == 0
+        r0, s0 = row_offsets[ex], sf_offsets[ex]
+        assert grp["row_offset"] == r0 and grp["sf_row_offset"] == s0 and s0 % 128 == 0
         # pointer arrays (operand bases at 0 -> byte offsets)
         assert grp["ptr_a"] == r0 * k // 2
-        assert grp["ptr_sfa"] == nvfp4.sf_offset(r0, 0, kb)  # first scale of the expert in the grouped buffer
+        assert grp["ptr_sfa"] == nvfp4.sf_offset(s0, 0, kb)  # first scale of the expert in the grouped buffer
         assert grp["ptr_b"] == (ex * parts + p) * n_part * k // 2
         assert grp["ptr_sfb"] == (ex * parts + p) * sfb_part_bytes
         assert grp["ptr_d"] == (r0 * ldd + p * n_part) * d_bytes
@@ -114,7 +125,18 @@ def check_plan_against_spec(plan: dict, counts: list[int], a_gs: list[float], b_
 # kernel configuration
 # --------------------------------------------------------------------------------------------
 
-def test_kernel_info_is_the_one_instantiated_config():
+def test_kernel_info_of_both_configurations():
+    ext = _ext_mod()
+    assert ext.sm100_kernel_info()["tile_n_options"] == (128, 64)
+    narrow = ext.sm100_kernel_info(64)
+    assert narrow["tile_shape"] == (128, 64, 256) and narrow["cluster_shape"] == (1, 1)
+    assert narrow["schedule"] == ext.sm100_kernel_info(128)["schedule"]
+    assert 0 < narrow["shared_storage_bytes"] <= narrow["smem_capacity_bytes"]
+    with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
+        ext.sm100_kernel_info(96)
+
+
+def test_kernel_info_is_the_default_config():
     info = _ext_mod().sm100_kernel_info()
     assert info["tile_shape"] == (128, 128, 256)
     assert info["cluster_shape"] == (1, 1)
@@ -208,12 +230,18 @@ def test_preset_plans(preset, tokens):
         assert all(s % 256 == 0 for s in sections) and sections[-1] < p["args_bytes"]
 
 
-def test_tokens_not_multiple_of_128_pad_each_expert():
+def test_tokens_not_multiple_of_128_pad_only_the_scale_factors():
+    """A and D compact (vLLM-style), the scale factors in 128-row expert blocks."""
     counts = [130, 0, 1, 127, 128, 129, 0, 33]  # T*k = 548, not a multiple of 128
-    p = _plan(counts, 2, 128, 256)
-    check_plan_against_spec(p, counts, [1.0], [1.0] * 16)
-    assert [g["row_offset"] for g in p["groups"][::2]] == [0, 256, 256, 384, 512, 640, 896, 896]
-    assert p["total_rows"] == 1024
+    for tile_n in (128, 64):
+        p = _plan(counts, 2, 128, 256, tile_n=tile_n)
+        check_plan_against_spec(p, counts, [1.0], [1.0] * 16)
+        assert [g["row_offset"] for g in p["groups"][::2]] == [0, 130, 130, 131, 258, 386, 515, 515]
+        assert [g["sf_row_offset"] for g in p["groups"][::2]] == [0, 256, 256, 384, 512, 640, 896, 896]
+        assert p["total_rows"] == 548 and p["sf_rows"] == 1024 and p["tile_n"] == tile_n
+        # D byte offsets of gate and up of expert 3: compact row 131, ldd = 256 floats
+        g3 = p["groups"][6:8]
+        assert [g["ptr_d"] for g in g3] == [131 * 256 * 4, (131 * 256 + 128) * 4]
 
 
 def test_empty_experts_get_empty_problems():
@@ -326,42 +354,45 @@ def test_plan_rejects_bad_arguments():
 # --------------------------------------------------------------------------------------------
 
 def test_emulated_grouped_gemm_reads_and_writes_where_the_plan_says():
+    """Compact A and D (expert j's rows at sum_{i<j} count_i), scale factors in 128-row
+    expert blocks: every group reads and writes exactly its rows; one spare row after the
+    last expert stays poisoned (nothing writes past the real rows)."""
     from megamoe.backends.cuda_sm100 import emulate_grouped_gemm
 
     gen = torch.Generator().manual_seed(11)
     counts, n_part, k = [33, 0, 129, 1], 464, 480
     e, parts = len(counts), 2
-    offs = nvfp4.grouped_row_offsets(counts).tolist()
+    offs = _compact_offsets(counts)
     acts = [random_nvfp4(c, k, gen, 1.0) if c else None for c in counts]
     w = [random_nvfp4(parts * n_part, k, gen, 1.0) for _ in range(e)]
-    rows = offs[-1]
+    rows = offs[-1] + 1
     a_data = torch.zeros(rows, k // 2, dtype=torch.uint8)
-    a_scale = torch.zeros(rows, k // 16, dtype=torch.uint8)
     for j, q in enumerate(acts):
         if q is not None:
             a_data[offs[j]: offs[j] + counts[j]] = q.data
-            a_scale[offs[j]: offs[j] + counts[j]] = q.scale.view(torch.uint8)
-    a_sf = nvfp4.swizzle_scales(a_scale.view(torch.float8_e4m3fn))
+    real_scales = torch.cat([q.scale.view(torch.uint8) for q in acts if q is not None])
+    a_sf = nvfp4.swizzle_scales_grouped(real_scales.view(torch.float8_e4m3fn), counts)
     b_data = torch.stack([q.data for q in w])
     b_scale = torch.stack([q.scale for q in w])  # [E, 2 * n_part, K/16]
     b_sf = nvfp4.swizzle_scales(b_scale.reshape(e * parts, n_part, k // 16)).reshape(e, parts, -1)
     a_gs = [1e-3]
     b_gs = [v for j in range(e) for v in (1e3 * (j + 1), 1e4 * (j + 1))]
     plan = _plan(counts, parts, n_part, k, a_gs, b_gs)
+    assert plan["sfa_bytes"] == a_sf.numel() and plan["a_bytes"] == (rows - 1) * k // 2
     out = torch.full((rows, parts * n_part), float("nan"))  # poisoned
     emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
+    assert torch.isnan(out[-1]).all()  # past the real rows: never written
+    assert not torch.isnan(out[:-1]).any()  # every real row written, both halves
     for j, c in enumerate(counts):
-        block = out[offs[j]: offs[j] + _round_up(c, 128)]
-        if c == 0:
-            assert torch.isnan(block).all()
-            continue
-        assert torch.isnan(block[c:]).all()  # padded rows are never written
+        block = out[offs[j]: offs[j] + c]
         for p in range(parts):
+            if not c:
+                continue
             bq = nvfp4.NVFP4Tensor(w[j].data[p * n_part:(p + 1) * n_part], w[j].scale[p * n_part:(p + 1) * n_part],
                                    torch.tensor(1.0))
             alpha = _f32_mul(a_gs[0], b_gs[j * parts + p])
             ref = nvfp4.gemm(acts[j], bq, alpha=alpha)
-            got = block[:c, p * n_part:(p + 1) * n_part]
+            got = block[:, p * n_part:(p + 1) * n_part]
             assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())), (j, p)
 
 
@@ -617,18 +648,25 @@ def test_routing_rows_place_each_pair_and_skip_masked_ids():
     ids = torch.tensor([[0, 5], [-1, 2], [2, 7], [-1, -1], [5, 0]], dtype=torch.int32)
     rt = routing_rows(ids, e)
     assert rt.counts.tolist() == [2, 0, 2, 0, 0, 2] and rt.counts.dtype == torch.int32
-    starts = nvfp4.grouped_row_offsets(rt.counts.tolist()).tolist()
+    assert rt.rows == ids.numel()  # compact: T * k rows, no padding
+    starts = _compact_offsets(rt.counts.tolist())
+    sf_starts = nvfp4.grouped_row_offsets(rt.counts.tolist()).tolist()
+    assert rt.row_offsets.tolist() == starts and rt.sf_row_offsets.tolist() == sf_starts[:-1]
     valid = ((ids >= 0) & (ids < e)).reshape(-1)
     assert torch.equal(rt.valid, valid)
     slot_rows = rt.row_of_slot.tolist()
+    assert sorted(slot_rows) == list(range(rt.rows))  # a permutation: every row belongs to one slot
     seen = {}
     for slot, (ok, r) in enumerate(zip(valid.tolist(), slot_rows)):
+        assert rt.token_of[r] == slot // 2
         if not ok:
-            assert r == rt.rows  # the spare row, never read
+            assert r >= starts[-1] and not rt.real[r]  # after every expert's rows, read by no GEMM
+            assert rt.sf_row_of_row[r] == rt.sf_rows
             continue
         ex = int(ids.reshape(-1)[slot])
         assert starts[ex] <= r < starts[ex] + rt.counts[ex]
         assert rt.expert_of_row[r] == ex and bool(rt.real[r])
+        assert rt.sf_row_of_row[r] == sf_starts[ex] + r - starts[ex]
         seen[r] = slot
     assert len(seen) == int(valid.sum())  # one row per valid slot
     assert int(rt.real.sum()) == len(seen) and rt.real.numel() == rt.rows
@@ -640,17 +678,18 @@ def test_routing_rows_place_each_pair_and_skip_masked_ids():
 
 @pytest.mark.parametrize("t,k,e", [(1, 1, 1), (37, 8, 256), (300, 6, 60), (129, 3, 5)])
 def test_routing_rows_bound_holds_even_with_every_token_on_one_expert(t, k, e):
-    """docs/FIELD_BUGS.md row 25: the host bound on the padded rows holds for degenerate routing
-    (every slot on expert 0, as a graph captured with all-zero ids has), not only for real routing."""
+    """docs/FIELD_BUGS.md row 25: the host bound on the scale-factor rows holds for degenerate
+    routing (every slot on expert 0, as a graph captured with all-zero ids has), not only for
+    real routing; A and D always have exactly T * k rows."""
     from megamoe.backends.cuda_sm100 import routing_rows
 
     for ids in (torch.zeros(t, k, dtype=torch.int32), torch.full((t, k), e - 1, dtype=torch.int64),
                 torch.randint(-1, e, (t, k), generator=torch.Generator().manual_seed(t))):
         rt = routing_rows(ids, e)
         need = int(nvfp4.grouped_row_offsets(rt.counts.tolist())[-1])
-        assert need <= rt.rows
-        real_rows = rt.row_of_slot[rt.valid]
-        assert real_rows.numel() == 0 or int(real_rows.max()) < rt.rows
+        assert need <= rt.sf_rows and rt.rows == t * k
+        real_rows = rt.sf_row_of_row[rt.real]
+        assert real_rows.numel() == 0 or int(real_rows.max()) < need
         assert real_rows.unique().numel() == real_rows.numel()
 
 
@@ -664,10 +703,27 @@ def test_routing_rows_offsets_are_64_bit_past_2_31():
     ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(1))[:k]] * t)
     ids = (ids + torch.arange(t).unsqueeze(1)) % e
     rt = routing_rows(ids, e)
-    assert rt.row_of_slot.dtype == torch.int64 and rt.dest.dtype == torch.int64
+    assert rt.row_of_slot.dtype == torch.int64 and rt.sf_row_of_row.dtype == torch.int64
     last = int(rt.row_of_slot.max())
     assert last * h > 2**31  # the element offsets of the last rows do not fit in int32
-    assert int(nvfp4.grouped_row_offsets(rt.counts.tolist())[-1]) <= rt.rows
+    assert int(nvfp4.grouped_row_offsets(rt.counts.tolist())[-1]) <= rt.sf_rows
+
+
+def test_swizzle_rows_grouped_equals_the_reference_grouped_swizzle():
+    """The compact rows' scales land where nvfp4.swizzle_scales_grouped puts per-expert scales
+    (docs/SPEC.md §2), masked rows nowhere, every other byte zero, for K/16 not a multiple of 4."""
+    from megamoe.backends.cuda_sm100 import routing_rows, swizzle_rows_grouped
+
+    gen = torch.Generator().manual_seed(5)
+    for t, k, e, kb in ((1, 6, 256, 16), (33, 3, 5, 29), (200, 2, 3, 7)):
+        ids = torch.randint(-1, e, (t, k), generator=gen)
+        rt = routing_rows(ids, e)
+        scale = torch.randint(1, 255, (rt.rows, kb), generator=gen, dtype=torch.uint8)
+        buf = swizzle_rows_grouped(scale.view(torch.float8_e4m3fn), rt).reshape(-1)
+        real = int(rt.counts.sum())
+        ref = nvfp4.swizzle_scales_grouped(scale[:real].view(torch.float8_e4m3fn), rt.counts.tolist()).reshape(-1)
+        assert buf.numel() == math.prod(nvfp4.sf_padded_shape(rt.sf_rows, kb))
+        assert torch.equal(buf[: ref.numel()], ref) and int(buf[ref.numel():].count_nonzero()) == 0
 
 
 def test_plan_offsets_are_exact_past_2_31():
@@ -681,7 +737,7 @@ def test_plan_offsets_are_exact_past_2_31():
         plan = _plan(counts, parts, n_part, kk)
         check_plan_against_spec(plan, counts, [1.0], [1.0] * (e * parts))
         last = plan["groups"][-1]
-        rows_before = int(nvfp4.grouped_row_offsets(counts)[e - 1])
+        rows_before = sum(counts[: e - 1])
         assert last["ptr_d"] == (rows_before * parts * n_part + last["part"] * n_part) * 4
         assert last["ptr_a"] == rows_before * kk // 2
         assert max(g["ptr_d"] for g in plan["groups"]) > 2**32
@@ -770,42 +826,57 @@ def _poisoned_empty(monkeypatch):
 
 @pytest.mark.parametrize("over", [{}, {"hidden_size": 1040, "intermediate_size": 464, "num_experts": 6},
                                   {"dynamic_act_scale": True, "top_k": 3}])
-def test_moe_forward_reads_no_unwritten_padding(emulated, monkeypatch, over):
-    """x_pad, gu and y are `torch.empty` (their padding rows are never read): with every empty float
-    buffer NaN-poisoned the output is bit-identical, and every scale byte the GEMM can read (whole
-    128-row x 4-column atoms, K/16 = 65 or 29 not a multiple of 4 here) is defined: the logical
-    scales where a row is real, zero elsewhere."""
+def test_moe_forward_compact_rows_and_padded_scale_factors(emulated, monkeypatch, over):
+    """A and D hold exactly the T * k routed rows (no 128-row padding: only real rows are
+    gathered, quantized, activated and combined); gu and y are `torch.empty` and, with every
+    empty float buffer NaN-poisoned, the output is bit-identical. Every scale byte the GEMM can
+    read (whole 128-row x 4-column atoms, K/16 = 65 or 29 not a multiple of 4 here) is defined:
+    the buffer equals the reference grouped swizzle (nvfp4.swizzle_scales_grouped) of the real
+    rows' scales, zero-extended to the host bound."""
     layer = _layer("tiny", emulated, **over)
     cfg = layer.config
-    x = torch.randn(45, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    t = 45
+    x = torch.randn(t, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     w, ids = layer.route(x)
+    ids[3, 0] = -1  # one masked slot: sorted after every expert, read by no GEMM
     clean = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
-    seen = []
-    orig = type(emulated)._grouped_gemm
+    seen, quantized, swizzled = [], [], []
+    be_cls = type(emulated)
+    orig_gemm, orig_q, orig_swz = be_cls._grouped_gemm, be_cls.quantize, be_cls._swizzle_rows
 
-    def spy(self, counts, parts, n_part, k, a_data, a_sf, *rest):
+    def spy(self, counts, parts, n_part, k, a_data, a_sf, *rest, **kw):
         seen.append((counts.tolist(), k, a_data.clone(), a_sf.clone()))
-        return orig(self, counts, parts, n_part, k, a_data, a_sf, *rest)
+        return orig_gemm(self, counts, parts, n_part, k, a_data, a_sf, *rest, **kw)
 
-    monkeypatch.setattr(type(emulated), "_grouped_gemm", spy)
+    def spy_q(self, xx, gs=None):
+        quantized.append(xx.shape[0])
+        return orig_q(self, xx, gs)
+
+    def spy_swz(self, scale, rt):
+        out = orig_swz(self, scale, rt)
+        swizzled.append((scale.view(torch.uint8).clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(be_cls, "_grouped_gemm", spy)
+    monkeypatch.setattr(be_cls, "quantize", spy_q)
+    monkeypatch.setattr(be_cls, "_swizzle_rows", spy_swz)
     _poisoned_empty(monkeypatch)
     out = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
     monkeypatch.undo()
     assert torch.equal(out, clean)
-    assert len(seen) == 2
-    for counts, k, a_data, a_sf in seen:
-        rows = a_data.shape[0]
+    pairs = t * cfg.top_k
+    assert quantized == [pairs, pairs]  # GEMM 1 input and SwiGLU output: the routed rows only
+    assert len(seen) == 2 and len(swizzled) == 2
+    for (counts, k, a_data, a_sf), (linear, buf) in zip(seen, swizzled):
         kb = k // 16
-        starts = nvfp4.grouped_row_offsets(counts).tolist()
-        real = torch.zeros(rows, dtype=torch.bool)
-        for ex, c in enumerate(counts):
-            real[starts[ex]:starts[ex] + c] = True
-        prow, pcol = nvfp4.sf_padded_shape(rows, kb)
-        assert a_sf.numel() == prow * pcol  # the whole padded buffer, nothing short
-        full = nvfp4.unswizzle_scales(a_sf, prow, pcol).view(torch.uint8)  # every byte of the buffer
-        assert (full[:, kb:] == 0).all() and (full[rows:] == 0).all() and (full[:rows][~real] == 0).all()
-        assert (a_data[~real] == 0).all()
-        assert not torch.isnan(full[:rows][real].view(torch.float8_e4m3fn).float()).any()
+        real = sum(counts)
+        assert real == pairs - 1 and a_data.shape == (pairs, k // 2)  # compact A, T * k rows
+        assert torch.equal(a_sf, buf)
+        ref = nvfp4.swizzle_scales_grouped(linear[:real].view(torch.float8_e4m3fn), counts).reshape(-1)
+        bound = math.prod(nvfp4.sf_padded_shape(pairs + 127 * min(cfg.num_experts, pairs), kb))
+        assert a_sf.numel() == bound >= ref.numel()
+        assert torch.equal(a_sf.reshape(-1)[: ref.numel()], ref) and (a_sf.reshape(-1)[ref.numel():] == 0).all()
+        assert not torch.isnan(linear[:real].view(torch.float8_e4m3fn).float()).any()
 
 
 def test_launch_buffers_cached_per_groups_and_stream(emulated):
@@ -873,20 +944,23 @@ def test_launch_with_no_tiles_returns_without_touching_anything():
         _ext_mod().sm100_moe_gemm(**kw2)
 
 
-def test_host_args_bytes_match_the_plan():
+@pytest.mark.parametrize("counts", [[5, 0, 130], [(j * 7) % 5 for j in range(600)]])
+def test_host_args_bytes_match_the_plan(counts):
     """The host image of the args buffer (what tests/sm100_gpu compares the device's buffer with,
-    byte for byte) holds the plan's shapes, pointers, alphas, strides and layouts."""
+    byte for byte) holds the plan's shapes, pointers, alphas, strides and layouts; 600 experts
+    cross the device builder's 256-expert scan chunks."""
     import struct
 
     ext = _ext_mod()
-    counts, parts, n_part, k = [5, 0, 130], 2, 464, 1056
-    a_gs, b_gs = [2.0], [0.5 * (j + 1) for j in range(6)]
+    parts, n_part, k = 2, 464, 1056
+    groups = len(counts) * parts
+    a_gs, b_gs = [2.0], [0.5 * (j + 1) for j in range(groups)]
     bases = [1 << 40, (1 << 40) + (1 << 30), 1 << 41, (1 << 41) + (1 << 30), 1 << 42]
     args_base = 1 << 43
     buf = ext.sm100_host_args_bytes(counts, parts, n_part, k, a_gs, b_gs, bases, args_base, 0xA5)
     plan = ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs, b_gs, SM_COUNT)
     lay = plan["args_layout"]
-    assert len(buf) == lay["total_bytes"] == ext.sm100_args_bytes(6)
+    assert len(buf) == lay["total_bytes"] == ext.sm100_args_bytes(groups)
     for g, grp in enumerate(plan["groups"]):
         def u64(section):
             return struct.unpack_from("<Q", buf, lay[section] + 8 * g)[0]
@@ -896,4 +970,165 @@ def test_host_args_bytes_match_the_plan():
         assert u64("ptr_d") == bases[4] + grp["ptr_d"]
         assert struct.unpack_from("<f", buf, lay["alpha"] + 4 * g)[0] == grp["alpha"]
         assert u64("ptr_alpha") == args_base + lay["alpha"] + 4 * g
-    assert buf[lay["problem_shapes"] + 12 * 6] == 0xA5  # gaps keep the fill byte
+    assert buf[lay["problem_shapes"] + 12 * groups] == 0xA5  # gaps keep the fill byte
+
+
+# --------------------------------------------------------------------------------------------
+# small-M configuration: chosen on the host from T * k
+# --------------------------------------------------------------------------------------------
+
+def _wide_cta_bound(pairs, e, parts, n_part):
+    return (min(e, pairs) + pairs // 128) * parts * -(-n_part // 128)
+
+
+@pytest.mark.parametrize("pairs,e,parts,n_part,sm", [
+    (6, 256, 2, 256, 148),      # V4-Flash TP=8 GEMM 1 at T = 1: 24 wide CTAs at most -> narrow
+    (6, 256, 1, 4096, 148),     # its GEMM 2: 192 wide CTAs -> wide
+    (48, 256, 2, 256, 148),     # T = 8: 192 -> wide
+    (36, 256, 2, 256, 148),     # T = 6: 144 -> narrow
+    (37, 256, 2, 256, 148),     # 148 -> wide (not below the SM count)
+    (384, 256, 2, 256, 148),    # T = 64
+    (8, 256, 2, 2048, 148), (1, 1, 1, 64, 148), (5000, 8, 2, 128, 148), (1, 4, 2, 128, 1)])
+def test_select_tile_n_narrow_only_when_the_wide_grid_cannot_fill_the_gpu(pairs, e, parts, n_part, sm):
+    got = _ext_mod().sm100_select_tile_n(pairs, e, parts, n_part, sm)
+    want = 64 if _wide_cta_bound(pairs, e, parts, n_part) < sm else 128
+    assert got == want
+
+
+def test_select_tile_n_bound_holds_for_any_routing():
+    """The bound used is an upper bound of the wide grid's CTAs for every routing of T * k pairs
+    (so 'narrow' is only chosen when the wide grid really leaves SMs idle)."""
+    gen = torch.Generator().manual_seed(2)
+    for t, k, e, n_part in ((1, 6, 256, 256), (3, 8, 16, 512), (40, 2, 4, 128), (300, 1, 2, 64)):
+        pairs = t * k
+        for ids in (torch.zeros(t, k, dtype=torch.long), torch.randint(0, e, (t, k), generator=gen),
+                    torch.arange(t * k).reshape(t, k) % e):
+            counts = torch.bincount(ids.reshape(-1), minlength=e)
+            ctas = int(((counts + 127) // 128).sum()) * 2 * -(-n_part // 128)
+            assert ctas <= _wide_cta_bound(pairs, e, 2, n_part)
+
+
+def test_backend_picks_the_tile_per_launch_and_plans_with_it(emulated, monkeypatch):
+    """V4-Flash TP = 8 (I = 256 per rank, E = 256, k = 6): T = 1 runs GEMM 1 on the narrow tile,
+    T = 64 on the wide one; the plan and the launch get the tile chosen; a fixed tile_n wins."""
+    from megamoe.backends.cuda_sm100 import CudaSm100Backend
+
+    ext = _ext_mod()
+    seen = []
+    orig = ext.sm100_plan_moe_gemm
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def sm100_plan_moe_gemm(self, counts, parts, n_part, k, a_gs, b_gs, sm_count, tile_n=128):
+            seen.append((parts, n_part, tile_n))
+            return orig(counts, parts, n_part, k, a_gs, b_gs, sm_count, tile_n=tile_n)
+
+    layer = _layer("tiny", emulated, hidden_size=256, intermediate_size=256, num_experts=256, top_k=6)
+    monkeypatch.setattr(emulated, "_ext", Spy())
+    for t, want in ((1, 64), (64, 128)):
+        seen.clear()
+        x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        w, ids = layer.route(x)
+        emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
+        assert seen[0] == (2, 256, want) and emulated.tile_n_for(t * 6, 256, 2, 256) == want
+    fixed = CudaSm100Backend(device="cpu", executor="emulate", sm_count=SM_COUNT, tile_n=128)
+    assert fixed.tile_n_for(1, 256, 2, 256) == 128
+    with pytest.raises(ValueError, match="tile_n"):
+        CudaSm100Backend(device="cpu", executor="emulate", tile_n=96)
+
+
+def test_moe_forward_equal_on_both_tiles(emulated):
+    """The configuration changes only the CTA tiling: the emulated result is the same bits."""
+    from megamoe.backends.cuda_sm100 import CudaSm100Backend
+
+    layer = _layer("tiny", emulated)
+    x = torch.randn(5, layer.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    outs = []
+    for tile_n in (64, 128):
+        be = CudaSm100Backend(device="cpu", executor="emulate", sm_count=SM_COUNT, tile_n=tile_n)
+        outs.append(be.moe_forward(be.prepare_weights(layer.weights), layer.config, x, ids, w))
+        assert be.last_tile_n == tile_n
+    assert torch.equal(outs[0], outs[1])
+
+
+# --------------------------------------------------------------------------------------------
+# device guard, graph-capturable gemm(), driver check
+# --------------------------------------------------------------------------------------------
+
+def test_every_device_kernel_runs_under_the_device_guard(emulated, monkeypatch):
+    """Quantize, swizzle and the GEMM launch run inside the backend's device guard (on a GPU:
+    torch.cuda.device(backend.device)), for moe_forward, gemm and prepare_weights."""
+    be_cls = type(emulated)
+    depth = [0]
+    calls = []
+
+    class Guard:
+        def __enter__(self):
+            depth[0] += 1
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+
+    def watch(name):
+        orig = getattr(be_cls, name)
+
+        def wrapped(self, *a, **kw):
+            calls.append((name, depth[0]))
+            return orig(self, *a, **kw)
+        monkeypatch.setattr(be_cls, name, wrapped)
+
+    monkeypatch.setattr(be_cls, "_device_guard", lambda self: Guard())
+    for name in ("quantize", "swizzle_scales", "_swizzle_rows", "_grouped_gemm"):
+        watch(name)
+    layer = _layer("tiny", emulated)
+    x = torch.randn(3, layer.config.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    emulated.moe_forward(emulated.prepare_weights(layer.weights), layer.config, x, ids, w)
+    gen = torch.Generator().manual_seed(7)
+    emulated.gemm(random_nvfp4(3, 64, gen, 1.0), random_nvfp4(8, 64, gen, 1.0))
+    names = {n for n, _ in calls}
+    assert {"quantize", "swizzle_scales", "_swizzle_rows", "_grouped_gemm"} <= names
+    assert all(d >= 1 for _, d in calls), [c for c in calls if c[1] < 1]
+
+
+def test_gemm_keeps_the_count_on_the_device(emulated, monkeypatch):
+    """gemm() gives the launcher an int32 device tensor (filled on the device, no host copy),
+    so it can be graph-captured and reuses the launcher's initialized Gemm."""
+    be_cls = type(emulated)
+    seen = []
+    orig = be_cls._grouped_gemm
+
+    def spy(self, counts, *a, **kw):
+        seen.append(counts)
+        return orig(self, counts, *a, **kw)
+
+    monkeypatch.setattr(be_cls, "_grouped_gemm", spy)
+    gen = torch.Generator().manual_seed(8)
+    emulated.gemm(random_nvfp4(5, 64, gen, 1.0), random_nvfp4(8, 64, gen, 1.0))
+    assert len(seen) == 1 and torch.is_tensor(seen[0])
+    assert seen[0].dtype == torch.int32 and seen[0].device == emulated.device and seen[0].tolist() == [5]
+
+
+@pytest.mark.parametrize("runtime,driver,ok,needs", [
+    (12080, 12080, True, None), (12080, 12090, True, None), (12080, 13000, True, None),
+    (12080, 12060, False, "12.8 (R570"), (12090, 12080, True, None),
+    (13000, 12080, False, "13.0 (R580"), (13000, 13000, True, None), (13000, 0, False, "no NVIDIA driver"),
+    (12080, 0, False, "no NVIDIA driver")])
+def test_driver_problem_names_what_is_needed(runtime, driver, ok, needs):
+    from megamoe.backends.cuda_sm100 import driver_problem
+
+    why = driver_problem(runtime, driver)
+    assert (why == "") == ok
+    if not ok:
+        assert needs in why and "upgrade the driver" in why
+    if runtime >= 13000 and not ok:
+        assert "CUDA 12.8" in why  # the way out other than a driver upgrade
+
+
+def test_cuda_versions_are_reported():
+    v = _ext_mod().sm100_cuda_versions()
+    assert v["runtime"] >= 12080 and v["runtime"] % 10 == 0
+    assert v["driver"] >= 0

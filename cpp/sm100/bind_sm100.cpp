@@ -5,6 +5,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -17,8 +19,10 @@ namespace sm100 = megamoe::sm100;
 
 namespace {
 
-sm100::MoeGemmGeometry make_geometry(int num_experts, int parts, int n_part, int k, int a_scale_count) {
+sm100::MoeGemmGeometry make_geometry(int num_experts, int parts, int n_part, int k, int a_scale_count,
+                                     int tile_n = sm100::kWideTileN) {
   sm100::MoeGemmGeometry geo;
+  geo.tile_n = tile_n;
   geo.num_experts = num_experts;
   geo.parts = parts;
   geo.n_part = n_part;
@@ -59,6 +63,7 @@ nb::dict group_to_dict(sm100::GroupPlan const& g) {
   d["problem_shape"] = nb::make_tuple(g.geo.m, g.geo.n, g.geo.k);
   d["tokens"] = g.geo.tokens;
   d["row_offset"] = g.geo.row_offset;
+  d["sf_row_offset"] = g.geo.sf_row_offset;
   d["a_offset_bytes"] = g.geo.a_offset_bytes;
   d["sfa_offset_bytes"] = g.geo.sfa_offset_bytes;
   d["b_offset_bytes"] = g.geo.b_offset_bytes;
@@ -100,7 +105,9 @@ nb::dict plan_to_dict(sm100::MoeGemmPlan const& p) {
   d["a_scale_count"] = p.geo.a_scale_count;
   d["num_groups"] = int(p.groups.size());
   d["sm_count"] = p.sm_count;
+  d["tile_n"] = p.geo.tile_n;
   d["total_rows"] = p.total_rows;
+  d["sf_rows"] = p.sf_rows;
   d["a_bytes"] = p.a_bytes;
   d["sfa_bytes"] = p.sfa_bytes;
   d["b_bytes"] = p.b_bytes;
@@ -123,8 +130,8 @@ nb::dict plan_to_dict(sm100::MoeGemmPlan const& p) {
 }  // namespace
 
 void register_sm100(nb::module_& m) {
-  m.def("sm100_kernel_info", []() {
-    sm100::KernelInfo const k = sm100::kernel_info();
+  m.def("sm100_kernel_info", [](int tile_n) {
+    sm100::KernelInfo const k = sm100::kernel_info(tile_n);
     nb::dict d;
     d["tile_shape"] = nb::make_tuple(k.tile_m, k.tile_n, k.tile_k);
     d["cluster_shape"] = nb::make_tuple(k.cluster_m, k.cluster_n);
@@ -144,17 +151,37 @@ void register_sm100(nb::module_& m) {
     d["element_d_bytes"] = k.element_d_bytes;
     d["default_sm_count"] = sm100::kDefaultSmCount;
     d["expert_row_align"] = sm100::kExpertRowAlign;
+    d["tile_n_options"] = nb::make_tuple(sm100::kWideTileN, sm100::kNarrowTileN);
     return d;
-  }, "Compile-time facts about the one sm_100a kernel configuration instantiated.");
+  }, nb::arg("tile_n") = sm100::kWideTileN,
+     "Compile-time facts about the sm_100a kernel configuration with this N tile (128 or 64).");
+
+  m.def("sm100_cuda_versions", []() {
+    nb::dict d;
+    d["runtime"] = int(CUDART_VERSION);  // the CUDA runtime linked into megamoe._C (static)
+    int driver = 0;
+    cudaError_t const err = cudaDriverGetVersion(&driver);  // 0 when no driver is installed
+    d["driver"] = err == cudaSuccess ? driver : 0;
+    d["driver_error"] = err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+    return d;
+  }, "CUDA versions as 1000 * major + 10 * minor: `runtime`, the CUDA runtime megamoe._C was built with "
+     "and links statically; `driver`, the newest CUDA version the installed driver supports (0: no driver).");
+
+  m.def("sm100_select_tile_n", &sm100::select_tile_n, nb::arg("pairs"), nb::arg("num_experts"), nb::arg("parts"),
+        nb::arg("n_part"), nb::arg("sm_count") = sm100::kDefaultSmCount,
+        "N tile (64 or 128) the launcher uses for `pairs` = T * k routed rows (host-only, from T * k alone): 64 "
+        "when a bound of the 128-wide grid's CTAs is below sm_count.");
 
   m.def("sm100_plan_moe_gemm",
         [](std::vector<int32_t> const& token_counts, int parts, int n_part, int k,
-           std::vector<float> const& a_global_scale, std::vector<float> const& b_global_scale, int sm_count) {
-          auto const geo = make_geometry(int(token_counts.size()), parts, n_part, k, int(a_global_scale.size()));
+           std::vector<float> const& a_global_scale, std::vector<float> const& b_global_scale, int sm_count,
+           int tile_n) {
+          auto const geo =
+              make_geometry(int(token_counts.size()), parts, n_part, k, int(a_global_scale.size()), tile_n);
           return plan_to_dict(sm100::plan_moe_gemm(geo, token_counts, a_global_scale, b_global_scale, sm_count));
         },
         nb::arg("token_counts"), nb::arg("parts"), nb::arg("n_part"), nb::arg("k"), nb::arg("a_global_scale"),
-        nb::arg("b_global_scale"), nb::arg("sm_count") = sm100::kDefaultSmCount,
+        nb::arg("b_global_scale"), nb::arg("sm_count") = sm100::kDefaultSmCount, nb::arg("tile_n") = sm100::kWideTileN,
         "Host-only plan of the grouped NVFP4 GEMM (no GPU needed): per-group problem shapes, strides, SF "
         "layouts as CuTe builds them, pointer offsets (operand bases at 0), alphas, CUTLASS can_implement and "
         "workspace size. token_counts: tokens per expert; a_global_scale: 1 or E values; b_global_scale: "
@@ -205,8 +232,8 @@ void register_sm100(nb::module_& m) {
            uintptr_t b, uintptr_t b_sf, uintptr_t d, uintptr_t token_counts, uintptr_t a_global_scale,
            uintptr_t b_global_scale, uintptr_t args, int64_t args_bytes, uintptr_t workspace,
            int64_t workspace_bytes, std::optional<std::vector<int32_t>> host_token_counts, int sm_count,
-           uintptr_t stream) {
-          auto const geo = make_geometry(num_experts, parts, n_part, k, a_scale_count);
+           uintptr_t stream, int tile_n) {
+          auto const geo = make_geometry(num_experts, parts, n_part, k, a_scale_count, tile_n);
           if (host_token_counts && int(host_token_counts->size()) != num_experts) {
             throw nb::value_error("host_token_counts must have num_experts entries");
           }
@@ -230,7 +257,7 @@ void register_sm100(nb::module_& m) {
         nb::arg("a"), nb::arg("a_sf"), nb::arg("b"), nb::arg("b_sf"), nb::arg("d"), nb::arg("token_counts"),
         nb::arg("a_global_scale"), nb::arg("b_global_scale"), nb::arg("args"), nb::arg("args_bytes"),
         nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("host_token_counts").none() = nb::none(),
-        nb::arg("sm_count"), nb::arg("stream"),
+        nb::arg("sm_count"), nb::arg("stream"), nb::arg("tile_n") = sm100::kWideTileN,
         "Launch the grouped NVFP4 GEMM on `stream` (device pointers as integers, see sm100_moe_groups.hpp "
         "for the buffer layouts). Asynchronous; raises on bad arguments or CUTLASS errors.");
 }

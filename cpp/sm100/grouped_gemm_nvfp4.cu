@@ -1,10 +1,12 @@
 // NVFP4 x NVFP4 -> fp32 grouped GEMM for the MoE experts on Blackwell (sm_100a),
 // through CUTLASS's block-scaled ptr-array grouped kernel.
 //
-// One kernel configuration only (compile time: this TU is the costliest of the
-// build): 1-SM tcgen05 MMA, tile 128x128x256, cluster 1x1, per-group alpha
-// through a pointer array, no source C, fp32 output. See sm100_moe_groups.hpp
-// for what a group is and where its operands live.
+// Two kernel configurations (compile time: this TU is the costliest of the build),
+// alike but for the N tile: 1-SM tcgen05 MMA, tile 128xNx256 with N = 128 (the default)
+// or N = 64 (small M: twice the CTAs when the N = 128 grid cannot fill the GPU, see
+// select_tile_n), cluster 1x1, per-group alpha through a pointer array, no source C, fp32
+// output. Both read the same per-group arrays. See sm100_moe_groups.hpp for what a group
+// is and where its operands live.
 //
 // Why fp32 and not bf16 output: GEMM 1's output is re-quantized to NVFP4 after
 // SwiGLU. Rounding it to bf16 first moves values across e2m1 rounding
@@ -25,6 +27,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
+
+#include <cub/block/block_scan.cuh>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -55,28 +59,34 @@ constexpr int kAlignmentA = 32;  // 16 bytes of fp4: TMA needs 16-byte aligned r
 constexpr int kAlignmentB = 32;
 constexpr int kAlignmentD = 4;   // 16 bytes of fp32
 
-using MmaTileShape = Shape<_128, _128, _256>;
 using ClusterShape = Shape<_1, _1, _1>;
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;
 constexpr char const* kScheduleName = "KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100 + PtrArrayTmaWarpSpecialized1Sm";
 
-// ElementC = void: D = alpha * acc, no source read.
-using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, MmaTileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void, LayoutD*,
-    kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpilogueSchedule>::CollectiveOp;
+template <int TileN>
+struct KernelConfig {
+  using MmaTileShape = Shape<_128, Int<TileN>, _256>;
+  // ElementC = void: D = alpha * acc, no source read.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, MmaTileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void, LayoutD*,
+      kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpilogueSchedule>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, ElementA, LayoutA*, kAlignmentA, ElementB,
+      LayoutB*, kAlignmentB, ElementAccumulator, MmaTileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+using WideConfig = KernelConfig<128>;
+using NarrowConfig = KernelConfig<64>;
 
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm100, cutlass::arch::OpClassBlockScaledTensorOp, ElementA, LayoutA*, kAlignmentA, ElementB,
-    LayoutB*, kAlignmentB, ElementAccumulator, MmaTileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    KernelSchedule>::CollectiveOp;
-
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-
+// The per-group array types come from the wide configuration; the narrow one must read the same arrays.
+using GemmKernel = typename WideConfig::GemmKernel;
+using CollectiveMainloop = typename WideConfig::CollectiveMainloop;
 using StrideA = typename GemmKernel::InternalStrideA;
 using StrideB = typename GemmKernel::InternalStrideB;
 using StrideD = typename GemmKernel::InternalStrideD;
@@ -86,7 +96,18 @@ using BlockScaledConfig = typename CollectiveMainloop::Sm1xxBlkScaledConfig;
 using ArrayElementA = typename CollectiveMainloop::ArrayElementA;
 using ArrayElementB = typename CollectiveMainloop::ArrayElementB;
 using ElementSF = typename CollectiveMainloop::ElementSF;
-using FusionArguments = decltype(typename Gemm::Arguments{}.epilogue.thread);
+
+template <class Config>
+constexpr bool kSameArrays =
+    std::is_same_v<typename Config::GemmKernel::InternalStrideA, StrideA> &&
+    std::is_same_v<typename Config::GemmKernel::InternalStrideB, StrideB> &&
+    std::is_same_v<typename Config::GemmKernel::InternalStrideD, StrideD> &&
+    std::is_same_v<typename Config::CollectiveMainloop::InternalLayoutSFA, LayoutSFA> &&
+    std::is_same_v<typename Config::CollectiveMainloop::InternalLayoutSFB, LayoutSFB> &&
+    std::is_same_v<typename Config::CollectiveMainloop::ElementSF, ElementSF> &&
+    std::is_same_v<typename Config::CollectiveMainloop::ArrayElementA, ArrayElementA> &&
+    std::is_same_v<typename Config::CollectiveMainloop::ArrayElementB, ArrayElementB>;
+static_assert(kSameArrays<NarrowConfig>, "both tile configurations read one set of per-group arrays");
 
 static_assert(BlockScaledConfig::SFVecSize == megamoe::kSfVec, "NVFP4 scales cover 16 elements");
 constexpr int kSfVecSize = int(megamoe::kSfVec);
@@ -171,10 +192,10 @@ CUTLASS_HOST_DEVICE LayoutSFB make_layout_sfb(int m, int n, int k) {
 }
 
 // Fills group g of the arrays; the same code runs on the host (planner) and on the device (launch).
-CUTLASS_HOST_DEVICE void fill_group(MoeGemmGeometry const& geo, OperandBases const& bases,
-                                    int32_t const* token_counts, float const* a_global_scale,
+CUTLASS_HOST_DEVICE void fill_group(MoeGemmGeometry const& geo, OperandBases const& bases, int32_t tokens,
+                                    ExpertOffsets const& offsets, float const* a_global_scale,
                                     float const* b_global_scale, int g, GroupArrays const& out) {
-  GroupGeometry const gg = group_geometry(geo, token_counts, g);
+  GroupGeometry const gg = group_geometry(geo, tokens, offsets, g);
   out.problem_shapes[g] = UnderlyingShape{gg.m, gg.n, gg.k};
   out.ptr_a[g] = reinterpret_cast<ArrayElementA const*>(bases.a + uintptr_t(gg.a_offset_bytes));
   out.ptr_b[g] = reinterpret_cast<ArrayElementB const*>(bases.b + uintptr_t(gg.b_offset_bytes));
@@ -195,19 +216,49 @@ CUTLASS_HOST_DEVICE void fill_group(MoeGemmGeometry const& geo, OperandBases con
   out.layout_sfb[g] = make_layout_sfb(m, geo.n_part, geo.k);
 }
 
-__global__ void build_group_arrays_kernel(MoeGemmGeometry geo, OperandBases bases, int32_t const* token_counts,
-                                          float const* a_global_scale, float const* b_global_scale,
-                                          GroupArrays out) {
-  int const g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g < num_groups(geo)) {
-    fill_group(geo, bases, token_counts, a_global_scale, b_global_scale, g, out);
+// One block: thread i takes expert chunk + i; a block scan gives every expert its two row
+// offsets (compact A/D rows, 128-aligned SFA rows), each count is read once, and a running
+// carry crosses chunks. The same offsets as expert_offsets() on the host (exact integer sums).
+constexpr int kBuilderThreads = 256;
+
+__global__ void __launch_bounds__(kBuilderThreads)
+build_group_arrays_kernel(MoeGemmGeometry geo, OperandBases bases, int32_t const* token_counts,
+                          float const* a_global_scale, float const* b_global_scale, GroupArrays out) {
+  using Scan = cub::BlockScan<long long, kBuilderThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ long long carry_row, carry_sf;
+  if (threadIdx.x == 0) {
+    carry_row = 0;
+    carry_sf = 0;
+  }
+  __syncthreads();
+  for (int chunk = 0; chunk < geo.num_experts; chunk += kBuilderThreads) {
+    int const e = chunk + int(threadIdx.x);
+    int32_t const tokens = e < geo.num_experts ? token_counts[e] : 0;
+    long long row = 0, sf = 0, row_total = 0, sf_total = 0;
+    Scan(scan_storage).ExclusiveSum((long long)expert_rows(tokens), row, row_total);
+    __syncthreads();  // scan_storage is reused
+    Scan(scan_storage).ExclusiveSum((long long)expert_sf_rows(tokens), sf, sf_total);
+    ExpertOffsets const offsets{carry_row + row, carry_sf + sf};
+    if (e < geo.num_experts) {
+      for (int part = 0; part < geo.parts; ++part) {
+        fill_group(geo, bases, tokens, offsets, a_global_scale, b_global_scale, e * geo.parts + part, out);
+      }
+    }
+    __syncthreads();  // every thread has read the carries
+    if (threadIdx.x == 0) {
+      carry_row += row_total;
+      carry_sf += sf_total;
+    }
+    __syncthreads();
   }
 }
 
+template <class Gemm>
 typename Gemm::Arguments make_gemm_arguments(int groups, GroupArrays const& arrays,
                                              UnderlyingShape const* host_problem_shapes, int sm_count,
                                              int device_id) {
-  FusionArguments fusion{};
+  decltype(typename Gemm::Arguments{}.epilogue.thread) fusion{};
   fusion.alpha = 0.0f;
   fusion.beta = 0.0f;
   fusion.alpha_ptr = nullptr;
@@ -243,6 +294,10 @@ std::vector<std::string> check_geometry(MoeGemmGeometry const& geo) {
   if (geo.n_part % kAlignmentD != 0) {
     add("n_part = " + std::to_string(geo.n_part) + " must be a multiple of " + std::to_string(kAlignmentD) +
         " (16-byte output rows and part offsets for TMA)");
+  }
+  if (geo.tile_n != kWideTileN && geo.tile_n != kNarrowTileN) {
+    add("tile_n must be " + std::to_string(kWideTileN) + " or " + std::to_string(kNarrowTileN) + ", got " +
+        std::to_string(geo.tile_n));
   }
   if (geo.a_scale_count != 1 && geo.a_scale_count != geo.num_experts) {
     add("a_scale_count must be 1 or num_experts, got " + std::to_string(geo.a_scale_count));
@@ -299,17 +354,19 @@ std::string status_string(cutlass::Status status) { return cutlass::cutlassGetSt
 
 }  // namespace
 
-KernelInfo kernel_info() {
+template <class Config>
+KernelInfo kernel_info_of() {
+  using MmaTileShape = typename Config::MmaTileShape;
   KernelInfo info;
   info.tile_m = size<0>(MmaTileShape{});
   info.tile_n = size<1>(MmaTileShape{});
   info.tile_k = size<2>(MmaTileShape{});
   info.cluster_m = size<0>(ClusterShape{});
   info.cluster_n = size<1>(ClusterShape{});
-  info.stages = CollectiveMainloop::DispatchPolicy::Stages;
-  info.shared_storage_bytes = GemmKernel::SharedStorageSize;
+  info.stages = Config::CollectiveMainloop::DispatchPolicy::Stages;
+  info.shared_storage_bytes = Config::GemmKernel::SharedStorageSize;
   info.smem_capacity_bytes = cutlass::arch::sm100_smem_capacity_bytes;
-  info.threads_per_cta = int(GemmKernel::MaxThreadsPerBlock);
+  info.threads_per_cta = int(Config::GemmKernel::MaxThreadsPerBlock);
   info.alignment_a_elems = kAlignmentA;
   info.alignment_b_elems = kAlignmentB;
   info.alignment_d_elems = kAlignmentD;
@@ -323,13 +380,39 @@ KernelInfo kernel_info() {
   return info;
 }
 
+// Calls f(Config{}) with the configuration of tile_n (64 or 128).
+template <class F>
+decltype(auto) with_config(int tile_n, F&& f) {
+  if (tile_n == 64) return f(NarrowConfig{});
+  if (tile_n == 128) return f(WideConfig{});
+  throw std::invalid_argument("sm100: tile_n must be 64 or 128, got " + std::to_string(tile_n));
+}
+
+KernelInfo kernel_info(int tile_n) {
+  return with_config(tile_n, [](auto config) { return kernel_info_of<decltype(config)>(); });
+}
+
+int select_tile_n(int64_t pairs, int num_experts, int parts, int n_part, int sm_count) {
+  if (pairs <= 0 || num_experts <= 0 || parts <= 0 || n_part <= 0 || sm_count <= 0) return kWideTileN;
+  // At most min(E, pairs) experts have tokens, and all of them together hold at most
+  // pairs / 128 further full 128-row tiles: a bound on the wide grid's M tiles.
+  int64_t const m_tiles = std::min<int64_t>(num_experts, pairs) + pairs / kExpertRowAlign;
+  int64_t const wide_ctas = m_tiles * parts * ((n_part + kWideTileN - 1) / kWideTileN);
+  return wide_ctas < sm_count ? kNarrowTileN : kWideTileN;
+}
+
 ArgsLayout args_layout(int groups) { return make_args_layout(groups); }
 
 int64_t workspace_bytes(int groups, int sm_count) {
-  // The launch passes no host problem shapes, so size the workspace the same way.
+  // The launch passes no host problem shapes, so size the workspace the same way; one
+  // buffer serves either tile configuration (the larger of the two).
   std::vector<char> host_arrays(size_t(make_args_layout(groups).total_bytes));
   GroupArrays arrays = view_group_arrays(host_arrays.data(), make_args_layout(groups));
-  return int64_t(Gemm::get_workspace_size(make_gemm_arguments(groups, arrays, nullptr, sm_count, 0)));
+  auto const of = [&](auto config) {
+    using Gemm = typename decltype(config)::Gemm;
+    return int64_t(Gemm::get_workspace_size(make_gemm_arguments<Gemm>(groups, arrays, nullptr, sm_count, 0)));
+  };
+  return std::max(of(WideConfig{}), of(NarrowConfig{}));
 }
 
 std::vector<int64_t> sf_layout_offsets(int rows, int k, char which) {
@@ -397,13 +480,18 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
   std::vector<char> host_arrays(size_t(plan.args.total_bytes));
   GroupArrays arrays = view_group_arrays(host_arrays.data(), plan.args);
   OperandBases const zero_bases{0, 0, 0, 0, 0};
+  std::vector<ExpertOffsets> offsets(size_t(geo.num_experts) + 1);
+  expert_offsets(token_counts.data(), geo.num_experts, offsets.data());
   for (int g = 0; g < groups; ++g) {
-    fill_group(geo, zero_bases, token_counts.data(), a_global_scale.data(), b_global_scale.data(), g, arrays);
+    int const e = g / geo.parts;
+    fill_group(geo, zero_bases, token_counts[e], offsets[e], a_global_scale.data(), b_global_scale.data(), g,
+               arrays);
   }
 
-  plan.total_rows = total_padded_rows(token_counts.data(), geo.num_experts);
+  plan.total_rows = offsets[geo.num_experts].row;
+  plan.sf_rows = offsets[geo.num_experts].sf_row;
   plan.a_bytes = plan.total_rows * (geo.k / 2);
-  plan.sfa_bytes = megamoe::sf_padded_bytes(plan.total_rows, geo.k / kSfVecSize);
+  plan.sfa_bytes = megamoe::sf_padded_bytes(plan.sf_rows, geo.k / kSfVecSize);
   plan.b_bytes = int64_t(groups) * geo.n_part * (geo.k / 2);
   plan.sfb_bytes = int64_t(groups) * megamoe::sf_padded_bytes(geo.n_part, geo.k / kSfVecSize);
   plan.d_elems = plan.total_rows * geo.parts * geo.n_part;
@@ -412,7 +500,7 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
   int64_t sfb_mismatches = -1;
   for (int g = 0; g < groups; ++g) {
     GroupPlan gp;
-    gp.geo = group_geometry(geo, token_counts.data(), g);
+    gp.geo = group_geometry(geo, token_counts[g / geo.parts], offsets[g / geo.parts], g);
     gp.alpha = arrays.alpha[g];
     gp.stride_a = flatten_stride(arrays.stride_a[g]);
     gp.stride_b = flatten_stride(arrays.stride_b[g]);
@@ -443,17 +531,25 @@ MoeGemmPlan plan_moe_gemm(MoeGemmGeometry const& geo, std::vector<int32_t> const
     GroupArrays one = arrays;  // the same arrays, seen from group g on
     one.problem_shapes += g;
     gp.can_implement =
-        Gemm::can_implement(make_gemm_arguments(1, one, &one_shape, sm_count, 0)) == cutlass::Status::kSuccess;
+        with_config(geo.tile_n, [&](auto config) {
+          using Gemm = typename decltype(config)::Gemm;
+          return Gemm::can_implement(make_gemm_arguments<Gemm>(1, one, &one_shape, sm_count, 0));
+        }) == cutlass::Status::kSuccess;
     plan.groups.push_back(std::move(gp));
   }
 
   std::vector<UnderlyingShape> host_shapes(arrays.problem_shapes, arrays.problem_shapes + groups);
-  auto const args = make_gemm_arguments(groups, arrays, host_shapes.data(), sm_count, 0);
-  cutlass::Status const status = Gemm::can_implement(args);
+  cutlass::Status status = cutlass::Status::kSuccess;
+  with_config(geo.tile_n, [&](auto config) {
+    using Gemm = typename decltype(config)::Gemm;
+    auto const args = make_gemm_arguments<Gemm>(groups, arrays, host_shapes.data(), sm_count, 0);
+    status = Gemm::can_implement(args);
+    plan.workspace_bytes_host_shapes = int64_t(Gemm::get_workspace_size(args));
+    return 0;
+  });
   plan.can_implement = status == cutlass::Status::kSuccess && plan.problems.empty();
   plan.can_implement_status = status_string(status);
   plan.workspace_bytes = workspace_bytes(groups, sm_count);
-  plan.workspace_bytes_host_shapes = int64_t(Gemm::get_workspace_size(args));
   return plan;
 }
 
@@ -474,8 +570,12 @@ std::vector<uint8_t> host_args_bytes(MoeGemmGeometry const& geo, std::vector<int
   GroupArrays const arrays = view_group_arrays(buffer.data(), layout);
   OperandBases const operand_bases{uintptr_t(bases.a), uintptr_t(bases.a_sf), uintptr_t(bases.b),
                                    uintptr_t(bases.b_sf), uintptr_t(bases.d)};
+  std::vector<ExpertOffsets> offsets(size_t(geo.num_experts) + 1);
+  expert_offsets(token_counts.data(), geo.num_experts, offsets.data());
   for (int g = 0; g < groups; ++g) {
-    fill_group(geo, operand_bases, token_counts.data(), a_global_scale.data(), b_global_scale.data(), g, arrays);
+    int const e = g / geo.parts;
+    fill_group(geo, operand_bases, token_counts[e], offsets[e], a_global_scale.data(), b_global_scale.data(), g,
+               arrays);
     // ptr_alpha points into the args buffer itself: as the device sees it, at args_base
     uint64_t const alpha_address = args_base + uint64_t(layout.alpha) + uint64_t(g) * sizeof(float);
     std::memcpy(&arrays.ptr_alpha[g], &alpha_address, sizeof(alpha_address));
@@ -494,23 +594,28 @@ namespace {
 using GemmKey = std::tuple<int, uintptr_t, uintptr_t, int, int>;  // device, args, workspace, groups, sm_count
 constexpr size_t kMaxCachedGemms = 64;
 
+template <class Gemm>
 struct GemmCache {
   std::mutex mutex;
   std::map<GemmKey, std::unique_ptr<Gemm>> gemms;
   std::deque<GemmKey> order;  // oldest first
 };
 
-GemmCache& gemm_cache() {
-  static GemmCache cache;
+template <class Gemm>
+GemmCache<Gemm>& gemm_cache() {
+  static GemmCache<Gemm> cache;
   return cache;
 }
 
 }  // namespace
 
 int64_t cached_gemm_count() {
-  GemmCache& cache = gemm_cache();
-  std::lock_guard<std::mutex> lock(cache.mutex);
-  return int64_t(cache.gemms.size());
+  auto const count = [](auto config) {
+    auto& cache = gemm_cache<typename decltype(config)::Gemm>();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    return int64_t(cache.gemms.size());
+  };
+  return count(WideConfig{}) + count(NarrowConfig{});
 }
 
 void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs, int32_t const* host_token_counts,
@@ -526,8 +631,10 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
   std::vector<UnderlyingShape> host_shapes;
   if (host_token_counts != nullptr) {
     int64_t tiles = 0;
+    std::vector<ExpertOffsets> offsets(size_t(geo.num_experts) + 1);
+    expert_offsets(host_token_counts, geo.num_experts, offsets.data());
     for (int g = 0; g < groups; ++g) {
-      GroupGeometry const gg = group_geometry(geo, host_token_counts, g);
+      GroupGeometry const gg = group_geometry(geo, host_token_counts[g / geo.parts], offsets[g / geo.parts], g);
       if (gg.tokens < 0) {
         throw std::invalid_argument("sm100 moe_gemm: negative token count " + std::to_string(gg.tokens) +
                                     " for expert " + std::to_string(gg.expert));
@@ -568,75 +675,76 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
   }
 
   GroupArrays const arrays = view_group_arrays(ptrs.args, layout);
-  auto args = make_gemm_arguments(groups, arrays, host_shapes.empty() ? nullptr : host_shapes.data(), sm_count,
-                                  /*device_id=*/0);
-  cutlass::Status status = Gemm::can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error("sm100 moe_gemm: CUTLASS can_implement: " + status_string(status));
-  }
-  int64_t const needed = int64_t(Gemm::get_workspace_size(args));
-  if (needed > 0) {
-    check_aligned(ptrs.workspace, "workspace", GemmKernel::MinTensorMapWorkspaceAlignment);
-  }
-  if (ptrs.workspace_bytes < needed) {
-    throw std::invalid_argument("sm100 moe_gemm: workspace has " + std::to_string(ptrs.workspace_bytes) +
-                                " bytes, CUTLASS needs " + std::to_string(needed));
-  }
-
-  // The device from here on.
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
-  int device_id = 0;
-  if (cudaGetDevice(&device_id) != cudaSuccess) throw std::runtime_error("sm100 moe_gemm: cudaGetDevice failed");
-  args.hw_info.device_id = device_id;
-
-  OperandBases const bases{reinterpret_cast<uintptr_t>(ptrs.a), reinterpret_cast<uintptr_t>(ptrs.a_sf),
-                           reinterpret_cast<uintptr_t>(ptrs.b), reinterpret_cast<uintptr_t>(ptrs.b_sf),
-                           reinterpret_cast<uintptr_t>(ptrs.d)};
-  constexpr int kThreads = 128;
-  build_group_arrays_kernel<<<(groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      geo, bases, ptrs.token_counts, ptrs.a_global_scale, ptrs.b_global_scale, arrays);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("sm100 moe_gemm: argument builder launch failed: ") +
-                             cudaGetErrorString(err));
-  }
-
-  if (host_token_counts != nullptr) {
-    // Host problem shapes live in this call's stack: such a Gemm is not kept.
-    Gemm gemm;
-    status = gemm.initialize(args, ptrs.workspace, stream);
+  with_config(geo.tile_n, [&](auto config) {
+    using Gemm = typename decltype(config)::Gemm;
+    using Kernel = typename decltype(config)::GemmKernel;
+    // The launch itself always reads the problem shapes from the device arrays, so one
+    // initialized Gemm serves every launch on these buffers, host counts or not (no per-call
+    // initialize, tensor-map setup or cudaFuncSetAttribute). Host counts only add checks.
+    auto args = make_gemm_arguments<Gemm>(groups, arrays, nullptr, sm_count, /*device_id=*/0);
+    cutlass::Status status = Gemm::can_implement(args);
+    if (status == cutlass::Status::kSuccess && !host_shapes.empty()) {
+      status = Gemm::can_implement(make_gemm_arguments<Gemm>(groups, arrays, host_shapes.data(), sm_count, 0));
+    }
     if (status != cutlass::Status::kSuccess) {
-      throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
+      throw std::runtime_error("sm100 moe_gemm: CUTLASS can_implement: " + status_string(status));
     }
-    status = gemm.run(stream);
-  } else {
-    GemmCache& cache = gemm_cache();
-    std::lock_guard<std::mutex> lock(cache.mutex);
-    GemmKey const key{device_id, reinterpret_cast<uintptr_t>(ptrs.args), reinterpret_cast<uintptr_t>(ptrs.workspace),
-                      groups, sm_count};
-    auto it = cache.gemms.find(key);
-    if (it == cache.gemms.end()) {
-      auto gemm = std::make_unique<Gemm>();
-      status = gemm->initialize(args, ptrs.workspace, stream);
-      if (status != cutlass::Status::kSuccess) {
-        throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
-      }
-      if (cache.gemms.size() >= kMaxCachedGemms) {
-        cache.gemms.erase(cache.order.front());
-        cache.order.pop_front();
-      }
-      it = cache.gemms.emplace(key, std::move(gemm)).first;
-      cache.order.push_back(key);
+    int64_t const needed = int64_t(Gemm::get_workspace_size(args));
+    if (needed > 0) {
+      check_aligned(ptrs.workspace, "workspace", Kernel::MinTensorMapWorkspaceAlignment);
     }
-    status = it->second->run(stream);
-  }
-  if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error("sm100 moe_gemm: CUTLASS run: " + status_string(status));
-  }
-  err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("sm100 moe_gemm: kernel launch failed: ") + cudaGetErrorString(err));
-  }
+    if (ptrs.workspace_bytes < needed) {
+      throw std::invalid_argument("sm100 moe_gemm: workspace has " + std::to_string(ptrs.workspace_bytes) +
+                                  " bytes, CUTLASS needs " + std::to_string(needed));
+    }
+
+    // The device from here on.
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+    int device_id = 0;
+    if (cudaGetDevice(&device_id) != cudaSuccess) throw std::runtime_error("sm100 moe_gemm: cudaGetDevice failed");
+    args.hw_info.device_id = device_id;
+
+    OperandBases const bases{reinterpret_cast<uintptr_t>(ptrs.a), reinterpret_cast<uintptr_t>(ptrs.a_sf),
+                             reinterpret_cast<uintptr_t>(ptrs.b), reinterpret_cast<uintptr_t>(ptrs.b_sf),
+                             reinterpret_cast<uintptr_t>(ptrs.d)};
+    build_group_arrays_kernel<<<1, kBuilderThreads, 0, stream>>>(geo, bases, ptrs.token_counts, ptrs.a_global_scale,
+                                                                ptrs.b_global_scale, arrays);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("sm100 moe_gemm: argument builder launch failed: ") +
+                               cudaGetErrorString(err));
+    }
+
+    {
+      GemmCache<Gemm>& cache = gemm_cache<Gemm>();
+      std::lock_guard<std::mutex> lock(cache.mutex);
+      GemmKey const key{device_id, reinterpret_cast<uintptr_t>(ptrs.args), reinterpret_cast<uintptr_t>(ptrs.workspace),
+                        groups, sm_count};
+      auto it = cache.gemms.find(key);
+      if (it == cache.gemms.end()) {
+        auto gemm = std::make_unique<Gemm>();
+        status = gemm->initialize(args, ptrs.workspace, stream);
+        if (status != cutlass::Status::kSuccess) {
+          throw std::runtime_error("sm100 moe_gemm: CUTLASS initialize: " + status_string(status));
+        }
+        if (cache.gemms.size() >= kMaxCachedGemms) {
+          cache.gemms.erase(cache.order.front());
+          cache.order.pop_front();
+        }
+        it = cache.gemms.emplace(key, std::move(gemm)).first;
+        cache.order.push_back(key);
+      }
+      status = it->second->run(stream);
+    }
+    if (status != cutlass::Status::kSuccess) {
+      throw std::runtime_error("sm100 moe_gemm: CUTLASS run: " + status_string(status));
+    }
+    err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("sm100 moe_gemm: kernel launch failed: ") + cudaGetErrorString(err));
+    }
+    return 0;
+  });
 }
 
 }  // namespace megamoe::sm100

@@ -15,11 +15,13 @@ is validated on the user's hardware by the docs/SPEC.md §5 health checks
 
 How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_groups.hpp``):
 
-* tokens are sorted by expert into a padded activation matrix whose expert blocks start
-  on 128-row boundaries (docs/SPEC.md §2), quantized (bytes identical to the reference quantizer)
-  and swizzled as one matrix (the codes and scales of padding rows are zeroed after
-  quantization: every scale byte the kernel's TMA can read is defined); ids outside
-  ``[0, E)`` (masked, docs/SPEC.md §3.1) get no row;
+* the T * k (token, slot) pairs are sorted by expert into a compact activation matrix
+  (no padding rows: only routed rows are gathered, quantized, activated and combined;
+  bytes identical to the reference quantizer); only the scale factors are placed in expert
+  blocks starting on 128-row boundaries (docs/SPEC.md §2), every other scale byte zero, so
+  every byte the kernel's TMA can read is defined. TMA bounds each group's A and D by its
+  own row count, so tiles past an expert's rows neither read nor write its neighbours';
+  ids outside ``[0, E)`` (masked, docs/SPEC.md §3.1) sort last and no GEMM reads them;
 * GEMM 1 has two groups per expert, gate and up, each with its own alpha
   (``w13_weight_scale_2[e, 0]`` and ``[e, 1]``, times the static input scale), writing the
   two column halves of one ``[rows, 2I]`` output; the weight scales of gate and up are
@@ -29,8 +31,12 @@ How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_gr
 * dynamic (per-row) activation scales cannot be a per-group alpha: the kernel runs with
   activation scale 1 and each output row is multiplied by its row's scale afterwards;
 * no host synchronisation: token counts stay on the device, where a small kernel fills
-  CUTLASS's per-group arrays; the padded row count is bounded on the host by
-  ``T*k + 127 * min(E, T*k)``, whatever the routing (all tokens on one expert included);
+  CUTLASS's per-group arrays (one block scan of the counts); A and D have T * k rows, the
+  scale-factor rows are bounded on the host by ``T*k + 127 * min(E, T*k)``, whatever the
+  routing (all tokens on one expert included);
+* two kernel configurations, N tile 128 and 64, chosen on the host from T * k
+  (``_C.sm100_select_tile_n``): 64 when even a bound of the 128-wide grid has fewer CTAs
+  than the GPU has SMs (decode), doubling the CTAs;
 * the combine gathers each token's k rows and adds them in slot order (no atomics: same
   input, same bits, docs/FIELD_BUGS.md row 28).
 
@@ -41,6 +47,7 @@ Not on the CUTLASS path (stated in :meth:`describe`): W4A16 (bf16 activations) a
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -51,8 +58,9 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import CudaCommonMixin, common_ext
 from megamoe.backends.torch_ref import TorchBackend, row_global_scales, swiglu
 
-__all__ = ["CudaSm100Backend", "PreparedSm100", "RoutingRows", "combine_slots", "emulate_grouped_gemm",
-           "launch_buffers", "launch_grouped_gemm", "pad_k", "routing_rows", "K_ALIGN", "N_ALIGN"]
+__all__ = ["CudaSm100Backend", "PreparedSm100", "RoutingRows", "combine_slots", "driver_problem",
+           "emulate_grouped_gemm", "launch_buffers", "launch_grouped_gemm", "pad_k", "routing_rows",
+           "swizzle_rows_grouped", "K_ALIGN", "N_ALIGN"]
 
 K_ALIGN = 32  # fp4 elements: 16-byte rows for TMA (kernel alignment of A and B)
 N_ALIGN = 4   # fp32 elements: 16-byte output rows and gate/up column offsets
@@ -92,6 +100,35 @@ def _swizzle_parts(be: Backend, scale: torch.Tensor, parts: int) -> torch.Tensor
     n = rows // parts
     buf = be.swizzle_scales(scale.reshape(e * parts, n, kb).contiguous())
     return buf.reshape(e, parts, -1)
+
+
+#: oldest driver branch that runs each CUDA major version (Linux), and the first CUDA version with sm_100
+DRIVER_BRANCH_FOR_CUDA = {12: 525, 13: 580}
+BLACKWELL_MIN_CUDA = 12080  # CUDA 12.8, driver R570
+
+
+def _cuda_str(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def driver_problem(runtime: int, driver: int) -> str:
+    """Why a driver supporting CUDA ``driver`` cannot run sm_100a code built with CUDA runtime
+    ``runtime`` (both ``1000 * major + 10 * minor``), or ``""`` when it can.
+
+    The statically linked runtime needs a driver of its major version (minor version
+    compatibility: R525+ for 12.x, R580+ for 13.x), and Blackwell needs CUDA >= 12.8 (R570+).
+    """
+    need = max(runtime // 1000 * 1000, BLACKWELL_MIN_CUDA)
+    if driver >= need:
+        return ""
+    branch = DRIVER_BRANCH_FOR_CUDA.get(need // 1000, 0)
+    if need == BLACKWELL_MIN_CUDA or need // 1000 == 12:
+        branch = max(branch, 570)
+    have = "no NVIDIA driver found" if driver <= 0 else f"the installed driver supports CUDA {_cuda_str(driver)}"
+    fix = ("upgrade the driver, or use a build of megamoe made with CUDA 12.8 (the container image; "
+           "driver R570 or newer)" if runtime // 1000 > 12 else "upgrade the driver")
+    return (f"megamoe._C was built with CUDA {_cuda_str(runtime)} and links its runtime statically; on Blackwell "
+            f"that needs a driver for CUDA >= {_cuda_str(need)} (R{branch} or newer), and {have}: {fix}")
 
 
 @dataclass
@@ -175,15 +212,17 @@ def launch_buffers(ext, groups: int, sm_count: int, device) -> tuple[torch.Tenso
 
 def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
                         a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, sm_count: int,
-                        stream: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                        stream: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        tile_n: int = 128) -> None:
     """Call ``_C.sm100_moe_gemm`` with ``buffers`` = ``(args, workspace)`` (see :func:`launch_buffers`;
     fresh ones when None).
 
     Operands as in :func:`emulate_grouped_gemm`; ``out`` is fp32 ``[rows, parts * n_part]``.
     ``counts`` (tokens per expert) is a host list, then CUTLASS's ``can_implement`` also checks
-    every group, or an int32 tensor on ``out``'s device, then nothing synchronises with the
-    host. Asynchronous on ``stream``; the host-side checks (geometry, alignment, sizes,
-    ``can_implement``) raise before anything is launched.
+    every group (the list reaches the device by a copy from pinned memory), or an int32 tensor
+    on ``out``'s device, then nothing synchronises with the host. ``tile_n``: the kernel
+    configuration (128, or 64 for small M). Asynchronous on ``stream``; the host-side checks
+    (geometry, alignment, sizes, ``can_implement``) raise before anything is launched.
     """
     host_counts = None if torch.is_tensor(counts) else [int(c) for c in counts]
     num_experts = counts.numel() if torch.is_tensor(counts) else len(host_counts)
@@ -200,7 +239,10 @@ def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_
                              f"got {counts.dtype} on {counts.device}")
         counts_dev = counts
     else:
-        counts_dev = torch.tensor(host_counts, dtype=torch.int32, device=dev)
+        host = torch.tensor(host_counts, dtype=torch.int32)
+        if dev.type == "cuda":  # an asynchronous copy; the caching host allocator keeps `host` alive until done
+            host = host.pin_memory()
+        counts_dev = host.to(dev, non_blocking=True)
     args, workspace = launch_buffers(ext, groups, sm_count, dev) if buffers is None else buffers
     if args.device != dev or workspace.device != dev:
         raise ValueError(f"sm100 grouped GEMM: args / workspace buffers must be on {dev}")
@@ -212,36 +254,48 @@ def launch_grouped_gemm(ext, counts, parts: int, n_part: int, k: int, a_data, a_
         d=out.data_ptr(), token_counts=counts_dev.data_ptr(), a_global_scale=a_gs.data_ptr(),
         b_global_scale=b_gs.data_ptr(), args=args.data_ptr(), args_bytes=args.numel(),
         workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), host_token_counts=host_counts,
-        sm_count=sm_count, stream=stream)
+        sm_count=sm_count, stream=stream, tile_n=tile_n)
 
 
 @dataclass
 class RoutingRows:
-    """Where every (token, slot) pair of a routing goes in the padded, expert-sorted rows.
+    """Where every (token, slot) pair of a routing goes: compact expert-sorted rows for A and D,
+    128-row aligned expert blocks for A's scale factors only.
 
-    ``counts`` int32 ``[E]`` tokens per expert (masked slots not counted); ``rows`` the padded
-    row count (a host bound, never read back from the device); ``dest`` ``[P]`` the row of the
-    ``i``-th pair in expert order (``rows`` for a masked slot: the spare row); ``token_of``
-    ``[P]`` its token; ``row_of_slot`` ``[T * k]`` the row of each slot in slot order;
-    ``valid`` ``[T * k]`` whether the slot's id is in ``[0, E)``; ``expert_of_row`` ``[rows]``
-    and ``real`` ``[rows]`` the expert of each row and whether a slot fills it.
+    ``counts`` int32 ``[E]`` tokens per expert (masked slots not counted). ``rows`` = T * k,
+    the compact row count (a host value: the sum of the counts stays on the device): row
+    ``i`` holds the ``i``-th pair in (expert, token, slot) order, real pairs first, the
+    pairs of masked slots after every expert (quantized like the others, read by no GEMM
+    and skipped by the combine). ``token_of`` ``[rows]`` the token of each row;
+    ``row_of_slot`` ``[T * k]`` the row of each slot in slot order; ``valid`` ``[T * k]``
+    whether the slot's id is in ``[0, E)``; ``expert_of_row`` and ``real`` ``[rows]`` the
+    expert of each row (masked: E - 1) and whether it is a real pair. ``row_offsets`` int32
+    ``[E + 1]`` the first compact row of each expert (and the real-row total);
+    ``sf_row_offsets`` int32 ``[E]`` the first scale-factor row of each expert
+    (``sum_{j<e} round_up(count_j, 128)``, docs/SPEC.md §2); ``sf_rows`` a host bound on
+    the scale-factor rows, ``T*k + 127 * min(E, T*k)`` rounded up to 128, whatever the
+    routing; ``sf_row_of_row`` ``[rows]`` each row's scale-factor row (masked: ``sf_rows``).
     """
 
     counts: torch.Tensor
     rows: int
-    dest: torch.Tensor
+    sf_rows: int
     token_of: torch.Tensor
     row_of_slot: torch.Tensor
     valid: torch.Tensor
     expert_of_row: torch.Tensor
     real: torch.Tensor
+    row_offsets: torch.Tensor
+    sf_row_offsets: torch.Tensor
+    sf_row_of_row: torch.Tensor
 
 
 def routing_rows(topk_ids: torch.Tensor, num_experts: int) -> RoutingRows:
-    """docs/SPEC.md §2 row placement of a ``[T, k]`` routing, on the ids' device, without a host sync.
+    """Compact row placement of a ``[T, k]`` routing, on the ids' device, without a host sync.
 
-    Expert ``e``'s pairs, in (token, slot) order, take rows ``row_offset_e ..``, with
-    ``row_offset_e = sum_{j<e} round_up(count_j, 128)``. Ids outside ``[0, E)`` get no row.
+    Expert ``e``'s pairs, in (token, slot) order, take compact rows ``sum_{j<e} count_j ..``
+    of A and D, and scale-factor rows ``sum_{j<e} round_up(count_j, 128) ..`` (docs/SPEC.md §2).
+    Ids outside ``[0, E)`` get rows after every expert's that nothing reads.
     """
     e = num_experts
     dev = topk_ids.device
@@ -257,22 +311,40 @@ def routing_rows(topk_ids: torch.Tensor, num_experts: int) -> RoutingRows:
         0, key, torch.ones(pairs, dtype=torch.int64, device=dev))
     counts = counts_all[:e]
     padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    starts = torch.cumsum(padded, 0) - padded          # docs/SPEC.md §2 row_offset_e
-    first = torch.cumsum(counts_all, 0) - counts_all   # first sorted pair of each expert
+    sf_starts = torch.cumsum(padded, 0) - padded        # docs/SPEC.md §2 row_offset_e of the scale factors
+    starts = torch.cumsum(counts_all, 0) - counts_all   # first compact row of each expert (and of the masked)
     # sum_e round_up(count_e, 128) <= pairs + 127 * (number of non-empty experts)
-    rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
+    sf_rows = _round_up(pairs + (ROW_ALIGN - 1) * min(e, pairs), ROW_ALIGN)
     is_real = sorted_key < e
     expert = sorted_key.clamp(max=e - 1)
-    pos = torch.arange(pairs, device=dev) - first[sorted_key]
-    dest = torch.where(is_real, starts[expert] + pos, torch.full((), rows, dtype=torch.long, device=dev))
+    row = torch.arange(pairs, device=dev)
+    sf_row = torch.where(is_real, sf_starts[expert] + row - starts[sorted_key],
+                         torch.full((), sf_rows, dtype=torch.long, device=dev))
     row_of_slot = torch.empty(pairs, dtype=torch.long, device=dev)
-    row_of_slot[order] = dest  # `order` is a permutation: every slot written once
-    expert_of_row = torch.zeros(rows + 1, dtype=torch.long, device=dev)
-    expert_of_row[dest] = expert
-    real = torch.zeros(rows + 1, dtype=torch.bool, device=dev)
-    real[dest] = is_real
-    return RoutingRows(counts=counts.to(torch.int32), rows=rows, dest=dest, token_of=order // top_k,
-                       row_of_slot=row_of_slot, valid=valid, expert_of_row=expert_of_row[:rows], real=real[:rows])
+    row_of_slot[order] = row  # `order` is a permutation: every slot written once
+    return RoutingRows(counts=counts.to(torch.int32), rows=pairs, sf_rows=sf_rows, token_of=order // top_k,
+                       row_of_slot=row_of_slot, valid=valid, expert_of_row=expert, real=is_real,
+                       row_offsets=starts.to(torch.int32), sf_row_offsets=sf_starts.to(torch.int32),
+                       sf_row_of_row=sf_row)
+
+
+def swizzle_rows_grouped(scale: torch.Tensor, rt: RoutingRows) -> torch.Tensor:
+    """Linear scales of the compact rows ``[rows, cols]`` -> the docs/SPEC.md §2 buffer of a
+    ``[rt.sf_rows, cols]`` matrix with each expert's block at its scale-factor row offset.
+
+    The reference of what ``megamoe._C.swizzle_scales_grouped`` does with ``rt.row_offsets``
+    and ``rt.sf_row_offsets`` (any device): every byte of the buffer is written, rows no
+    real pair fills are zero, masked rows are not placed.
+    """
+    u8 = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    rows, cols = u8.shape
+    prow, pcol = nvfp4.sf_padded_shape(rt.sf_rows, cols)
+    out = torch.zeros(prow * pcol + 1, dtype=torch.uint8, device=u8.device)  # last byte: where masked rows go
+    kk = torch.arange(cols, device=u8.device, dtype=torch.int64).unsqueeze(0)
+    idx = nvfp4.sf_offset(rt.sf_row_of_row.unsqueeze(1), kk, cols)
+    idx = torch.where(rt.real.unsqueeze(1), idx, torch.full((), prow * pcol, dtype=torch.int64, device=u8.device))
+    out[idx.reshape(-1)] = u8.reshape(-1)  # real rows: distinct offsets
+    return out[: prow * pcol].reshape(prow, pcol)
 
 
 def combine_slots(y: torch.Tensor, row_of_slot: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
@@ -305,14 +377,20 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         executor: ``"cutlass"`` (the kernel) or ``"emulate"`` (:func:`emulate_grouped_gemm`,
             any device; what the CPU tests use to check everything around the kernel).
         sm_count: SMs the persistent kernel spreads over (default: the device's).
+        tile_n: the kernel configuration's N tile, 128 or 64; None (default) chooses per
+            launch from T * k (:meth:`tile_n_for`): 64 when the 128-wide grid cannot fill the GPU.
     """
 
     name = "cuda-sm100"
 
     def __init__(self, device: str | torch.device | None = None, executor: str = "cutlass",
-                 sm_count: int | None = None) -> None:
+                 sm_count: int | None = None, tile_n: int | None = None) -> None:
         if executor not in ("cutlass", "emulate"):
             raise ValueError(f"executor must be 'cutlass' or 'emulate', got {executor!r}")
+        if tile_n not in (None, 64, 128):
+            raise ValueError(f"tile_n must be None (chosen per launch from T * k), 64 or 128, got {tile_n!r}")
+        self.tile_n = tile_n
+        self.last_tile_n: int | None = None  # the N tile of the latest grouped GEMM
         self._ext = _sm100_ext()
         if self._ext is None:
             raise RuntimeError(f"cuda-sm100 needs megamoe._C built with sm_100a: {self.availability()[1]}")
@@ -378,6 +456,11 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         if not {f"{major}{minor}a", f"{major}{minor}f", f"{major}0f"} & built:
             return False, (f"compute capability {major}.{minor} needs sm_{major}{minor}a in MEGAMOE_CUDA_ARCHS; "
                            f"the extension was built for '{getattr(ext, 'cuda_archs', '')}'")
+        versions = ext.sm100_cuda_versions() if hasattr(ext, "sm100_cuda_versions") else None
+        if versions is not None:
+            problem = driver_problem(versions["runtime"], versions["driver"])
+            if problem:
+                return False, problem
         return True, ""
 
     @property
@@ -387,6 +470,8 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
     def describe(self) -> dict:
         d = super().describe()
         d.update(kernel=self._ext.sm100_kernel_info(), executor=self.executor, sm_count=self.sm_count,
+                 tile_n="auto (64 or 128 from T * k)" if self.tile_n is None else self.tile_n,
+                 cuda_versions=self._ext.sm100_cuda_versions() if hasattr(self._ext, "sm100_cuda_versions") else None,
                  not_on_cutlass_path=["W4A16 (bf16 activations): torch reference on the GPU",
                                       "gemm with a float `a`: torch reference on the GPU"],
                  primitives="cpp/common CUDA kernels" if self._gpu_primitives else "torch reference",
@@ -394,29 +479,43 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         return d
 
     # ------------------------------------------------------------------ the grouped GEMM
+    def tile_n_for(self, pairs: int, num_experts: int, parts: int, n_part: int) -> int:
+        """The kernel configuration's N tile for ``pairs`` = T * k routed rows (host-only):
+        the backend's fixed ``tile_n``, or ``_C.sm100_select_tile_n``."""
+        if self.tile_n is not None:
+            return self.tile_n
+        return int(self._ext.sm100_select_tile_n(int(pairs), int(num_experts), parts, n_part, self.sm_count))
+
+    def _device_guard(self):
+        """The backend's device made current (quantize, swizzle and the GEMM launch on the current device)."""
+        return torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
+
     def _grouped_gemm(self, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
-                      a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                      a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, pairs: int) -> torch.Tensor:
         """``out[rows of e, p*n_part:(p+1)*n_part] = alpha_{e,p} * A_e @ B_{e,p}^T`` for every group.
 
-        ``counts``: tokens per expert, a list (host) or an int32 tensor on the device."""
+        ``counts``: tokens per expert, a list (host) or an int32 tensor on the device;
+        ``pairs``: the host bound of their sum (T * k), which picks the kernel configuration."""
         a_gs = a_gs.reshape(-1).float().contiguous()
         b_gs = b_gs.reshape(-1).float().contiguous()
+        num_experts = counts.numel() if torch.is_tensor(counts) else len(counts)
+        tile_n = self.tile_n_for(pairs, num_experts, parts, n_part)
+        self.last_tile_n = tile_n
         if self.executor == "emulate":
             counts = counts.tolist() if torch.is_tensor(counts) else list(counts)
             plan = self._ext.sm100_plan_moe_gemm(counts, parts, n_part, k, a_gs.cpu().tolist(),
-                                                 b_gs.cpu().tolist(), self.sm_count)
+                                                 b_gs.cpu().tolist(), self.sm_count, tile_n=tile_n)
             if not plan["can_implement"]:
                 raise RuntimeError(f"sm100 grouped GEMM cannot run this problem: {plan['problems']} "
                                    f"(CUTLASS: {plan['can_implement_status']})")
             return emulate_grouped_gemm(plan, a_data, a_sf, b_data, b_sf, out)
         dev = out.device
-        num_experts = counts.numel() if torch.is_tensor(counts) else len(counts)
         with torch.cuda.device(dev):  # the launcher uses the current device and its stream
             stream = torch.cuda.current_stream(dev).cuda_stream
             buffers = None if torch.cuda.is_current_stream_capturing() else self.launch_buffers(
                 num_experts * parts, stream)
             launch_grouped_gemm(self._ext, counts, parts, n_part, k, a_data, a_sf, b_data, b_sf, a_gs, b_gs, out,
-                                self.sm_count, stream, buffers=buffers)
+                                self.sm_count, stream, buffers=buffers, tile_n=tile_n)
         return out
 
     # ------------------------------------------------------------------ GEMM
@@ -426,7 +525,10 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
             return nvfp4.gemm(a.to(self._device), b.to(self._device), alpha=alpha, out_dtype=out_dtype)
         if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[1]:
             raise ValueError(f"gemm: expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-        a, b = a.to(self._device), b.to(self._device)
+        with self._device_guard():
+            return self._gemm(a.to(self._device), b.to(self._device), alpha, out_dtype)
+
+    def _gemm(self, a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor, alpha, out_dtype: torch.dtype) -> torch.Tensor:
         m, k = a.shape
         n = b.shape[0]
         if m == 0 or n == 0:
@@ -446,7 +548,9 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         a_gs = a.global_scale.reshape(1) if scalar else one
         b_gs = b.global_scale.reshape(1) if scalar else one
         d = torch.empty((m, n_pad), dtype=torch.float32, device=self._device)
-        self._grouped_gemm([m], 1, n_pad, k_pad, a_data, a_sf, b_data, b_sf, a_gs, b_gs, d)
+        # the count stays on the device (a fill kernel, no host copy): graph-capturable
+        counts = torch.full((1,), m, dtype=torch.int32, device=self._device)
+        self._grouped_gemm(counts, 1, n_pad, k_pad, a_data, a_sf, b_data, b_sf, a_gs, b_gs, d, pairs=m)
         res = d[:, :n].float()
         if not scalar:  # per-row global scales: applied outside the kernel's scalar alpha
             res = res * nvfp4._global_scale_rows(a.global_scale.float(), (m,)).reshape(-1, 1)
@@ -457,6 +561,10 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
 
     # ------------------------------------------------------------------ MoE
     def prepare_weights(self, weights):
+        with self._device_guard():
+            return self._prepare_weights(weights)
+
+    def _prepare_weights(self, weights):
         w = weights.to(self._device)
         e, two_i, _ = w.w13.data.shape
         inter, hidden = two_i // 2, w.w13.shape[-1]
@@ -489,34 +597,50 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                                  f"(CUTLASS: {plan['can_implement_status']})")
         return prepared
 
-    def _quantize_rows(self, x: torch.Tensor, k_pad: int, static_scale, expert_of_row, dynamic: bool,
-                       real: torch.Tensor):
-        """Quantize rows of ``x`` (per-row global scales), K padded; returns (data, swizzled sf, row scales).
+    def _quantize_rows(self, x: torch.Tensor, k_pad: int, static_scale, rt: RoutingRows, dynamic: bool):
+        """Quantize the compact rows ``x`` ``[rt.rows, K]`` (per-row global scales), K padded.
 
-        Rows where ``real`` is False (padding) get zero codes and zero scales whatever ``x`` holds there."""
-        rows, k = x.shape
+        Returns (codes ``[rows, k_pad/2]``, the swizzled scales of the real rows in their
+        experts' 128-row aligned blocks (every other byte zero), per-row global scales)."""
+        k = x.shape[1]
         if dynamic or static_scale is None:
             row_gs = row_global_scales(x)
         else:
-            row_gs = static_scale.float()[expert_of_row]
+            row_gs = static_scale.float()[rt.expert_of_row]
         if k_pad != k:
             x = torch.nn.functional.pad(x, (0, k_pad - k))
         q = self.quantize(x, row_gs)
-        keep = real.unsqueeze(1)
-        zero = torch.zeros((), dtype=torch.uint8, device=x.device)
-        data = torch.where(keep, q.data, zero)
-        scale = torch.where(keep, q.scale.view(torch.uint8), zero).view(torch.float8_e4m3fn)
-        return data, self.swizzle_scales(scale), row_gs
+        return q.data, self._swizzle_rows(q.scale, rt), row_gs
+
+    def _swizzle_rows(self, scale: torch.Tensor, rt: RoutingRows) -> torch.Tensor:
+        """:func:`swizzle_rows_grouped` with the shared CUDA kernel on a GPU (device offsets, no host sync)."""
+        if not self._gpu_primitives:
+            return swizzle_rows_grouped(scale, rt)
+        u8 = scale.view(torch.uint8).contiguous()
+        cols = u8.shape[1]
+        if rt.sf_rows >= 2**31:
+            raise ValueError(f"cuda-sm100: {rt.sf_rows} scale-factor rows exceed the int32 row offsets; "
+                             f"split the batch (T * k = {rt.rows})")
+        prow, pcol = nvfp4.sf_padded_shape(rt.sf_rows, cols)
+        out = torch.empty((prow, pcol), dtype=torch.uint8, device=u8.device)  # every byte written
+        common_ext().swizzle_scales_grouped(u8, rt.row_offsets, rt.sf_row_offsets, rt.sf_rows, out,
+                                            torch.cuda.current_stream(u8.device).cuda_stream)
+        return out
 
     def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
         """Routed experts (docs/SPEC.md §3) through two grouped GEMMs; float32 ``[T, H]``.
 
         Ids outside ``[0, E)`` (the mask value -1, or another rank's experts) are skipped: no
-        row, no GEMM work, no contribution (docs/SPEC.md, masked expert ids). No host
-        synchronisation: every size below is a bound known from ``T * top_k`` (CUDA-graph safe).
+        GEMM work, no contribution (docs/SPEC.md, masked expert ids). A and D hold only the
+        T * k routed rows; only the scale factors have 128-row expert blocks. No host
+        synchronisation: every size below is known from ``T * top_k`` (CUDA-graph safe).
         """
         if cfg.act_mode == "w4a16":
             return self._reference.moe_forward(prepared.weights, cfg, x, topk_ids, topk_weights)
+        with self._device_guard():
+            return self._moe_forward(prepared, cfg, x, topk_ids, topk_weights)
+
+    def _moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
         p = prepared
         t, h = x.shape
         dev = x.device
@@ -527,30 +651,24 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         inter = p.inter
         rt = routing_rows(topk_ids, e)
         rows = rt.rows
-        # Padded activation: expert blocks on 128-row boundaries, one spare row (index `rows`)
-        # that masked slots write to and nothing reads. Only the rows the plan gives an expert
-        # are filled; the others are left as allocated and their codes and scales zeroed after
-        # quantization, so every scale byte the GEMM's TMA can read (whole 128-row, 4-column
-        # scale atoms) is defined.
-        x_pad = torch.empty((rows + 1, h), dtype=x.dtype, device=dev)
-        x_pad[rt.dest] = x[rt.token_of]
+        # Compact activation: the T * k routed rows in expert order (masked slots' rows last,
+        # quantized like the others and read by nothing).
         static1 = None if cfg.dynamic_act_scale else p.w13_input_scale
-        a1, a1_sf, gs1 = self._quantize_rows(x_pad[:rows], p.k1, static1, rt.expert_of_row, cfg.dynamic_act_scale,
-                                             rt.real)
+        a1, a1_sf, gs1 = self._quantize_rows(x[rt.token_of], p.k1, static1, rt, cfg.dynamic_act_scale)
         one = torch.ones(1, dtype=torch.float32, device=dev)
-        gu = torch.empty((rows, 2 * inter), dtype=torch.float32, device=dev)  # padding rows: never read
+        gu = torch.empty((rows, 2 * inter), dtype=torch.float32, device=dev)  # rows of masked slots: never written
         self._grouped_gemm(rt.counts, 2, inter, p.k1, a1, a1_sf, p.w13_data, p.w13_sf,
-                           one if static1 is None else static1, p.w13_gs, gu)
+                           one if static1 is None else static1, p.w13_gs, gu, pairs=rows)
         if static1 is None:
             gu = gu * gs1.unsqueeze(1)
         hmid = swiglu(gu, inter, cfg.swiglu_limit)
         hmid = torch.where(rt.real.unsqueeze(1), hmid, torch.zeros((), dtype=hmid.dtype, device=dev))
 
         static2 = None if cfg.dynamic_act_scale else p.w2_input_scale
-        a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, rt.expert_of_row, cfg.dynamic_act_scale, rt.real)
-        y = torch.empty((rows, h), dtype=torch.float32, device=dev)  # padding rows: never read
+        a2, a2_sf, gs2 = self._quantize_rows(hmid, p.k2, static2, rt, cfg.dynamic_act_scale)
+        y = torch.empty((rows, h), dtype=torch.float32, device=dev)  # rows of masked slots: never written
         self._grouped_gemm(rt.counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
-                           one if static2 is None else static2, p.w2_gs, y)
+                           one if static2 is None else static2, p.w2_gs, y, pairs=rows)
         return combine_slots(y, rt.row_of_slot.view(t, top_k), rt.valid.view(t, top_k),
                              topk_weights.reshape(t, top_k).float(), None if static2 is not None else gs2)
 

@@ -29,7 +29,7 @@ constexpr int kSfAlignmentBytes = 128;
 // (tensor-map workspace is per SM); the launcher gets the real one from the caller.
 constexpr int kDefaultSmCount = 148;
 
-// Compile-time facts about the one kernel configuration instantiated.
+// Compile-time facts about a kernel configuration (tile_n = 128 or 64).
 struct KernelInfo {
   int tile_m = 0, tile_n = 0, tile_k = 0;
   int cluster_m = 0, cluster_n = 0;
@@ -46,7 +46,13 @@ struct KernelInfo {
   std::string element_a, element_b, element_sf, element_d;
 };
 
-KernelInfo kernel_info();
+KernelInfo kernel_info(int tile_n = kWideTileN);
+
+// The N tile for a grouped GEMM of `pairs` routed (token, slot) rows over num_experts experts,
+// chosen on the host from T * k alone (no token counts): 64 when even an upper bound of the
+// 128-wide grid's CTAs, (min(E, pairs) + pairs / 128) * parts * ceil(n_part / 128), is below
+// sm_count (the wide grid would leave SMs idle; the narrow one has twice the CTAs), else 128.
+int select_tile_n(int64_t pairs, int num_experts, int parts, int n_part, int sm_count);
 
 // One (m, kb) -> byte offset sample of a group's SF layout, as CuTe evaluates it.
 struct SfSample {
@@ -87,7 +93,8 @@ struct ArgsLayout {  // byte offsets of the per-group arrays inside the args buf
 struct MoeGemmPlan {
   MoeGemmGeometry geo;
   int sm_count = 0;
-  int64_t total_rows = 0;         // padded rows of A and D
+  int64_t total_rows = 0;         // rows of A and D (compact: the sum of the token counts)
+  int64_t sf_rows = 0;            // rows of the SFA matrix (every expert's block padded to 128 rows)
   int64_t a_bytes = 0, sfa_bytes = 0, b_bytes = 0, sfb_bytes = 0, d_elems = 0;  // buffer sizes the groups span
   std::vector<GroupPlan> groups;
   ArgsLayout args;                // device args buffer the launcher fills
@@ -139,8 +146,8 @@ std::vector<uint8_t> host_args_bytes(MoeGemmGeometry const& geo, std::vector<int
                                      std::vector<float> const& b_global_scale, OperandAddresses const& bases,
                                      uint64_t args_base, uint8_t fill);
 
-// Number of initialized CUTLASS Gemm objects the launcher keeps (per device, args buffer,
-// workspace, group count and SM count; launches with device token counts only).
+// Number of initialized CUTLASS Gemm objects the launcher keeps (per configuration, device,
+// args buffer, workspace, group count and SM count).
 int64_t cached_gemm_count();
 
 // Fills the per-group arrays on the device (no host synchronisation) and
@@ -149,8 +156,9 @@ int64_t cached_gemm_count();
 // group in can_implement, and a problem with no tile at all returns without
 // launching anything. Every check (geometry, alignment, buffer sizes,
 // can_implement, workspace) runs on the host before the first CUDA call.
-// Launches with device counts reuse an initialized Gemm kept per (device, args,
-// workspace, groups, sm_count). Throws std::invalid_argument / std::runtime_error
+// Every launch reuses an initialized Gemm kept per (configuration, device, args,
+// workspace, groups, sm_count): host counts only add checks, the kernel reads the problem
+// shapes from the device arrays either way. Throws std::invalid_argument / std::runtime_error
 // on a bad argument or a CUTLASS / CUDA error.
 void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
                   int32_t const* host_token_counts, int sm_count, void* stream);
