@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         print(f"megamoe serve: invalid settings: {problems}", file=sys.stderr)
         return 2
+    if settings.instances > 1:
+        from .instances import serve_instances  # the parent: it supervises the instance processes
+        from .settings import configure_logging
+
+        configure_logging(settings)
+        return serve_instances(settings)
     from .server import serve  # torch and the app: after the settings are known to be good
 
     return serve(settings)

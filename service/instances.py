@@ -43,12 +43,11 @@ import socket
 import tempfile
 import time
 
+from .channel import MSG_CLOSED, MSG_NOT_READY, MSG_READY
 from .settings import ServiceSettings
 
 log = logging.getLogger("megamoe.service.instances")
 
-#: what an instance tells the parent (one byte each)
-MSG_READY, MSG_NOT_READY, MSG_CLOSED = ord("R"), ord("N"), ord("C")
 #: accepted connections handed out per wake-up of the parent at most (then it reads the instances' news)
 _ACCEPT_BURST = 64
 #: an instance still running this long after the drain should have ended is killed
@@ -270,4 +269,4 @@ class _Supervisor:
             log.info("instance %d (pid %d) drained and exited", inst.index, inst.process.pid)
 
 
-__all__ = ["serve_instances", "listen_socket", "MSG_READY", "MSG_NOT_READY", "MSG_CLOSED"]
+__all__ = ["serve_instances", "listen_socket"]

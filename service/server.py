@@ -38,7 +38,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
-from .settings import ServiceSettings
+from .settings import ServiceSettings, configure_logging
 
 log = logging.getLogger("megamoe.service.server")
 
@@ -564,15 +564,9 @@ def build_server(settings: ServiceSettings, *, layer=None, instance: tuple[int, 
 
 
 def serve(settings: ServiceSettings, *, instance: tuple[int, socket.socket] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (0) or a failed model load (1). With ``settings.instances`` > 1 this
-    process supervises that many instance processes (service/instances.py); ``instance``: this is one."""
-    where = f"[instance {instance[0]}] " if instance is not None else ""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
-    if settings.instances > 1 and instance is None:
-        from .instances import serve_instances
-
-        return serve_instances(settings)
+    """Serve in this process until SIGTERM/SIGINT (0) or a failed model load (1); ``instance``: this
+    process is one instance of several (service/instances.py supervises them)."""
+    configure_logging(settings, instance[0] if instance is not None else None)
     server = build_server(settings, instance=instance)
     server.run()
     # drained: uvicorn has put back the default handlers, and a second SIGTERM from an impatient

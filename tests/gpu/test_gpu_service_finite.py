@@ -32,9 +32,11 @@ def test_nonfinite_request_is_refused_the_others_unaffected(sizes, bad):
     backend_or_skip("cuda-sm90")
     from megamoe.moe import MoELayer
     from megamoe.service.model import ServedModel
+    from megamoe.service.runner import BatchRunner
 
     gpu = MoELayer.from_preset("small", seed=SEED % 997, backend="cuda-sm90")
     model = ServedModel("m", gpu, 4096)
+    runner = BatchRunner(model)
     names = ("hidden_states", "topk_ids", "topk_weights")
     clean = [dict(zip(names, random_inputs(gpu, n, seed=SEED + k))) for k, n in enumerate(sizes)]
     dirty = [dict(x) for x in clean]
@@ -45,7 +47,7 @@ def test_nonfinite_request_is_refused_the_others_unaffected(sizes, bad):
 
     def run(batch):
         requests = [model.validate(x, TYPES) for x in batch]
-        outputs, _ = model.finish_batch(model.launch_batch(requests))
+        outputs, _ = runner.finish_batch(runner.launch_batch(requests))
         return requests, outputs
 
     requests, outputs = run(dirty)

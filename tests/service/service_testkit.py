@@ -108,6 +108,7 @@ class LocalServer:
         self.settings = ServiceSettings(**fields)
         self.server = build_server(self.settings, layer=layer)
         self.state = self.server.service_state
+        self.plane = self.server.config.app.state.dataplane
         self.port = self.settings.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.run, name="local-server", daemon=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megamoe.moe import MoELayer
-from megamoe.service.model import PinnedPool
+from megamoe.service.runner import PinnedPool
 from megamoe.service.protocol import binary_infer_body
 
 from service_testkit import PRESET, TOKEN, LocalServer, random_inputs

@@ -148,7 +148,9 @@ def test_batcher_groups_compatible_requests_and_splits_exactly():
         assert torch.equal(res.output, req.hidden_states * 2)  # each caller: exactly its own rows
         assert res.batch_tokens <= 10
     # fp32/topk requests of 3+4+2 tokens share a batch (5 does not fit in 10); bf16 and router go alone
-    assert calls[0] == [(3, (torch.float32, "topk")), (4, (torch.float32, "topk")), (2, (torch.float32, "topk"))]
+    # (the key's last part: whether the requests carry token ids, none here)
+    key = (torch.float32, "topk", False)
+    assert calls[0] == [(3, key), (4, key), (2, key)]
     assert sorted(len(c) for c in calls) == [1, 1, 1, 3]
     assert sum(len(c) for c in calls) == len(reqs)
 

@@ -1,7 +1,7 @@
 """Binary infer bodies read straight into their buffer (service/server.py, the buffered httptools
 protocol): however the bytes arrive (with the head, dripped, pipelined, answered early), each
 request gets exactly its own rows and the connection goes on with the next request. And the pooled
-host blocks those bodies live in (service/model.py PinnedPool) are reused only once nothing uses them.
+host blocks those bodies live in (service/runner.py PinnedPool) are reused only once nothing uses them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from megamoe.moe import MoELayer
 from megamoe.service import server as server_module
-from megamoe.service.model import PinnedPool
+from megamoe.service.runner import PinnedPool
 from megamoe.service.protocol import aligned_body, binary_infer_body, build_request, decode_json_request
 from service_testkit import PRESET, TOKEN, random_inputs
 from test_service_hardening import INFER, LocalServer, _read_response

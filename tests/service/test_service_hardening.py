@@ -253,7 +253,7 @@ def test_non_finite_outputs_are_json_strings(local, served_layer):
 # --- 4. bounded JSON bodies ---------------------------------------------------------------------------
 
 def test_too_many_json_values_are_refused_while_the_body_arrives(local):
-    limit = local.state.json_value_limit  # 64 rows x (256 + 8) + slack
+    limit = local.plane.json_value_limit  # 64 rows x (256 + 8) + slack
     declared = 8 << 20
     head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {min(declared, (2 << 20) - 1)}\r\n\r\n").encode()
@@ -282,12 +282,12 @@ def test_large_json_body_goes_through_the_decoder_process(local, served_layer):
         {"name": "topk_weights", "datatype": "FP32", "shape": [64, K], "data": weights.tolist()},
     ]}
     raw = json.dumps(body).encode()
-    from megamoe.service.app import OFFLOAD_JSON_BYTES, OFFLOAD_JSON_VALUES
+    from megamoe.service.dataplane import OFFLOAD_JSON_BYTES, OFFLOAD_JSON_VALUES
     assert len(raw) >= OFFLOAD_JSON_BYTES and 64 * H >= OFFLOAD_JSON_VALUES
     reply = httpx.post(local.url + INFER, content=raw, headers=AUTH, timeout=120)
     assert reply.status_code == 200, reply.text
     out = strict_loads(reply.text)["outputs"][0]
-    assert local.state.decoder is not None
+    assert local.plane.decoder is not None
     got = torch.tensor(out["data"]).reshape(out["shape"])
     assert torch.equal(got, served_layer.forward(hidden, topk_ids=ids, topk_weights=weights))
 

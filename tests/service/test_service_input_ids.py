@@ -22,6 +22,7 @@ from megamoe.moe import MoELayer
 from megamoe.service.batching import DynamicBatcher
 from megamoe.service.model import ServedModel
 from megamoe.service.protocol import ProtocolError
+from megamoe.service.runner import BatchRunner
 
 from service_testkit import PRESET, TOKEN, LocalServer, random_inputs
 
@@ -145,7 +146,7 @@ def _batched(served: ServedModel, requests: list):
     """Every request submitted at once to a batcher over ``served`` (one batch when their keys agree)."""
     async def main():
         executor = ThreadPoolExecutor(1)
-        batcher = DynamicBatcher(served.forward_batch, executor, max_batch_tokens=1024, queue_delay_s=0.05)
+        batcher = DynamicBatcher(BatchRunner(served).forward_batch, executor, max_batch_tokens=1024, queue_delay_s=0.05)
         batcher.start()
         results = await asyncio.gather(*(batcher.submit(r) for r in requests))
         await batcher.stop()
