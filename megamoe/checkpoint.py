@@ -84,6 +84,7 @@ class LoadReport:
     tensors: dict[str, str] = field(default_factory=dict)  # name -> "nvfp4" | "quantized-at-load" | dtype
     quantized_at_load: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    read_as: dict[str, str] = field(default_factory=dict)  # every tensor read -> "<role>: <how>"
 
     def summary(self) -> str:
         q = ", ".join(self.quantized_at_load) or "none"
@@ -98,7 +99,28 @@ class LoadReport:
             lines.append("  routing: " + ", ".join(f"{k}={v}" for k, v in self.routing.items()))
         lines += [f"  choice: {c}" for c in self.choices]
         lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  read: {name}: {how}" for name, how in self.read_grouped()]
         return "\n".join(lines)
+
+    def read_grouped(self) -> list[tuple[str, str]]:
+        """:attr:`read_as` with the per-expert tensors of all experts on one line each
+        (``experts.{0..7}.gate_proj.weight``), in name order."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for name, how in self.read_as.items():
+            m = re.search(r"experts\.(\d+)\.", name)
+            if m:
+                key = (name[:m.start()] + "experts.{}." + name[m.end():], re.sub(r"^expert \d+ ", "experts' ", how))
+                groups.setdefault(key, []).append(int(m.group(1)))
+            else:
+                groups.setdefault((name, how), [])
+        out = []
+        for (name, how), ids in sorted(groups.items()):
+            if ids:
+                ids.sort()
+                span = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+                name = name.replace("{}", "{" + span + "}")
+            out.append((name, how))
+        return out
 
 
 @dataclass
@@ -174,6 +196,8 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
 
     router = (torch.randn((e, h), generator=gen, device=device) * h ** -0.5).to(torch.bfloat16)
     bias = (torch.randn((e,), generator=gen, device=device) * 0.01) if cfg.scoring != "softmax" else None
+    if cfg.hash_routing:
+        bias = None  # (drawn all the same: the seed's later draws stay those without hash routing)
     shared_gu = shared_down = None
     if cfg.n_shared_experts:
         is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts
@@ -800,9 +824,47 @@ def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None, ex
 
 # ---------------------------------------------------------------- dense parts
 
-def _shared_nvfp4(get_optional, prefix: str):
-    """An NVFP4 shared expert (``shared_experts.{gate,up,down}_proj``), either naming ->
-    (gate_up NVFP4 [2Is, H] with global scale [2], down NVFP4 [H, Is], in1, in2)."""
+#: names of the router tensors after the layer prefix, in the order they are looked for:
+#: transformers' names first, then DeepSeek's upstream ones (llmcompressor's save of DeepSeek-V4).
+ROUTER_NAMES = {
+    "router": ("gate.weight",),
+    "bias": ("gate.e_score_correction_bias", "gate.bias"),
+    "tid2eid": ("gate.tid2eid",),
+}
+#: the shared expert's projections, per naming: transformers' (gate/up/down_proj) and DeepSeek's
+#: upstream (w1 = gate, w3 = up, w2 = down).
+SHARED_NAMINGS = (("shared_experts.gate_proj.", "shared_experts.up_proj.", "shared_experts.down_proj."),
+                  ("shared_experts.w1.", "shared_experts.w3.", "shared_experts.w2."))
+
+
+def _has_name(get_optional, name: str) -> bool:
+    has = getattr(get_optional, "has", None)
+    return has(name) if has is not None else get_optional(name) is not None
+
+
+def _one_of(get_optional, prefix: str, names: tuple[str, ...]):
+    """The tensor stored under one of ``names`` (aliases), or None; two of them present is refused."""
+    present = [n for n in names if _has_name(get_optional, n)]
+    if len(present) > 1:
+        raise CheckpointError(f"{prefix}{present[0]} and {prefix}{present[1]}: both present; they are two names "
+                              f"for one tensor, and megamoe does not choose between them")
+    return get_optional(present[0]) if present else None
+
+
+def _shared_naming(get_optional, prefix: str) -> tuple[str, str, str] | None:
+    """The shared expert's projection bases (gate, up, down) under the naming the checkpoint
+    uses, or None when it has no such tensors."""
+    found = [bases for bases in SHARED_NAMINGS
+             if any(_has_name(get_optional, b + s) for b in bases for s in ("weight", "weight_packed"))]
+    if len(found) > 1:
+        raise CheckpointError(f"{prefix}{found[0][0]}* and {prefix}{found[1][0]}*: two shared experts under two "
+                              f"namings")
+    return found[0] if found else None
+
+
+def _shared_nvfp4(get_optional, prefix: str, bases=SHARED_NAMINGS[0]):
+    """An NVFP4 shared expert (``bases``: its gate, up and down projections), either format's
+    naming -> (gate_up NVFP4 [2Is, H] with global scale [2], down NVFP4 [H, Is], in1, in2)."""
     report = LoadReport(path="")
 
     def get(name, required=True):
@@ -813,11 +875,11 @@ def _shared_nvfp4(get_optional, prefix: str):
 
     get.has = getattr(get_optional, "has", None)
 
-    g, ig, _, _ = _read_proj(get, report, prefix, "shared_experts.gate_proj.")
-    u, iu, _, _ = _read_proj(get, report, prefix, "shared_experts.up_proj.")
-    d, idn, _, _ = _read_proj(get, report, prefix, "shared_experts.down_proj.")
+    g, ig, _, _ = _read_proj(get, report, prefix, bases[0])
+    u, iu, _, _ = _read_proj(get, report, prefix, bases[1])
+    d, idn, _, _ = _read_proj(get, report, prefix, bases[2])
     if g.data.shape != u.data.shape:
-        raise CheckpointError(f"{prefix}shared_experts.up_proj: shape {tuple(u.shape)} differs from gate_proj {tuple(g.shape)}")
+        raise CheckpointError(f"{prefix}{bases[1]}: shape {tuple(u.shape)} differs from {bases[0]} {tuple(g.shape)}")
     gu = nvfp4.NVFP4Tensor(torch.cat([g.data, u.data]), torch.cat([g.scale, u.scale]),
                            torch.stack([g.global_scale.reshape(()), u.global_scale.reshape(())]))
     in1 = None if ig is None and iu is None else torch.maximum(ig, iu) if ig is not None and iu is not None else (ig if ig is not None else iu)
@@ -825,32 +887,49 @@ def _shared_nvfp4(get_optional, prefix: str):
 
 
 def read_dense_tensors(get_optional, prefix: str) -> dict:
-    """Router, correction bias and shared expert (every rank keeps these whole).
+    """Router, correction bias, hash table and shared expert (every rank keeps these whole).
 
-    ``get_optional(name)`` returns the tensor or None. The shared expert may be stored as
-    ``gate_up_proj`` or as ``gate_proj`` + ``up_proj``, in a float dtype or in NVFP4
-    (ModelOpt or compressed-tensors naming; then ``shared_kind`` is ``"nvfp4"`` and the
-    input scales come along).
+    ``get_optional(name)`` returns the tensor or None. Names after the prefix
+    (:data:`ROUTER_NAMES`, :data:`SHARED_NAMINGS`): the router ``gate.weight``; the correction
+    bias ``gate.e_score_correction_bias`` (DeepSeek's upstream ``gate.bias``); the hash table
+    ``gate.tid2eid`` (DeepSeek-V4 hash layers); the shared expert
+    ``shared_experts.{gate,up,down}_proj`` (upstream ``shared_experts.w1/w3/w2``) or
+    ``shared_experts.gate_up_proj`` + ``down_proj``, in a float dtype or in NVFP4 (ModelOpt or
+    compressed-tensors naming; then ``shared_kind`` is ``"nvfp4"`` and the input scales come along).
     """
-    out = {"router": get_optional("gate.weight"), "bias": get_optional("gate.e_score_correction_bias"),
-           "tid2eid": get_optional("gate.tid2eid"),
+    out = {"router": _one_of(get_optional, prefix, ROUTER_NAMES["router"]),
+           "bias": _one_of(get_optional, prefix, ROUTER_NAMES["bias"]),
+           "tid2eid": _one_of(get_optional, prefix, ROUTER_NAMES["tid2eid"]),
            "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
            "shared_kind": "none", "shared_report": None}
-    has = getattr(get_optional, "has", None)
-    name = "shared_experts.gate_proj.weight_packed"
-    packed = has(name) if has is not None else get_optional(name) is not None
-    plain = None if packed else get_optional("shared_experts.gate_proj.weight")
+    t = out["tid2eid"]
+    if t is not None and (t.dim() != 2 or torch.is_floating_point(t) or t.dtype == torch.bool):
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['tid2eid'][0]}: {t.dtype} {tuple(t.shape)}; expected an "
+                              f"integer table [vocab, top_k]")
+    bases = _shared_naming(get_optional, prefix) or SHARED_NAMINGS[0]
+    gname, uname, dname = bases
+    packed = _has_name(get_optional, gname + "weight_packed")
+    plain = None if packed else get_optional(gname + "weight")
     if packed or (plain is not None and plain.dtype == torch.uint8):
-        gu, d, in1, in2, rep = _shared_nvfp4(get_optional, prefix)
+        gu, d, in1, in2, rep = _shared_nvfp4(get_optional, prefix, bases)
         out.update(shared_gate_up=gu, shared_down=d, shared_in1=in1, shared_in2=in2, shared_kind="nvfp4",
                    shared_report=rep)
         return out
     shared_gu = get_optional("shared_experts.gate_up_proj.weight")
     if shared_gu is None:
-        u = get_optional("shared_experts.up_proj.weight")
-        shared_gu = torch.cat([plain, u]) if plain is not None and u is not None else None
-    shared_down = get_optional("shared_experts.down_proj.weight")
-    for name, t in (("shared_experts.gate_up_proj.weight", shared_gu), ("shared_experts.down_proj.weight", shared_down)):
+        u = get_optional(uname + "weight")
+        if (plain is None) != (u is None):
+            have, miss = (gname, uname) if u is None else (uname, gname)
+            raise CheckpointError(f"{prefix}{miss}weight: missing (the shared expert's {have}weight is there)")
+        shared_gu = torch.cat([plain, u]) if plain is not None else None
+    elif plain is not None:
+        raise CheckpointError(f"{prefix}shared_experts.gate_up_proj.weight and {prefix}{gname}weight: the shared "
+                              f"expert's gate stored twice")
+    shared_down = get_optional(dname + "weight")
+    if (shared_gu is None) != (shared_down is None):
+        miss = dname + "weight" if shared_down is None else gname + "weight"
+        raise CheckpointError(f"{prefix}{miss}: missing (the shared expert is incomplete)")
+    for name, t in ((gname + "weight", shared_gu), (dname + "weight", shared_down)):
         if t is not None and not torch.is_floating_point(t):
             raise CheckpointError(f"{prefix}{name}: dtype {t.dtype}: a shared expert is bf16/fp16/fp32 or NVFP4 "
                                   f"with its scales")
@@ -928,6 +1007,7 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
         raise CheckpointError(f"input_scales={input_scales!r}: expected one of {INPUT_SCALE_MODES}")
     if w13_layout is not None and w13_layout not in W13_LAYOUTS:
         raise CheckpointError(f"w13_layout={w13_layout!r}: expected one of {W13_LAYOUTS}")
+    prefix_asked = prefix
     prefix, layout, names = _choose_layer(list(where), layer, prefix)
     e_file = layer_experts(ck, prefix=prefix)[2]
     if experts is not None and not 0 <= experts[0] < experts[1] <= e_file:
@@ -940,8 +1020,9 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     report.format, report.producer = fmt.name, fmt.producer
     report.choices.append(f"format {fmt.name} ({fmt.source})")
     if len(names) > 1:
-        report.choices.append(f"layer {prefix!r} ({'as asked' if layer is not None or prefix else 'the first MoE layer'}"
-                              f" of {len(names)})")
+        how = (f"layer={layer!r}" if layer is not None else f"prefix={prefix!r}" if prefix_asked is not None
+               else "the first MoE layer")
+        report.choices.append(f"layer {prefix!r} ({how}; the checkpoint has {len(names)} MoE layers)")
 
     def get(name: str, required: bool = True):
         full = prefix + name
@@ -974,7 +1055,7 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     arch = None
     if hf is not None and config is None and fmt.name != "megamoe":
         try:
-            arch = architecture_routing(hf)
+            arch = architecture_routing(hf, _layer_number(prefix))
         except UnknownArchitecture as exc:
             raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
 
@@ -1096,12 +1177,15 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     if dense["shared_gate_up"] is not None:
         report.choices.append(f"shared expert {report.shared_expert}"
                               + (", activations quantized with its own input scales" if dense["shared_in1"] is not None else ""))
-    if config.scoring == "sigmoid" and dense["bias"] is None and arch is not None and arch.model_type == "deepseek_v3":
-        raise CheckpointError(f"{prefix}gate.e_score_correction_bias: missing; deepseek_v3 routing (noaux_tc) needs it")
-    report.routing = {k: getattr(config, k) for k in ("num_experts", "top_k", "scoring", "n_group", "topk_group",
-                                                       "renormalize", "routed_scaling_factor", "n_shared_experts")}
+    _check_router_tensors(config, dense, arch, prefix)
+    report.routing = {k: getattr(config, k) for k in ("num_experts", "top_k", "scoring", "hash_routing", "n_group",
+                                                       "topk_group", "renormalize", "routed_scaling_factor",
+                                                       "n_shared_experts", "swiglu_limit")}
     report.routing["correction_bias"] = dense["bias"] is not None
     report.routing["router"] = dense["router"] is not None
+    if experts is None:
+        _check_every_tensor_read(where, prefix, report)
+    report.read_as = {n: _how_read(n[len(prefix):], v) for n, v in report.tensors.items()}
 
     weights = assemble_weights(w13, w2, in1, in2, dense)
     try:
@@ -1113,18 +1197,112 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     return Loaded(weights.to(device), config, report)
 
 
+def _layer_number(prefix: str) -> int | None:
+    """The model's layer number in a layer prefix (``model.layers.3.mlp.`` -> 3), or None."""
+    m = _LAYER_NO.search(prefix)
+    return int(m.group(1)) if m else None
+
+
+def _check_router_tensors(config: MoEConfig, dense: dict, arch, prefix: str) -> None:
+    """The router tensors the routing needs are there, and none is there that it would not use."""
+    bias_name, table_name = ROUTER_NAMES["bias"][0], ROUTER_NAMES["tid2eid"][0]
+    why = f"{arch.model_type} routing" if arch is not None else "the layer config"
+    for need in (arch.requires if arch is not None else ()):
+        if need == "correction_bias" and dense["bias"] is None:
+            raise CheckpointError(f"{prefix}{bias_name}: missing; {why} selects the top-k of scores + this bias")
+        if need == "tid2eid" and dense["tid2eid"] is None:
+            raise CheckpointError(f"{prefix}{table_name}: missing; {why} chooses the experts by token id "
+                                  f"(hash routing: experts = tid2eid[input_ids])")
+    if config.hash_routing:
+        if dense["tid2eid"] is None:
+            raise CheckpointError(f"{prefix}{table_name}: missing; the layer config routes by token id (hash_routing)")
+        if dense["bias"] is not None:
+            raise CheckpointError(f"{prefix}{bias_name}: present but not used: a hash-routed layer chooses its experts "
+                                  f"from {table_name}, so a selection bias would be ignored")
+    elif dense["tid2eid"] is not None:
+        raise CheckpointError(f"{prefix}{table_name}: present but not used: {why} chooses experts by top-k "
+                              f"(hash_routing=False); a layer routed by token id needs hash_routing=True")
+    if dense["shared_gate_up"] is not None and not config.n_shared_experts:
+        raise CheckpointError(f"{prefix}shared_experts: present but not used: the layer config has n_shared_experts=0")
+
+
+def _check_every_tensor_read(where, prefix: str, report: "LoadReport") -> None:
+    """Every tensor under the layer's prefix was read (``report.tensors``), or a CheckpointError
+    names the first that was not: a tensor megamoe does not know how to use is never dropped."""
+    unread = sorted(n for n in where if n.startswith(prefix) and n not in report.tensors)
+    if unread:
+        more = f" (and {len(unread) - 1} more: {', '.join(unread[1:4])}{', ...' if len(unread) > 4 else ''})" \
+            if len(unread) > 1 else ""
+        raise CheckpointError(f"{unread[0]}: a tensor of the MoE layer {prefix!r} that megamoe does not read{more}; "
+                              f"the layer would be computed without it, so it is not loaded")
+
+
+#: what a tensor is, by its name after the layer prefix (names that are no projection's)
+_ROLES = {
+    "gate.weight": "router weight (logits computed in float32)",
+    "gate.e_score_correction_bias": "correction bias (added to the scores for selection only)",
+    "gate.bias": "correction bias (added to the scores for selection only)",
+    "gate.tid2eid": "hash table: the experts of each token id",
+    "w13_weight": "experts' gate/up weights (fused)", "w13_weight_scale": "experts' gate/up block scales",
+    "w13_weight_scale_2": "experts' gate/up global scales", "w13_input_scale": "experts' gate/up input scales",
+    "w2_weight": "experts' down weights (fused)", "w2_weight_scale": "experts' down block scales",
+    "w2_weight_scale_2": "experts' down global scales", "w2_input_scale": "experts' down input scales",
+    "experts.gate_up_proj": "experts' gate/up weights (fused)", "experts.down_proj": "experts' down weights (fused)",
+}
+#: what a projection's tensor is, by its suffix
+_SUFFIXES = {
+    "weight": "weights", "weight_packed": "weights",
+    "weight_scale": "block scales (one per 16 values)",
+    "weight_scale_2": "global scale (a multiplier)",
+    "weight_global_scale": "global scale (stored as a divisor; inverted)",
+    "input_scale": "input scale (a multiplier)",
+    "input_global_scale": "input scale (stored as a divisor; inverted)",
+}
+_PROJ_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down",
+               "gate_up_proj": "gate/up"}
+
+
+def _how_read(rel: str, stored: str) -> str:
+    """``"<what it is>: <how it was read>"`` for the tensor ``rel`` (its name after the layer
+    prefix) read as ``stored`` (``report.tensors``: ``nvfp4``, ``quantized-at-load (...)`` or a dtype)."""
+    how = {"nvfp4": "NVFP4 (packed E2M1, two values a byte)"}.get(stored, stored)
+    if rel in _ROLES:
+        return f"{_ROLES[rel]}: {how}"
+    base, _, suffix = rel.rpartition(".")
+    m = re.fullmatch(r"experts\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _PROJ_NAMES:
+        who = f"expert {m.group(1)} {_PROJ_NAMES[m.group(2)]}"
+    elif base.startswith("shared_experts.") and base[len("shared_experts."):] in _PROJ_NAMES:
+        who = f"shared expert {_PROJ_NAMES[base[len('shared_experts.'):]]}"
+    else:
+        return f"{rel}: {how}"
+    what = _SUFFIXES.get(suffix, suffix)
+    if suffix in ("input_scale", "input_global_scale") and _PROJ_NAMES.get(base.rpartition(".")[2]) in ("gate", "up"):
+        what += ", the larger of gate's and up's used for both"
+    return f"{who} {what}: {how}"
+
+
 def _config_from_arch(arch, hf, path: Path, e, h, i, top_k, dense, report) -> tuple[MoEConfig, str]:
     d: dict = {"hidden_size": h, "intermediate_size": i, "num_experts": e}
     if arch is not None:
         f = dict(arch.fields)
         report.choices += [f"routing: {c}" for c in arch.choices]
         report.warnings += [f"{arch.model_type}: {n}" for n in arch.notes if "required" not in n]
-        if f.get("num_experts") is not None and f["num_experts"] > e:
-            raise CheckpointError(f"{report.prefix}experts.{e}.*: missing (config.json says {f['num_experts']} "
-                                  f"experts, the checkpoint has experts 0..{e - 1})")
+        stated = getattr(arch, "stated", {})
+        # the tensors give the expert count and the width; config.json, where it states them, must agree
         for k in ("num_experts", "intermediate_size"):
-            if f.get(k) is not None and f[k] != d[k]:
-                raise CheckpointError(f"{path}: config.json says {k}={f[k]} but the tensors have {d[k]}")
+            if f.get(k) is None or f[k] == d[k]:
+                continue
+            if k not in stated:
+                report.choices.append(f"{k}={d[k]} (the tensors; config.json states none, the {arch.model_type} "
+                                      f"default {f[k]} is not used)")
+                f[k] = d[k]
+                continue
+            key = f"config.json {stated[k]}={f[k]}"
+            if k == "num_experts" and f[k] > e:
+                raise CheckpointError(f"{report.prefix}experts.{e}.*: missing ({key}, the checkpoint has experts "
+                                      f"0..{e - 1})")
+            raise CheckpointError(f"{path}: {key} but the tensors of {report.prefix!r} have {k}={d[k]}")
         d.update({k: v for k, v in f.items() if v is not None})
         src = f"config.json model_type {arch.model_type!r}"
     else:

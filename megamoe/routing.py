@@ -137,13 +137,16 @@ class UnknownArchitecture(ValueError):
 
 @dataclass(frozen=True)
 class ArchitectureRouting:
-    """What one ``model_type`` means for an MoE layer.
+    """What one ``model_type`` means for one MoE layer.
 
     ``fields`` are :class:`megamoe.presets.MoEConfig` fields (routing, shapes, shared expert);
     ``choices`` says, for each field, where its value came from (a config.json key, or the
-    architecture's default when config.json omits the key); ``w13_layout`` is the order of a
-    fused gate/up tensor in this architecture's own (Hugging Face) layout; ``notes`` are
-    differences from the architecture's reference code that the caller should know.
+    architecture's default when config.json omits the key); ``stated`` maps each field whose
+    value config.json states to that key (``num_experts`` -> ``"num_local_experts"``), so that a
+    disagreement with the tensors can be told truthfully; ``w13_layout`` is the order of a fused
+    gate/up tensor in this architecture's own (Hugging Face) layout; ``requires`` names the
+    router tensors the layer cannot be computed without (``"correction_bias"``, ``"tid2eid"``);
+    ``notes`` are differences from the architecture's reference code that the caller should know.
     """
 
     model_type: str
@@ -151,95 +154,210 @@ class ArchitectureRouting:
     choices: list[str]
     w13_layout: str
     notes: list[str]
+    stated: dict
+    requires: tuple
 
 
-def _take(hf: dict, key: str, default, choices: list[str], field_name: str, *, required: bool = False):
-    if key in hf and hf[key] is not None:
-        choices.append(f"{field_name}={hf[key]!r} (config.json {key})")
-        return hf[key]
-    if required:
-        raise UnknownArchitecture(f"config.json: {key} is missing (needed for {field_name})")
-    choices.append(f"{field_name}={default!r} (architecture default; config.json has no {key})")
-    return default
+class _Rule:
+    """Reads one architecture's keys from config.json, recording where each value came from."""
+
+    def __init__(self, hf: dict, model_type: str):
+        self.hf, self.model_type = hf, model_type
+        self.fields: dict = {}
+        self.choices: list[str] = []
+        self.stated: dict = {}
+
+    def take(self, field_name: str, keys, default):
+        """``fields[field_name]`` from the first of ``keys`` config.json states, else ``default``."""
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        for key in keys:
+            if self.hf.get(key) is not None:
+                self.choices.append(f"{field_name}={self.hf[key]!r} (config.json {key})")
+                self.stated[field_name] = key
+                self.fields[field_name] = self.hf[key]
+                return self.hf[key]
+        self.choices.append(f"{field_name}={default!r} (architecture default; config.json has no "
+                            f"{' or '.join(keys)})")
+        self.fields[field_name] = default
+        return default
+
+    def fix(self, field_name: str, value, why: str):
+        """A value the architecture's code fixes, whatever config.json says."""
+        self.choices.append(f"{field_name}={value!r} ({why})")
+        self.fields[field_name] = value
+        return value
+
+    def silu_only(self) -> None:
+        act = self.hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnknownArchitecture(f"config.json hidden_act={act!r}: megamoe's experts are SwiGLU (silu); "
+                                      f"{self.model_type} with {act!r} is not supported")
+
+    def one_key(self, field_name: str, keys) -> None:
+        """config.json stating one value under two names that disagree is refused."""
+        vals = {k: self.hf[k] for k in keys if self.hf.get(k) is not None}
+        if len(set(map(repr, vals.values()))) > 1:
+            said = ", ".join(f"{k}={v!r}" for k, v in vals.items())
+            raise UnknownArchitecture(f"config.json: {said} disagree (both give {field_name})")
+
+    def done(self, w13_layout: str = "gate-up", notes=(), requires=()) -> ArchitectureRouting:
+        return ArchitectureRouting(self.model_type, dict(self.fields), list(self.choices), w13_layout,
+                                   list(notes), dict(self.stated), tuple(requires))
 
 
-def _silu_only(hf: dict, model_type: str) -> None:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnknownArchitecture(f"config.json hidden_act={act!r}: megamoe's experts are SwiGLU (silu); "
-                                  f"{model_type} with {act!r} is not supported")
-
-
-def _deepseek_v3(hf: dict) -> ArchitectureRouting:
-    # transformers' DeepseekV3TopkRouter: sigmoid scores, e_score_correction_bias added for
-    # selection only, group-limited top-k (a group scores the sum of its two best biased
-    # scores), chosen weights = unbiased scores, renormalised if norm_topk_prob, times
-    # routed_scaling_factor. transformers 5 writes no scoring_func / topk_method; DeepSeek's
-    # own config.json writes scoring_func="sigmoid", topk_method="noaux_tc".
-    c: list[str] = []
-    _silu_only(hf, "deepseek_v3")
+def _v3_like(hf: dict, model_type: str, defaults: dict) -> ArchitectureRouting:
+    # transformers' DeepseekV3TopkRouter and Glm4MoeTopkRouter: logits in float32, sigmoid
+    # scores, e_score_correction_bias added for selection only, group-limited top-k (a group
+    # scores the sum of its two best biased scores), chosen weights = unbiased scores,
+    # renormalised if norm_topk_prob, times routed_scaling_factor; a shared expert of
+    # moe_intermediate_size * n_shared_experts. transformers 5 writes no scoring_func /
+    # topk_method; DeepSeek's own config.json writes scoring_func="sigmoid", topk_method="noaux_tc".
+    r = _Rule(hf, model_type)
+    r.silu_only()
     scoring = hf.get("scoring_func")
     if scoring not in (None, "sigmoid"):
-        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: deepseek_v3 routes with sigmoid scores")
+        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: {model_type} routes with sigmoid scores")
     method = hf.get("topk_method")
     if method not in (None, "noaux_tc"):
-        raise UnknownArchitecture(f"config.json topk_method={method!r}: deepseek_v3 routing is 'noaux_tc' "
+        raise UnknownArchitecture(f"config.json topk_method={method!r}: {model_type} routing is 'noaux_tc' "
                                   f"(sigmoid, correction bias, group-limited top-k)")
-    c.append("scoring='sigmoid' (deepseek_v3" + (", config.json scoring_func)" if scoring else
-                                                 "; config.json has no scoring_func)"))
-    f = {"scoring": "sigmoid"}
-    f["num_experts"] = _take(hf, "n_routed_experts", 256, c, "num_experts")
-    f["top_k"] = _take(hf, "num_experts_per_tok", 8, c, "top_k")
-    f["n_group"] = _take(hf, "n_group", 8, c, "n_group")
-    f["topk_group"] = _take(hf, "topk_group", 4, c, "topk_group")
-    f["renormalize"] = bool(_take(hf, "norm_topk_prob", True, c, "renormalize"))
-    f["routed_scaling_factor"] = float(_take(hf, "routed_scaling_factor", 2.5, c, "routed_scaling_factor"))
-    f["intermediate_size"] = _take(hf, "moe_intermediate_size", 2048, c, "intermediate_size")
-    f["n_shared_experts"] = _take(hf, "n_shared_experts", 1, c, "n_shared_experts") or 0
-    if f["n_shared_experts"]:
-        # DeepseekV3MLP(intermediate_size = moe_intermediate_size * n_shared_experts)
-        f["shared_intermediate_size"] = f["intermediate_size"]
-        c.append(f"shared expert: {f['n_shared_experts']} x moe_intermediate_size (deepseek_v3)")
-    return ArchitectureRouting("deepseek_v3", f, c, "gate-up", [
-        "the e_score_correction_bias tensor is required (noaux_tc selection)"])
+    r.fix("scoring", "sigmoid", model_type + (", config.json scoring_func" if scoring else
+                                              "; config.json has no scoring_func"))
+    r.one_key("num_experts", ("n_routed_experts", "num_local_experts"))
+    r.take("num_experts", ("n_routed_experts", "num_local_experts"), defaults["num_experts"])
+    r.take("top_k", "num_experts_per_tok", defaults["top_k"])
+    r.take("n_group", "n_group", defaults["n_group"])
+    r.take("topk_group", "topk_group", defaults["topk_group"])
+    r.fields["renormalize"] = bool(r.take("renormalize", "norm_topk_prob", True))
+    r.fields["routed_scaling_factor"] = float(r.take("routed_scaling_factor", "routed_scaling_factor",
+                                                     defaults["routed_scaling_factor"]))
+    i = r.take("intermediate_size", "moe_intermediate_size", defaults["intermediate_size"])
+    n = r.take("n_shared_experts", "n_shared_experts", 1) or 0
+    r.fields["n_shared_experts"] = n
+    if n:
+        r.fields["shared_intermediate_size"] = i
+        r.choices.append(f"shared expert: {n} x moe_intermediate_size ({model_type})")
+    return r.done("gate-up", ["the e_score_correction_bias tensor is required (noaux_tc selection)"],
+                  ("correction_bias",))
 
 
-def _mixtral(hf: dict) -> ArchitectureRouting:
+def _deepseek_v3(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    return _v3_like(hf, "deepseek_v3", dict(num_experts=256, top_k=8, n_group=8, topk_group=4,
+                                            routed_scaling_factor=2.5, intermediate_size=2048))
+
+
+def _glm4_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # GLM-4.5 / 4.6 MoE: DeepSeek-V3's router (transformers' Glm4MoeTopkRouter) with GLM's defaults.
+    return _v3_like(hf, "glm4_moe", dict(num_experts=128, top_k=8, n_group=1, topk_group=1,
+                                         routed_scaling_factor=1.0, intermediate_size=1408))
+
+
+def _deepseek_v4_kind(hf: dict, layer: int | None) -> tuple[str, str]:
+    """``("hash_moe" | "moe", where that came from)`` for MoE layer ``layer`` of a deepseek_v4 config."""
+    types = hf.get("mlp_layer_types")
+    if types is not None:
+        if layer is None:
+            raise UnknownArchitecture("deepseek_v4: config.json mlp_layer_types gives each layer hash or top-k "
+                                      "routing; the layer number is needed to know which")
+        if not 0 <= layer < len(types):
+            raise UnknownArchitecture(f"deepseek_v4: layer {layer} is outside config.json mlp_layer_types "
+                                      f"({len(types)} entries)")
+        kind = types[layer]
+        if kind not in ("hash_moe", "moe"):
+            raise UnknownArchitecture(f"config.json mlp_layer_types[{layer}]={kind!r}: deepseek_v4 MoE layers "
+                                      f"are 'hash_moe' or 'moe'")
+        return kind, f"config.json mlp_layer_types[{layer}]"
+    n_hash, src = hf.get("num_hash_layers"), "config.json num_hash_layers"
+    if n_hash is None:
+        n_hash, src = 3, "architecture default: the first 3 layers; config.json has neither mlp_layer_types nor num_hash_layers"
+    if layer is None:
+        raise UnknownArchitecture(f"deepseek_v4: the first {n_hash} layers route by token id (hash), the others "
+                                  f"by top-k; the layer number is needed to know which")
+    return ("hash_moe" if layer < n_hash else "moe"), f"{src}={n_hash}" if src.startswith("config") else src
+
+
+def _deepseek_v4(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter: logits = x W^T, scores =
+    # sqrt(softplus(logits)) (config scoring_func); "moe" layers pick the top-k of scores +
+    # e_score_correction_bias (no groups), "hash_moe" layers take tid2eid[input_ids]; both weigh
+    # the chosen experts by their scores / (sum + 1e-20) * routed_scaling_factor, always
+    # normalised (norm_topk_prob is not read). Experts and the one shared expert (of
+    # moe_intermediate_size) compute SiLU(min(gate, L)) * clamp(up, -L, L), L = swiglu_limit.
+    r = _Rule(hf, "deepseek_v4")
+    r.silu_only()
+    scoring = r.take("scoring", "scoring_func", "sqrtsoftplus")
+    if scoring not in SCORINGS:
+        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: not a router score function megamoe "
+                                  f"computes ({', '.join(SCORINGS)})")
+    kind, src = _deepseek_v4_kind(hf, layer)
+    r.fix("hash_routing", kind == "hash_moe", f"{kind}, {src}")
+    r.one_key("num_experts", ("n_routed_experts", "num_local_experts"))
+    r.take("num_experts", ("n_routed_experts", "num_local_experts"), 256)
+    r.take("top_k", "num_experts_per_tok", 6)
+    r.fix("n_group", None, "deepseek_v4 has no expert groups")
+    r.fix("topk_group", None, "deepseek_v4 has no expert groups")
+    r.fix("renormalize", True, "deepseek_v4 always normalises the chosen weights")
+    r.fields["routed_scaling_factor"] = float(r.take("routed_scaling_factor", "routed_scaling_factor", 1.5))
+    i = r.take("intermediate_size", "moe_intermediate_size", 2048)
+    lim = r.take("swiglu_limit", "swiglu_limit", 10.0)
+    r.fields["swiglu_limit"] = None if lim is None else float(lim)
+    r.fix("n_shared_experts", 1, "deepseek_v4 builds one shared expert")
+    r.fields["shared_intermediate_size"] = i
+    r.choices.append("shared expert: one of moe_intermediate_size, clamped like the routed experts (deepseek_v4)")
+    notes = ["router logits: transformers computes them in the model dtype, megamoe in float32 "
+             "(a near-tie may pick a different expert)"]
+    if kind == "hash_moe":
+        notes.append("the tid2eid tensor is required (hash routing: experts = tid2eid[input_ids]); "
+                     "forward needs input_ids")
+        return r.done("gate-up", notes, ("tid2eid",))
+    notes.append("the e_score_correction_bias tensor is required (top-k of scores + bias)")
+    return r.done("gate-up", notes, ("correction_bias",))
+
+
+def _mixtral(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     # transformers' MixtralTopKRouter: softmax over all experts (float32), top-k, always
     # renormalised, no scaling, no shared expert.
-    c: list[str] = ["scoring='softmax', renormalize=True (mixtral)"]
-    _silu_only(hf, "mixtral")
-    f = {"scoring": "softmax", "renormalize": True, "routed_scaling_factor": 1.0, "n_shared_experts": 0}
-    f["num_experts"] = _take(hf, "num_local_experts", 8, c, "num_experts")
-    f["top_k"] = _take(hf, "num_experts_per_tok", 2, c, "top_k")
-    f["intermediate_size"] = _take(hf, "intermediate_size", 14336, c, "intermediate_size")
-    return ArchitectureRouting("mixtral", f, c, "gate-up", [
-        "router logits: transformers computes them in the model dtype, megamoe in float32 "
-        "(a near-tie may pick a different expert)"])
+    r = _Rule(hf, "mixtral")
+    r.silu_only()
+    r.fix("scoring", "softmax", "mixtral")
+    r.fix("renormalize", True, "mixtral always normalises the chosen weights")
+    r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
+    r.one_key("num_experts", ("num_local_experts", "num_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 8)
+    r.take("top_k", "num_experts_per_tok", 2)
+    r.take("intermediate_size", "intermediate_size", 14336)
+    return r.done("gate-up", ["router logits: transformers computes them in the model dtype, megamoe in float32 "
+                              "(a near-tie may pick a different expert)"])
 
 
-def _qwen3_moe(hf: dict) -> ArchitectureRouting:
+def _qwen3_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     # transformers' Qwen3MoeTopKRouter: softmax (float32), top-k, renormalised only if
-    # norm_topk_prob (default False), no scaling, no shared expert.
-    c: list[str] = ["scoring='softmax' (qwen3_moe)"]
-    _silu_only(hf, "qwen3_moe")
-    f = {"scoring": "softmax", "routed_scaling_factor": 1.0, "n_shared_experts": 0}
-    f["num_experts"] = _take(hf, "num_experts", 128, c, "num_experts")
-    f["top_k"] = _take(hf, "num_experts_per_tok", 8, c, "top_k")
-    f["renormalize"] = bool(_take(hf, "norm_topk_prob", False, c, "renormalize"))
-    f["intermediate_size"] = _take(hf, "moe_intermediate_size", 768, c, "intermediate_size")
-    return ArchitectureRouting("qwen3_moe", f, c, "gate-up", [
-        "router logits and weights: transformers computes logits and returns weights in the model dtype, "
-        "megamoe keeps float32 (a near-tie may pick a different expert)"])
+    # norm_topk_prob (default False), no scaling, no shared expert. transformers 5 writes
+    # num_local_experts (num_experts is its alias; transformers 4 wrote num_experts).
+    r = _Rule(hf, "qwen3_moe")
+    r.silu_only()
+    r.fix("scoring", "softmax", "qwen3_moe")
+    r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
+    r.one_key("num_experts", ("num_local_experts", "num_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 128)
+    r.take("top_k", "num_experts_per_tok", 8)
+    r.fields["renormalize"] = bool(r.take("renormalize", "norm_topk_prob", False))
+    r.take("intermediate_size", "moe_intermediate_size", 768)
+    return r.done("gate-up", ["router logits and weights: transformers computes logits and returns weights in the "
+                              "model dtype, megamoe keeps float32 (a near-tie may pick a different expert)"])
 
 
-#: model_type -> rule. Each rule is checked against the transformers router of that
-#: architecture on recorded inputs (tests/fixtures/real/routing_*.safetensors).
-ARCHITECTURES = {"deepseek_v3": _deepseek_v3, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+#: model_type -> rule(config.json dict, layer number or None) -> ArchitectureRouting. A
+#: newcomer adds an architecture here. Each rule is checked against the transformers router
+#: of that architecture on recorded inputs (tests/fixtures/real/routing_*.safetensors).
+ARCHITECTURES = {"deepseek_v3": _deepseek_v3, "deepseek_v4": _deepseek_v4, "glm4_moe": _glm4_moe,
+                 "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
 
 
-def architecture_routing(hf_config: dict) -> ArchitectureRouting:
-    """The MoE routing (and expert shapes) that ``hf_config`` (a parsed config.json) implies.
+def architecture_routing(hf_config: dict, layer: int | None = None) -> ArchitectureRouting:
+    """The MoE routing (and expert shapes) that ``hf_config`` (a parsed config.json) implies for
+    MoE layer number ``layer`` (needed where the architecture routes layers differently:
+    deepseek_v4's hash and top-k layers).
 
     Raises:
         UnknownArchitecture: no ``model_type``, a ``model_type`` megamoe has no rule for,
@@ -254,4 +372,4 @@ def architecture_routing(hf_config: dict) -> ArchitectureRouting:
         raise UnknownArchitecture(f"config.json model_type={mt!r}: megamoe does not know this architecture's "
                                   f"routing (supported: {', '.join(sorted(ARCHITECTURES))}); pass the config "
                                   f"explicitly to load it anyway")
-    return rule(hf_config)
+    return rule(hf_config, layer)

@@ -60,6 +60,15 @@ FIXTURES = {
     "llmc_nvfp4a16": dict(producer="llmcompressor", scheme="NVFP4A16", shared="bf16", seed=22,
                           experts=6, top_k=3, n_group=2, topk_group=2, routed_scaling_factor=1.0,
                           norm_topk_prob=True),
+    # DeepSeek-V4 (transformers deepseek_v4): layer 0 hash-routed (tid2eid), layer 1 top-k of
+    # sqrt(softplus) scores + correction bias; SwiGLU clamped at swiglu_limit on routed and
+    # shared experts, weights scaled so that the clamp bites.
+    "modelopt_v4_nvfp4": dict(arch="deepseek_v4", producer="modelopt", scheme="NVFP4", shared="nvfp4", seed=31,
+                              experts=8, top_k=2, routed_scaling_factor=1.5, swiglu_limit=10.0),
+    "llmc_v4_nvfp4": dict(arch="deepseek_v4", producer="llmcompressor", scheme="NVFP4", shared="nvfp4", seed=41,
+                          experts=8, top_k=3, routed_scaling_factor=1.5, swiglu_limit=10.0),
+    "llmc_v4_nvfp4a16": dict(arch="deepseek_v4", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
+                             seed=42, experts=6, top_k=2, routed_scaling_factor=2.0, swiglu_limit=7.0),
 }
 
 HIDDEN = 128
@@ -71,6 +80,61 @@ TEST_SEQS, TEST_LEN = 2, 24   # 48 tokens per MoE layer in the reference
 
 
 def build_model(spec: dict):
+    if spec.get("arch") == "deepseek_v4":
+        return build_model_v4(spec)
+    return build_model_v3(spec)
+
+
+V4_VOCAB = 128
+
+
+def build_model_v4(spec: dict):
+    """A tiny random DeepseekV4 (sliding-window attention only, 2 hyper-connection streams):
+    layer 0 ``hash_moe`` with a random ``tid2eid`` table (distinct experts per token id),
+    layer 1 ``moe`` with a spread ``e_score_correction_bias``. Gate and up rows are scaled per
+    expert (0.5x-8x), and the shared expert's by 5x, so that some pre-activations pass
+    ``swiglu_limit`` (the clamp bites on some rows, on both sides for ``up``)."""
+    from transformers import AutoModelForCausalLM, DeepseekV4Config
+
+    torch.manual_seed(spec["seed"])
+    cfg = DeepseekV4Config(
+        vocab_size=V4_VOCAB, hidden_size=HIDDEN, moe_intermediate_size=MOE_INTER, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        layer_types=["sliding_attention"] * LAYERS, mlp_layer_types=["hash_moe"] + ["moe"] * (LAYERS - 1),
+        hc_mult=2, sliding_window=16, index_n_heads=2, index_head_dim=16, index_topk=4,
+        n_routed_experts=spec["experts"], num_experts_per_tok=spec["top_k"], n_shared_experts=1,
+        routed_scaling_factor=spec["routed_scaling_factor"], swiglu_limit=spec["swiglu_limit"],
+        max_position_embeddings=128, num_nextn_predict_layers=0, tie_word_embeddings=False,
+    )
+    cfg.architectures = ["DeepseekV4ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e, k = spec["experts"], spec["top_k"]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.08)
+            if mlp.is_hash:
+                table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(V4_VOCAB)])
+                mlp.gate.tid2eid.copy_(table)
+            else:
+                # bf16 values: the float32 buffer is exported in bf16 by ModelOpt
+                bias = (torch.randn(e, generator=g) * 0.1).to(torch.bfloat16).float()
+                mlp.gate.e_score_correction_bias.copy_(bias)
+            gu = mlp.experts.gate_up_proj  # [E, 2I, H]: gate rows then up rows
+            gu.copy_(torch.randn(gu.shape, generator=g) * HIDDEN ** -0.5)
+            gu[:, :MOE_INTER, :] *= (0.5 * 16 ** torch.rand(e, generator=g)).view(e, 1, 1)
+            gu[:, MOE_INTER:, :] *= (0.5 * 16 ** torch.rand(e, generator=g)).view(e, 1, 1)
+            dp = mlp.experts.down_proj
+            dp.copy_(torch.randn(dp.shape, generator=g) * MOE_INTER ** -0.5)
+            for lin in (mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 5 * HIDDEN ** -0.5)
+            sd = mlp.shared_experts.down_proj
+            sd.weight.copy_(torch.randn(sd.weight.shape, generator=g) * MOE_INTER ** -0.5)
+    return model.eval(), cfg
+
+
+def build_model_v3(spec: dict):
     """A tiny random DeepseekV3 with the interesting cases present: a spread
     ``e_score_correction_bias``, up rows scaled 0.1x-10x against gate rows per expert,
     a router strong enough that the scores differ."""
@@ -109,20 +173,32 @@ def build_model(spec: dict):
     return model, cfg
 
 
-def token_batches(seed: int):
+def token_batches(seed: int, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed + 2000)
-    calib = torch.randint(0, VOCAB, (CALIB_SEQS, CALIB_LEN), generator=g)
-    test = torch.randint(0, VOCAB, (TEST_SEQS, TEST_LEN), generator=g)
+    calib = torch.randint(0, vocab, (CALIB_SEQS, CALIB_LEN), generator=g)
+    test = torch.randint(0, vocab, (TEST_SEQS, TEST_LEN), generator=g)
     return calib, test
 
 
 def capture_moe_inputs(model, tokens) -> dict[int, torch.Tensor]:
     """The hidden states that reach each MoE block on ``tokens`` (forward hooks)."""
-    seen: dict[int, torch.Tensor] = {}
+    return {i: x for i, (x, _) in capture_moe_calls(model, tokens).items()}
+
+
+def capture_moe_calls(model, tokens) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(hidden states [T, H], input_ids [T] or None)`` that reach each MoE block on
+    ``tokens`` (forward pre-hooks; DeepSeek-V4's blocks get the token ids as ``input_ids``)."""
+    seen: dict[int, tuple] = {}
     hooks = []
+
+    def grab(i, mod, args, kwargs):
+        x = (args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, HIDDEN).clone()
+        ids = kwargs.get("input_ids")
+        seen[i] = (x, None if ids is None else ids.detach().reshape(-1).clone())
+
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.mlp.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(i, args[0].detach().reshape(-1, HIDDEN).clone())))
+            lambda mod, args, kwargs, i=i: grab(i, mod, args, kwargs), with_kwargs=True))
     with torch.no_grad():
         model(tokens)
     for h in hooks:
@@ -130,14 +206,30 @@ def capture_moe_inputs(model, tokens) -> dict[int, torch.Tensor]:
     return seen
 
 
-def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None) -> None:
+def _run_gate(mlp, x, input_ids):
+    if getattr(mlp, "is_hash", False):
+        return mlp.gate(x, input_ids)
+    return mlp.gate(x)
+
+
+def _run_block(mlp, x, input_ids):
+    if input_ids is None:
+        return mlp(x.unsqueeze(0)).reshape(x.shape)
+    return mlp(x.unsqueeze(0), input_ids=input_ids.unsqueeze(0)).reshape(x.shape)
+
+
+def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None, input_ids=None) -> None:
     """The HF router's choice and the (fake-quantized) MoE block's output on ``x``; with
-    ``mlp32`` (the same calibrated block in float32) also its float32 forward ``y_fp32``."""
+    ``mlp32`` (the same calibrated block in float32) also its float32 forward ``y_fp32``.
+    With ``input_ids`` (DeepSeek-V4) the token ids too, and the float32 block's router choice
+    (``*_fp32``: transformers computes V4's router logits in the model's dtype)."""
     with torch.no_grad():
-        logits, tw, ti = mlp.gate(x)
-        y = mlp(x.unsqueeze(0)).reshape(x.shape)
+        logits, tw, ti = _run_gate(mlp, x, input_ids)
+        y = _run_block(mlp, x, input_ids)
         y_shared = mlp.shared_experts(x.unsqueeze(0)).reshape(x.shape)
     out[f"{key}.x"] = x.contiguous()
+    if input_ids is not None:
+        out[f"{key}.input_ids"] = input_ids.to(torch.int64).contiguous()
     out[f"{key}.router_logits"] = logits.float().contiguous()
     out[f"{key}.topk_ids"] = ti.to(torch.int32).contiguous()
     out[f"{key}.topk_weights"] = tw.float().contiguous()
@@ -145,7 +237,12 @@ def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None) -> None:
     out[f"{key}.y_shared"] = y_shared.contiguous()
     if mlp32 is not None:
         with torch.no_grad():
-            out[f"{key}.y_fp32"] = mlp32(x.float().unsqueeze(0)).reshape(x.shape).contiguous()
+            out[f"{key}.y_fp32"] = _run_block(mlp32, x.float(), input_ids).contiguous()
+            if input_ids is not None:
+                logits32, tw32, ti32 = _run_gate(mlp32, x.float(), input_ids)
+                out[f"{key}.router_logits_fp32"] = logits32.float().contiguous()
+                out[f"{key}.topk_ids_fp32"] = ti32.to(torch.int32).contiguous()
+                out[f"{key}.topk_weights_fp32"] = tw32.float().contiguous()
 
 
 def write_fixture(name: str, spec: dict, ckpt_dir: Path, ref: dict, meta: dict, out_root: Path) -> Path:
@@ -191,7 +288,7 @@ def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     model, _ = build_model(spec)
-    calib, test = token_batches(spec["seed"])
+    calib, test = token_batches(spec["seed"], V4_VOCAB if spec.get("arch") == "deepseek_v4" else VOCAB)
     qcfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
     if spec["shared"] == "bf16":
         qcfg["quant_cfg"].append({"quantizer_name": "*shared_experts*", "enable": False})
@@ -208,12 +305,12 @@ def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
     # so that the forward is the one of the model the exporter writes.
     requantize_resmooth_fused_llm_layers(model)
 
-    xs = capture_moe_inputs(model, test)
+    calls = capture_moe_calls(model, test)
     model32 = copy.deepcopy(model).float()
     ref: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
-        mlp, key, x = layer.mlp, f"layers.{i}", xs[i]
-        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp)
+        mlp, key, (x, input_ids) = layer.mlp, f"layers.{i}", calls[i]
+        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp, input_ids)
         experts = mlp.experts
         # the activation quantization the tool does, with its own function and scales
         e = int(ref[f"{key}.topk_ids"][0, 0])
@@ -285,7 +382,7 @@ def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     model, cfg = build_model(spec)
-    calib, test = token_batches(spec["seed"])
+    calib, test = token_batches(spec["seed"], V4_VOCAB if spec.get("arch") == "deepseek_v4" else VOCAB)
     cfg_dir = work / f"{name}-config"
     if cfg_dir.exists():
         shutil.rmtree(cfg_dir)
@@ -300,16 +397,26 @@ def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path
     recipe = QuantizationModifier(targets="Linear", scheme=spec["scheme"], ignore=ignore)
     oneshot(model=model, dataset=ds, recipe=recipe, processor=tok, num_calibration_samples=CALIB_SEQS,
             max_seq_length=CALIB_LEN)
-    xs = capture_moe_inputs(model, test)
+    calls = capture_moe_calls(model, test)
     model32 = copy.deepcopy(model).float()
     ref: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
-        mlp, key, x = layer.mlp, f"layers.{i}", xs[i]
-        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp)
+        mlp, key, (x, input_ids) = layer.mlp, f"layers.{i}", calls[i]
+        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp, input_ids)
         _ct_activation_bytes(mlp, x, ref, key, spec)
     ckpt = work / name
     if ckpt.exists():
         shutil.rmtree(ckpt)
+    if spec.get("arch") == "deepseek_v4":
+        # oneshot split the fused experts into per-expert Linear modules; the save mapping
+        # that llmcompressor's load_quantizable_moe registers for them (its loader itself is
+        # not used: it imports every transformers model module) gives DeepSeek's upstream
+        # names, as a V4 checkpoint loaded that way is saved: ffn.experts.E.w1/w3/w2,
+        # ffn.gate.bias, ffn.shared_experts.w1/w3/w2.
+        from llmcompressor.modeling.moe.conversion_mappings import (get_linearize_load_mappings,
+                                                                    set_save_conversion_mapping)
+
+        set_save_conversion_mapping(model, get_linearize_load_mappings("deepseek_v4")[2])
     model.save_pretrained(ckpt, save_compressed=True)
     meta = {"producer": "llmcompressor", "producer_version": llmcompressor.__version__,
             "compressed_tensors_version": compressed_tensors.__version__,
@@ -368,6 +475,18 @@ ROUTERS = {
     "routing_mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
     "routing_qwen3_moe": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=True)),
     "routing_qwen3_moe_nonorm": ("qwen3_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=False)),
+    "routing_glm4_moe": ("glm4_moe", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                          norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "routing_glm4_moe_nogroups": ("glm4_moe", dict(n_routed_experts=10, num_experts_per_tok=4, n_group=1,
+                                                   topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    # DeepSeek-V4: layer 0 hash-routed (tid2eid), layer 1 top-k; in float32 (transformers computes
+    # V4's logits and scores in the model's dtype; megamoe is compared with the float32 model)
+    "routing_deepseek_v4_hash": ("deepseek_v4", dict(n_routed_experts=12, num_experts_per_tok=4, num_hidden_layers=2,
+                                                     mlp_layer_types=["hash_moe", "moe"], vocab_size=64,
+                                                     routed_scaling_factor=1.5, layer=0)),
+    "routing_deepseek_v4": ("deepseek_v4", dict(n_routed_experts=12, num_experts_per_tok=4, num_hidden_layers=2,
+                                                mlp_layer_types=["hash_moe", "moe"], vocab_size=64,
+                                                routed_scaling_factor=2.5, layer=1)),
 }
 
 
@@ -382,9 +501,18 @@ def run_routing(out_root: Path) -> list[Path]:
     made = []
     for n, (name, (model_type, kw)) in enumerate(ROUTERS.items()):
         torch.manual_seed(500 + n)
+        kw = dict(kw)
+        layer = kw.pop("layer", None)
         cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, **kw)
+        dtype = torch.float32 if model_type == "deepseek_v4" else torch.bfloat16
         if model_type == "deepseek_v3":
             from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
+        elif model_type == "glm4_moe":
+            from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter as R
+        elif model_type == "deepseek_v4":
+            from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+            R = v4.DeepseekV4HashRouter if cfg.mlp_layer_types[layer] == "hash_moe" else v4.DeepseekV4TopKRouter
         elif model_type == "mixtral":
             from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as R
         else:
@@ -394,20 +522,28 @@ def run_routing(out_root: Path) -> list[Path]:
             router.weight.copy_(torch.randn(router.weight.shape) * 0.1)
             if hasattr(router, "e_score_correction_bias"):
                 router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape) * 0.05)
-        router = router.to(torch.bfloat16)
+            if hasattr(router, "tid2eid"):  # distinct experts per token id
+                e = router.weight.shape[0]
+                router.tid2eid.copy_(torch.stack([torch.randperm(e)[:router.top_k] for _ in range(cfg.vocab_size)]))
+        router = router.to(dtype)
         if hasattr(router, "e_score_correction_bias"):
             router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()
-        x = torch.randn(64, HIDDEN).to(torch.bfloat16)
+        x = torch.randn(64, HIDDEN).to(dtype)
+        input_ids = torch.randint(0, cfg.vocab_size, (64,)) if hasattr(router, "tid2eid") else None
         with torch.no_grad():
-            logits, weights, ids = router(x)
+            logits, weights, ids = router(x) if input_ids is None else router(x, input_ids)
         t = {"router_logits": logits.float().contiguous(), "topk_ids": ids.to(torch.int32).contiguous(),
              "topk_weights": weights.float().contiguous()}
         if hasattr(router, "e_score_correction_bias"):
             t["e_score_correction_bias"] = router.e_score_correction_bias.float().contiguous()
+        if input_ids is not None:
+            t["input_ids"], t["tid2eid"] = input_ids.contiguous(), router.tid2eid.contiguous()
+        meta = {"config": cfg.to_json_string(use_diff=False), "transformers_version": transformers.__version__,
+                "router": R.__name__, "dtype": str(dtype).replace("torch.", "")}
+        if layer is not None:
+            meta["layer"] = str(layer)
         dst = out_root / f"{name}.safetensors"
-        save_file(t, str(dst), metadata={"config": cfg.to_json_string(use_diff=False),
-                                         "transformers_version": transformers.__version__,
-                                         "router": R.__name__})
+        save_file(t, str(dst), metadata=meta)
         made.append(dst)
     return made
 

@@ -62,7 +62,7 @@ def test_bad_arguments(kw, msg):
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from megamoe.routing import ARCHITECTURES, UnknownArchitecture, architecture_routing  # noqa: E402
+from megamoe.routing import ARCHITECTURES, UnknownArchitecture, architecture_routing, hash_expert_ids  # noqa: E402
 
 ROUTERS = sorted((Path(__file__).resolve().parent / "fixtures" / "real").glob("routing_*.safetensors"))
 
@@ -85,12 +85,17 @@ def test_rule_matches_the_transformers_router(path):
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        hf = json.loads(f.metadata()["config"])
+        meta = f.metadata()
         t = {k: f.get_tensor(k) for k in f.keys()}
-    rule = architecture_routing(hf)
+    hf = json.loads(meta["config"])
+    layer = int(meta["layer"]) if "layer" in meta else None  # deepseek_v4: hash or top-k per layer
+    rule = architecture_routing(hf, layer)
     fl = rule.fields
-    w, ids = route(t["router_logits"], fl["top_k"], fl["scoring"], t.get("e_score_correction_bias"),
-                   fl.get("n_group"), fl.get("topk_group"), fl["renormalize"], fl["routed_scaling_factor"])
+    assert ("tid2eid" in t) == bool(fl.get("hash_routing"))
+    expert_ids = hash_expert_ids(t["tid2eid"], t["input_ids"]) if fl.get("hash_routing") else None
+    args = (fl["top_k"], fl["scoring"], t.get("e_score_correction_bias"), fl.get("n_group"), fl.get("topk_group"),
+            fl["renormalize"], fl["routed_scaling_factor"])
+    w, ids = route(t["router_logits"], *args, expert_ids=expert_ids)
     got, want = ids.long().sort(-1), t["topk_ids"].long().sort(-1)
     differ = (got.values != want.values).any(-1)
     if differ.any():
@@ -120,12 +125,17 @@ def test_rule_matches_the_transformers_router(path):
         torch.testing.assert_close(gw, ww, rtol=1e-2, atol=1e-3)
     else:
         torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
-    # the fields that matter here do matter: the other scoring picks other experts
-    other = "softmax" if fl["scoring"] == "sigmoid" else "sigmoid"
-    _, ids2 = route(t["router_logits"], fl["top_k"], other, t.get("e_score_correction_bias"),
-                    fl.get("n_group"), fl.get("topk_group"), fl["renormalize"], fl["routed_scaling_factor"])
-    if fl["scoring"] == "sigmoid":
+    # the fields that matter here do matter: another scoring picks other experts (top-k) or
+    # weighs them otherwise (hash), and without its scaling factor the weights differ
+    other = {"sigmoid": "softmax", "softmax": "sigmoid", "sqrtsoftplus": "sigmoid"}[fl["scoring"]]
+    w2, ids2 = route(t["router_logits"], fl["top_k"], other, *args[2:], expert_ids=expert_ids)
+    if expert_ids is not None:
+        assert torch.equal(ids2, ids) and not torch.allclose(w2, w, rtol=1e-3, atol=1e-4)
+    elif fl["scoring"] != "softmax":
         assert not torch.equal(ids2.long().sort(-1).values, want.values)
+    if fl["routed_scaling_factor"] != 1.0:
+        w3, _ = route(t["router_logits"], *args[:-1], 1.0, expert_ids=expert_ids)
+        assert not torch.allclose(w3, route(t["router_logits"], *args, expert_ids=expert_ids)[0], rtol=1e-3, atol=1e-4)
 
 
 def test_deepseek_v3_rule_and_defaults():
@@ -160,3 +170,67 @@ def test_mixtral_and_qwen3_moe_rules():
         == ("softmax", True, 1.0, 0, 256)
     q = architecture_routing({"model_type": "qwen3_moe", "num_experts": 16}).fields
     assert (q["scoring"], q["renormalize"], q["top_k"], q["num_experts"]) == ("softmax", False, 8, 16)
+
+
+def test_qwen3_moe_reads_the_key_transformers_5_writes():
+    """transformers 5 writes num_local_experts (num_experts is only its alias)."""
+    r = architecture_routing({"model_type": "qwen3_moe", "num_local_experts": 16, "num_experts_per_tok": 2})
+    assert r.fields["num_experts"] == 16 and r.stated["num_experts"] == "num_local_experts"
+    assert any("num_experts=16 (config.json num_local_experts)" in c for c in r.choices)
+    none = architecture_routing({"model_type": "qwen3_moe"})
+    assert "num_experts" not in none.stated  # the default 128 is a default, not something config.json says
+    with pytest.raises(UnknownArchitecture, match="num_local_experts=16, num_experts=8 disagree"):
+        architecture_routing({"model_type": "qwen3_moe", "num_local_experts": 16, "num_experts": 8})
+
+
+def test_glm4_moe_rule_is_deepseek_v3_routing_with_glm_defaults():
+    r = architecture_routing({"model_type": "glm4_moe"})
+    f = r.fields
+    assert (f["scoring"], f["num_experts"], f["top_k"], f["n_group"], f["topk_group"], f["renormalize"],
+            f["routed_scaling_factor"], f["intermediate_size"], f["n_shared_experts"]) == \
+        ("sigmoid", 128, 8, 1, 1, True, 1.0, 1408, 1)
+    assert r.requires == ("correction_bias",)
+    with pytest.raises(UnknownArchitecture, match="hidden_act='gelu'"):
+        architecture_routing({"model_type": "glm4_moe", "hidden_act": "gelu"})
+    with pytest.raises(UnknownArchitecture, match="scoring_func='softmax'"):
+        architecture_routing({"model_type": "glm4_moe", "scoring_func": "softmax"})
+
+
+V4 = {"model_type": "deepseek_v4", "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+      "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"], "swiglu_limit": 7.0, "routed_scaling_factor": 2.0}
+
+
+@pytest.mark.parametrize("layer,hashed", [(0, True), (1, True), (2, False), (3, False)])
+def test_deepseek_v4_rule_per_layer(layer, hashed):
+    r = architecture_routing(V4, layer)
+    f = r.fields
+    assert f["hash_routing"] is hashed
+    assert (f["scoring"], f["num_experts"], f["top_k"], f["n_group"], f["renormalize"], f["routed_scaling_factor"],
+            f["swiglu_limit"], f["n_shared_experts"], f["shared_intermediate_size"]) == \
+        ("sqrtsoftplus", 16, 4, None, True, 2.0, 7.0, 1, 64)
+    assert r.requires == (("tid2eid",) if hashed else ("correction_bias",))
+    assert any(f"config.json mlp_layer_types[{layer}]" in c for c in r.choices)
+
+
+def test_deepseek_v4_rule_defaults_and_legacy_num_hash_layers():
+    d = architecture_routing({"model_type": "deepseek_v4"}, 2)
+    assert d.fields["hash_routing"] is True and d.fields["swiglu_limit"] == 10.0  # 3 hash layers by default
+    assert d.fields["scoring"] == "sqrtsoftplus" and d.fields["routed_scaling_factor"] == 1.5
+    assert architecture_routing({"model_type": "deepseek_v4"}, 3).fields["hash_routing"] is False
+    legacy = {"model_type": "deepseek_v4", "num_hash_layers": 1}
+    assert architecture_routing(legacy, 0).fields["hash_routing"] is True
+    assert architecture_routing(legacy, 1).fields["hash_routing"] is False
+    assert any("num_hash_layers=1" in c for c in architecture_routing(legacy, 1).choices)
+
+
+@pytest.mark.parametrize("hf,layer,msg", [
+    (V4, None, "layer number is needed"),
+    ({"model_type": "deepseek_v4"}, None, "layer number is needed"),
+    (V4, 4, "outside config.json mlp_layer_types"),
+    ({**V4, "scoring_func": "relu"}, 0, "scoring_func='relu'"),
+    ({**V4, "mlp_layer_types": ["dense", "moe", "moe", "moe"]}, 0, r"mlp_layer_types\[0\]='dense'"),
+    ({**V4, "num_local_experts": 8}, 2, "disagree"),
+])
+def test_deepseek_v4_rule_refusals(hf, layer, msg):
+    with pytest.raises(UnknownArchitecture, match=msg):
+        architecture_routing(hf, layer)
