@@ -3,6 +3,12 @@
 
     python bench/moe_bench.py                      # full run (see bench/README.md)
     python bench/moe_bench.py --quick --tokens 1 32 # smoke run
+    python bench/moe_bench.py --tp 8               # one tensor-parallel rank's shapes (I / 8 per expert)
+
+``--tp N``: the shapes one rank of N-way tensor parallelism runs (``megamoe.distributed``): every
+expert's intermediate size I / N (V4-Flash at N = 8: I = 256, so GEMM 1 has N = 512 rows per expert
+and GEMM 2 has K = 256), H, E and the routing unchanged; each row records the dispatch plan the
+backend picks at those shapes (``sm90_<mode>_plan``). The partial sums' all-reduce is not timed.
 
 For each preset (docs/SPEC.md §3) and T: routed experts only (the shared expert and the router
 are identical for every path and left out), uniform random top-k routing, CUDA-graph
@@ -44,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megamoe import nvfp4  # noqa: E402
 from megamoe.moe import MoEWeights  # noqa: E402
-from megamoe.presets import get_preset  # noqa: E402
+from megamoe.presets import MoEConfig, get_preset  # noqa: E402
 
 ROTATE = 8
 PROFILE_REPS = 5  # eager forwards per torch.profiler run
@@ -85,12 +91,38 @@ def measure_bf16_rate(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+# ----------------------------------------------------------------------------- shapes
+def bench_config(preset: str, tp: int = 1) -> MoEConfig:
+    """The routed experts' shape of ``preset`` as one of ``tp`` tensor-parallel ranks runs it: every
+    expert's intermediate size ``I / tp`` (whole 16-value blocks, else ValueError), the rest unchanged."""
+    from megamoe.distributed import tp_local_config
+
+    cfg = get_preset(preset)
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: expected 1 or more ranks")
+    return cfg if tp == 1 else tp_local_config(cfg, tp)
+
+
+def plan_args(cfg: MoEConfig, t: int, mode: str) -> dict:
+    """The arguments of the sm90 dispatch plan ``moe_forward`` asks for at ``t`` bf16 tokens (static
+    activation scales, as the benchmark's weights have): expected tokens per expert, both GEMMs' K."""
+    w4a16 = mode == "w4a16"
+    return dict(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_l1=cfg.hidden_size,
+                k_l2=cfg.intermediate_size, num_experts=cfg.num_experts, w4a16=w4a16, gather_input=True,
+                h_static_scale=not w4a16)
+
+
+def plan_summary(plan) -> str:
+    """``kernel/token tile/tokens per pass`` of a dispatch plan, e.g. ``wgmma64/64/64``."""
+    return f"{str(plan.kernel).split('.')[-1]}/{plan.token_tile}/{plan.tokens_per_pass}"
+
+
 # ----------------------------------------------------------------------------- weights
-def random_weights(cfg, gen: torch.Generator) -> MoEWeights:
+def random_weights(cfg, gen: torch.Generator, device="cuda") -> MoEWeights:
     """Random NVFP4 weights on the GPU (codes uniform, block scales spread, gate/up global
     scales apart, static input scales) - fast to make at v3 size, same bytes as real ones."""
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    dev = "cuda"
+    dev = device
 
     def q(rows, k, gs):
         data = torch.randint(0, 256, (e, rows, k // 2), dtype=torch.uint8, device=dev, generator=gen)
@@ -264,12 +296,16 @@ def versions() -> dict:
     return v
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["v4-flash", "v3"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["w4a16", "w4a4"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_h200.json"))
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="the shapes of one of N tensor-parallel ranks: intermediate size I / N per expert "
+                         "(V4-Flash at 8: I = 256, GEMM 2 with K = 256)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: bench/results/moe_h200.json, or moe_h200_tp<N>.json with --tp N)")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
@@ -279,6 +315,18 @@ def main(argv=None) -> int:
                     help="also time every GEMM kernel forced (T >= 128, and the stream tokens-per-pass choices below)")
     ap.add_argument("--profile", action="store_true", help="per-kernel times from torch.profiler (GEMM vs the rest)")
     args = ap.parse_args(argv)
+    try:
+        args.configs = {p: bench_config(p, args.tp) for p in args.presets}
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "moe_h200.json" if args.tp == 1 else f"moe_h200_tp{args.tp}.json")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     from megamoe.backends import get_backend
     from megamoe.backends.cuda_sm90 import CudaSm90Backend
@@ -293,7 +341,7 @@ def main(argv=None) -> int:
 
     results = []
     for preset in args.presets:
-        base = get_preset(preset)
+        base = args.configs[preset]
         weights = random_weights(base, gen)
         prepared = be.prepare_weights(weights)
         per_expert_nvfp4 = (weights.w13.nbytes() + weights.w2.nbytes()) // base.num_experts
@@ -306,13 +354,18 @@ def main(argv=None) -> int:
             wbytes = used * per_expert_nvfp4
             flops = CudaSm90Backend.expert_flops(base, t)
             reps = 30 if args.quick else (200 if t <= 128 else (50 if t <= 2048 else 20))
-            row = {"preset": preset, "T": t, "experts_used": used, "nvfp4_weight_bytes": wbytes, "flops": flops,
+            row = {"preset": preset, "tp": args.tp, "I": base.intermediate_size, "T": t, "experts_used": used,
+                   "nvfp4_weight_bytes": wbytes, "flops": flops,
                    "floor_weight_us": wbytes / copy_bw * 1e6,
                    "floor_compute_us": flops / bf16_rate * 1e6}
             bufs = [s.clone() for s in sets[0]]
             for mode in args.modes:
                 cfg = base.with_(act_mode=mode)
                 try:
+                    pa = plan_args(cfg, t, mode)
+                    row[f"sm90_{mode}_plan"] = plan_summary(be.plan(pa["tokens_per_expert"], pa["k_l1"], pa["k_l2"],
+                                                                    pa["num_experts"], pa["w4a16"], pa["gather_input"],
+                                                                    pa["h_static_scale"]))
                     times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
                                                bufs, reps, queued=True)
                     med = statistics.median(times)
@@ -405,6 +458,7 @@ def write_report(args, argv, copy_bw, bf16_rate, results) -> dict:
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
+        "tp": args.tp,
         "versions": versions(),
         "floors": {"copy_bw_Bps_read_plus_write": copy_bw, "bf16_matmul_flops": bf16_rate},
         "method": "median of per-replay CUDA-event times of a captured CUDA graph of the routed-expert forward; "
@@ -441,7 +495,7 @@ def make_plot(report, path, modes):
         ax.set_yscale("log")
         ax.set_xlabel("tokens T")
         ax.set_ylabel("routed-expert forward time (us)")
-        ax.set_title(f"{p} on {report['device']}")
+        ax.set_title(f"{p}{'' if report.get('tp', 1) == 1 else ' (one of %d TP ranks)' % report['tp']} on {report['device']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
