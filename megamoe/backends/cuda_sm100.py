@@ -491,14 +491,18 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         return torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
 
     def _grouped_gemm(self, counts, parts: int, n_part: int, k: int, a_data, a_sf, b_data, b_sf,
-                      a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor, pairs: int) -> torch.Tensor:
+                      a_gs: torch.Tensor, b_gs: torch.Tensor, out: torch.Tensor,
+                      pairs: int | None = None) -> torch.Tensor:
         """``out[rows of e, p*n_part:(p+1)*n_part] = alpha_{e,p} * A_e @ B_{e,p}^T`` for every group.
 
         ``counts``: tokens per expert, a list (host) or an int32 tensor on the device;
-        ``pairs``: the host bound of their sum (T * k), which picks the kernel configuration."""
+        ``pairs``: the host bound of their sum (T * k), which picks the kernel configuration
+        (None: the sum of host counts; with device counts, the output's row count)."""
         a_gs = a_gs.reshape(-1).float().contiguous()
         b_gs = b_gs.reshape(-1).float().contiguous()
         num_experts = counts.numel() if torch.is_tensor(counts) else len(counts)
+        if pairs is None:
+            pairs = out.shape[0] if torch.is_tensor(counts) else sum(int(c) for c in counts)
         tile_n = self.tile_n_for(pairs, num_experts, parts, n_part)
         self.last_tile_n = tile_n
         if self.executor == "emulate":
