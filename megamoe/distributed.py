@@ -1058,14 +1058,15 @@ def check_tp_partial_sum(layer: "TensorParallelMoE", seed: int) -> dict:
     """The ordered sum over ranks against ``all_reduce`` of the same partials, on this layer's weights;
     every rank's output bit-identical; the router's choice identical on every rank.
 
-    Every rank draws the same random tokens (37 rows) and routing. Collective: every rank
-    must run it.
+    Every rank draws the same random tokens (37 rows, float32) and routing. Collective: every
+    rank must run it.
     """
     t0 = time.perf_counter()
     cfg, w = layer.config, layer.world_size
     gen = torch.Generator().manual_seed(seed * 1000003 + 7)
     t = 37
-    x = torch.randn((t, cfg.hidden_size), generator=gen).to(torch.bfloat16).to(layer.device)
+    # float32 activations (bf16-representable): the sum is compared in float32, not after a bf16 rounding
+    x = torch.randn((t, cfg.hidden_size), generator=gen).to(torch.bfloat16).float().to(layer.device)
     ids = torch.rand((t, cfg.num_experts), generator=gen).argsort(dim=1)[:, : cfg.top_k].to(torch.int32)
     tw = torch.rand((t, cfg.top_k), generator=gen) + 0.05
     ids, tw = ids.to(layer.device), (tw / tw.sum(1, keepdim=True)).to(layer.device)
