@@ -330,7 +330,9 @@ def _http(port: int, path: str, body: dict | None = None, timeout: float = 30.0)
         return e.code, json.loads(e.read() or b"{}")
 
 
-def test_service_under_torchrun_serves_and_stops(tmp_path):
+@pytest.mark.parametrize("parallel", ["ep", "tp"])
+def test_service_under_torchrun_serves_and_stops(tmp_path, parallel):
+    """Expert parallelism, and tensor parallelism (--tp 2): the same answers as one process."""
     import signal
     import subprocess
     import sys
@@ -346,7 +348,8 @@ def test_service_under_torchrun_serves_and_stops(tmp_path):
     log_path = tmp_path / "service.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "megamoe.service.distributed", "--preset", "tiny", "--seed", "3",
-           "--backend", "torch", "--port", str(port), "--selftest-level", "quick"]
+           "--backend", "torch", "--port", str(port), "--selftest-level", "quick"] + \
+        (["--tp", "2"] if parallel == "tp" else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -395,7 +398,34 @@ def test_service_under_torchrun_serves_and_stops(tmp_path):
     # the service self-tests through DistributedFront.run_checks: the report covers both ranks
     assert per_rank is not None, "GET /v1/health/kernels covered rank 0 only"
     assert [r["rank"] for r in per_rank] == [0, 1]
-    assert any(c["name"] == "ep_dispatch_combine" for c in report["checks"])
+    name = "tp_partial_sum" if parallel == "tp" else "ep_dispatch_combine"
+    assert any(c["name"] == name and c["status"] == "pass" for c in report["checks"]), report["checks"]
+
+
+def test_check_cli_under_torchrun_with_tp(tmp_path):
+    """python -m megamoe.distributed check --tp 2 --compare: every rank's health, the TP sum check and
+    the forward against one process; --tp other than the number of ranks is refused by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(tp: str):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), "-m", "megamoe.distributed", "check", "--preset", "tiny",
+               "--backend", "torch", "--tp", tp, "--compare"]
+        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+
+    ok = run("2")
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-3000:]
+    assert "TensorParallelMoE(rank 0/2, intermediate [0, 64) of I=128" in ok.stdout
+    assert "overall: PASS" in ok.stdout and "tp_partial_sum       PASS" in ok.stdout, ok.stdout
+    assert "TP forward vs single-process MoELayer" in ok.stdout
+    bad = run("4")
+    assert bad.returncode != 0 and "--tp 4: tensor parallelism runs over every rank of the job, which has 2" in \
+        bad.stdout + bad.stderr
 
 
 # ------------------------------------------------------------------------------------------
