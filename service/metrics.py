@@ -4,8 +4,9 @@ Several serving processes (``--instances N``, service/instances.py) share promet
 multiprocess mode: each process writes its samples to files in ``PROMETHEUS_MULTIPROC_DIR`` (set
 by the parent before they start) and ``/metrics`` reports all of them, whichever process answers:
 counters and histograms summed, each gauge by its ``multiprocess_mode`` (queued requests summed
-over the live processes; ``megamoe_ready`` 1 when any instance is ready, which is what the
-readiness endpoint answers then; self-test results the worst and the latest over the instances;
+over the live processes; ``megamoe_ready`` 1 when every live instance reports ready, which each
+does only while every instance is (what the readiness endpoint answers; a hung instance that still
+reports 1 is outvoted by the others); self-test results the worst and the latest over the instances;
 ``megamoe_instance_ready`` one sample per instance, with its process id).
 """
 
@@ -71,8 +72,8 @@ class ServiceMetrics:
         self.queued = Gauge(
             "megamoe_batcher_queued_requests", "infer requests waiting for a batch (summed over the instances)",
             registry=r, multiprocess_mode="livesum")
-        self.ready = Gauge("megamoe_ready", "1 when the server reports ready (any instance ready)", registry=r,
-                           multiprocess_mode="livemax")
+        self.ready = Gauge("megamoe_ready", "1 when the server reports ready (every instance ready)", registry=r,
+                           multiprocess_mode="livemin")
         self.instance_ready = Gauge(
             "megamoe_instance_ready", "1 when this serving process (model instance) is ready",
             ["instance"], registry=r, multiprocess_mode="liveall")
@@ -89,10 +90,10 @@ class ServiceMetrics:
             "megamoe_selftest_last_run_timestamp_seconds", "when each self-test level last ran (the latest "
             "over the instances)", ["level"], registry=r, multiprocess_mode="livemax")
 
-    def set_ready(self, ready: bool) -> None:
-        value = 1.0 if ready else 0.0
-        self.ready.set(value)
-        self.instance_ready.labels(self.instance).set(value)
+    def set_ready(self, ready: bool, own: bool | None = None) -> None:
+        """``ready``: what readiness answers; ``own``: whether this process can serve (default: ``ready``)."""
+        self.ready.set(1.0 if ready else 0.0)
+        self.instance_ready.labels(self.instance).set(1.0 if (ready if own is None else own) else 0.0)
 
     def record_batch(self, model: str, requests: int, tokens: int, compute_s: float) -> None:
         self.batch_requests.labels(model).observe(requests)

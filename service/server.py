@@ -38,6 +38,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import create_app
+from .channel import HEARTBEAT_S, MSG_ALL_READY, MSG_SHORT
 from .settings import ServiceSettings, configure_logging
 
 log = logging.getLogger("megamoe.service.server")
@@ -471,6 +472,8 @@ class ServiceServer(uvicorn.Server):
         self.channel = channel
         self._connecting: set[asyncio.Task] = set()
         self._loop = None
+        self._beat = None
+        self._news = bytearray()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[] if self.channel is not None else sockets)
@@ -481,7 +484,31 @@ class ServiceServer(uvicorn.Server):
                                            server_state=self.server_state, app_state=self.lifespan.state)
         self.channel.setblocking(False)
         self._loop.add_reader(self.channel.fileno(), self._take_connections)
+        loop = self._loop
+        self.service_state.call_in_loop = lambda fn, *args: loop.call_soon_threadsafe(fn, *args)
         self.service_state.report_readiness(force=True)  # serving: the parent may hand us connections
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S while the event loop turns (also while draining): silence is a hung instance."""
+        self.service_state.heartbeat()
+        self._beat = self._loop.call_later(HEARTBEAT_S, self._heartbeat)
+
+    def _parent_news(self, data: bytes) -> None:
+        """The parent's word on the instances (service/channel.py): every one ready, or why not."""
+        self._news += data
+        while self._news:
+            kind = self._news[0]
+            if kind == MSG_SHORT:
+                end = self._news.find(b"\n")
+                if end < 0:
+                    return  # the rest of the reason comes with the next read
+                self.service_state.set_peers(self._news[1:end].decode("utf-8", "replace") or "an instance is down")
+                del self._news[:end + 1]
+                continue
+            if kind == MSG_ALL_READY:
+                self.service_state.set_peers(None)
+            del self._news[:1]  # (a connection's byte, or one this version does not know)
 
     def _take_connections(self) -> None:
         """Connections from the parent: each becomes a connection of this server, as if accepted here."""
@@ -492,6 +519,8 @@ class ServiceServer(uvicorn.Server):
                 return
             except OSError:
                 data, fds = b"", []
+            if data:
+                self._parent_news(data)
             for fd in fds:
                 sock = socket.socket(fileno=fd)
                 sock.setblocking(False)

@@ -57,9 +57,10 @@ class ServiceSettings(BaseSettings):
         1, ge=1, le=64,
         description="serving processes (model instances, Triton's instance_group count) behind the one port: each "
         "loads its own copy of the layer onto the device (memory: the weights N times) and runs its own event "
-        "loop, batcher and CUDA graphs; new connections go to the ready instance with the fewest open ones. An "
-        "instance that exits unexpectedly stops the server (exit status 1); SIGTERM drains every instance. Not with "
-        "torchrun (expert-parallel serving is one process per rank)",
+        "loop, batcher and CUDA graphs; new connections go to the ready instance with the fewest open ones. "
+        "Readiness is 200 while every instance is ready. An instance that exits, hangs (no heartbeat) or whose "
+        "device fails gets no connections and is restarted (see --instance-restarts); SIGTERM drains every "
+        "instance. Not with torchrun (expert-parallel serving is one process per rank)",
     )
     tp: int = Field(
         1, ge=1,
@@ -67,6 +68,15 @@ class ServiceSettings(BaseSettings):
         "ranks, N = the number of processes: every rank holds 1/N of every expert's intermediate dimension and "
         "runs every token; 1: expert parallelism (each rank holds E/N whole experts). A single-process server "
         "serves the whole layer",
+    )
+    instance_heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="with --instances: an instance whose event loop sent no heartbeat for this long is "
+        "hung: it is killed and restarted (it gets no new connections after 3 s of silence already)",
+    )
+    instance_restarts: int = Field(
+        3, ge=0, description="with --instances: how often one instance that failed (exited, hung, or left after a "
+        "device error) is restarted within 10 minutes; once more, the server goes unready, drains the other "
+        "instances and exits 1 (0: never restarted)",
     )
     hidden_datatype: str = Field(
         "FP32", pattern=f"^({'|'.join(HIDDEN_DATATYPES)})$",

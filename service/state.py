@@ -21,7 +21,7 @@ import torch
 from megamoe.backends.base import Backend
 
 from .batching import DynamicBatcher
-from .channel import MSG_CLOSED, MSG_NOT_READY, MSG_READY
+from .channel import EXIT_LEFT, MSG_CLOSED, MSG_HEARTBEAT, MSG_LEAVING, MSG_NOT_READY, MSG_READY
 from .metrics import ServiceMetrics
 from .model import ServedModel, load_layer
 from .protocol import ProtocolError, aligned_body
@@ -45,6 +45,10 @@ class ServiceState:
         #: an instance of several: the Unix socket to the parent (readiness, closed connections)
         self._parent: socket.socket | None = None
         self._reported_ready: bool | None = None
+        #: an instance of several: why not every instance is ready (from the parent), None when all are
+        self.peers_short: str | None = None if instance is None else "the other instances are starting"
+        #: an instance of several that left (see leave)
+        self.left = False
         #: an instance of several names itself in every response (which one answered)
         self.instance_header = (b"megamoe-instance", str(instance).encode()) if instance is not None else None
         self.model_name = settings.served_model_name()
@@ -70,13 +74,24 @@ class ServiceState:
         self.draining = False
         self.announce_close = False
         self.shutdown_deadline: float | None = None
-        #: the process's exit status, and how to ask the server to stop (set by main())
+        #: the process's exit status, and how to ask the server to stop (set by build_server)
         self.exit_code = 0
         self.request_exit = lambda: None
+        #: runs a callable on the event loop from any thread (set once the loop runs)
+        self.call_in_loop = lambda fn, *args: fn(*args)
 
     def not_ready_reason(self, *, serving: bool = False) -> str | None:
         """Why readiness is 503 (None: ready). ``serving``: why an infer request cannot run now
-        (requests still arriving during shutdown are served)."""
+        (requests still arriving during shutdown are served). An instance of several is ready only
+        while every instance is (the parent says so: service/instances.py), so that the server never
+        reports ready while it runs an instance short."""
+        reason = self.own_not_ready_reason(serving=serving)
+        if reason is None and not serving and self.peers_short is not None:
+            return self.peers_short
+        return reason
+
+    def own_not_ready_reason(self, *, serving: bool = False) -> str | None:
+        """Why this process cannot serve (what an instance of several reports to the parent)."""
         if self.load_error:
             return f"model failed to load: {self.load_error}"
         if self.draining and not serving:
@@ -90,9 +105,8 @@ class ServiceState:
         return None
 
     def refresh_ready_gauge(self) -> None:
-        ready = self.not_ready_reason() is None
-        self.metrics.set_ready(ready)
-        self.report_readiness(ready)
+        self.metrics.set_ready(self.not_ready_reason() is None, own=self.own_not_ready_reason() is None)
+        self.report_readiness(self.own_not_ready_reason() is None)
 
     # --- an instance of several (service/instances.py) ----------------------------------------
 
@@ -113,7 +127,7 @@ class ServiceState:
         if self._parent is None:
             return
         if ready is None:
-            ready = self.not_ready_reason() is None
+            ready = self.own_not_ready_reason() is None
         if force or ready != self._reported_ready:
             self._reported_ready = ready
             self._tell_parent(bytes([MSG_READY if ready else MSG_NOT_READY]))
@@ -121,6 +135,32 @@ class ServiceState:
     def connection_closed(self) -> None:
         if self._parent is not None:
             self._tell_parent(bytes([MSG_CLOSED]))
+
+    def heartbeat(self) -> None:
+        """Called by the event loop every HEARTBEAT_S: the parent takes silence for a hung instance."""
+        if self._parent is not None:
+            self._tell_parent(bytes([MSG_HEARTBEAT]))
+
+    def set_peers(self, short: str | None) -> None:
+        """What the parent says of the instances: None when every one is ready, else why not."""
+        if short != self.peers_short:
+            self.peers_short = short
+            self.refresh_ready_gauge()
+
+    def leave(self, why: str) -> None:
+        """An instance of several that cannot serve any more (its device failed for good): it is
+        unready at once, every response from now on says ``Connection: close`` (keep-alive clients
+        reconnect, to an instance that can serve), the parent hands it no more connections and
+        restarts it once this process has drained and exited (status EXIT_LEFT)."""
+        if self._parent is None or self.left:
+            return
+        self.left = True
+        log.error("this instance leaves (%s): it drains and exits, to be restarted", why)
+        self.announce_close = True
+        self.exit_code = EXIT_LEFT
+        self.refresh_ready_gauge()
+        self._tell_parent(bytes([MSG_LEAVING]))
+        self.request_exit()
 
     def begin_shutdown(self) -> None:
         """SIGTERM: readiness turns 503, and a body still arriving when the grace period ends is
@@ -227,6 +267,9 @@ class ServiceState:
             self.device_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.error("device probe failed, readiness is now 503: %s", self.device_error)
         self.refresh_ready_gauge()
+        if self.device_error and self._parent is not None:
+            # an instance of several is replaced rather than kept unready: its loop does the leaving
+            self.call_in_loop(self.leave, f"device reported an error: {self.device_error}")
 
     def load_and_selftest(self) -> None:
         layer = self.preloaded_layer if self.preloaded_layer is not None else load_layer(self.settings)

@@ -2,7 +2,8 @@
 instances answer (their index in the ``megamoe-instance`` header, their process ids in
 ``/metrics``), ``/metrics`` sums over both, the model configuration reports the count, SIGTERM
 drains every instance with the requests in flight answered and exits 0, an instance that dies
-makes the server exit non-zero, torchrun serving refuses the option."""
+more often than --instance-restarts makes the server exit non-zero, torchrun serving refuses the
+option (restarts, heartbeats and the parent's queues: test_service_supervision.py)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
 def start(tmp_path: Path, name: str, *args: str) -> ServerProcess:
     srv = ServerProcess(tmp_path / f"{name}.log", env={"MEGAMOE_TOKEN": TOKEN},
                         args=["--backend", "torch", "--instances", str(INSTANCES), "--log-level", "info", *args])
-    srv.wait_for("/v2/health/ready")
-    # readiness answers once one instance is ready: wait for every one of them
+    srv.wait_for("/v2/health/ready")  # every instance ready
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         ready = samples(srv, "megamoe_instance_ready")
@@ -180,15 +180,19 @@ def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
                               "--queue-delay-ms", "1", "--log-level", "info"])
     clients = []
     try:
-        srv.wait_for("/v2/health/ready")
-        deadline = time.monotonic() + 30
+        srv.wait_for("/v2/health/live")
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the loading one has reported its (not ready) gauge too
             ready = {s.labels["instance"]: s.value for s in samples(srv, "megamoe_instance_ready")}
-            if len(ready) == INSTANCES:
+            if len(ready) == INSTANCES and 1.0 in ready.values():  # one ready, the other loading
                 break
             time.sleep(0.1)
         assert sorted(ready.values()) == [0.0, 1.0], ready
         first = next(k for k, v in ready.items() if v == 1.0)
+        # the server is not ready while it runs an instance short: the ready one says so
+        status, body = srv.get("/v2/health/ready")
+        assert status == 503 and "1 of 2 instances ready" in body["error"], body
+        assert [s.value for s in samples(srv, "megamoe_ready")] == [0.0]
         for k in range(3):  # connections kept open: still every one to the ready instance
             client = httpx.Client(base_url=srv.url, headers=AUTH, timeout=30)
             clients.append(client)
@@ -216,8 +220,8 @@ def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
     assert code == 0, log_of(srv)
 
 
-def test_a_killed_instance_stops_the_server_nonzero(tmp_path):
-    srv = start(tmp_path, "killed", "--queue-delay-ms", "1")
+def test_an_instance_killed_beyond_its_restarts_stops_the_server_nonzero(tmp_path):
+    srv = start(tmp_path, "killed", "--queue-delay-ms", "1", "--instance-restarts", "0")
     try:
         victim = int(instance_pids(srv)["1"])
         os.kill(victim, signal.SIGKILL)
