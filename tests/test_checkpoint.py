@@ -655,3 +655,189 @@ def test_other_quantization_groups_and_fp8_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(deepseek_v3_config(V3_TINY)))
     with pytest.raises(C.CheckpointError, match=rf"{re.escape(name)}: dtype torch.float8_e4m3fn: FP8"):
         C.load(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------
+# every tensor of the layer is read, or the load fails naming it; the report says how each was read
+# ------------------------------------------------------------------------------------------
+
+def _v3_folder(tmp_path, seed=31, **write_kw):
+    w = C.synthetic_weights(V3_TINY, seed=seed)
+    return write_per_expert(tmp_path / "ck", w, V3_TINY, hf=deepseek_v3_config(V3_TINY), **write_kw), w
+
+
+def _add_tensors(folder, extra: dict):
+    t = load_file(str(folder / "model.safetensors"))
+    t.update(extra)
+    save_file(t, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("extra", [
+    "model.layers.0.mlp.experts.0.gate_proj.bias",          # gpt-oss-like expert bias
+    "model.layers.0.mlp.router.weight",                     # a router under another name
+    "model.layers.0.mlp.shared_expert.gate_proj.weight",    # Qwen2-MoE's singular shared expert
+    "model.layers.0.mlp.shared_expert_gate.weight",         # and its sigmoid gate
+    "model.layers.0.mlp.e_score_correction_bias",           # MiniMax-M2's block-level bias
+])
+@pytest.mark.parametrize("with_config", [False, True])
+def test_a_tensor_the_loader_does_not_read_fails_the_load(tmp_path, extra, with_config):
+    """Never a layer computed without one of its tensors: with or without config=."""
+    folder, _ = _v3_folder(tmp_path)
+    _add_tensors(folder, {extra: torch.ones(4, 64, dtype=torch.bfloat16)})
+    kw = {"config": V3_TINY} if with_config else {}
+    with pytest.raises(C.CheckpointError, match=re.escape(extra) + ": a tensor of the MoE layer .* does not read"):
+        C.load(folder, **kw)
+    # another layer's tensors are not this layer's
+    folder2, _ = _v3_folder(tmp_path / "b")
+    _add_tensors(folder2, {"model.layers.0.self_attn.o_proj.weight": torch.ones(4, 4),
+                           "model.layers.1.mlp.gate.weight": torch.ones(6, 64)})
+    C.load(folder2, **kw)
+
+
+def test_the_report_lists_every_tensor_read_and_how(tmp_path):
+    folder, _ = _v3_folder(tmp_path, naming="compressed-tensors", shared_nvfp4=True)
+    r = C.load(folder).report
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert set(r.read_as) == names  # every tensor of the (one-layer) file, each with how it was read
+    p = "model.layers.0.mlp."
+    assert r.read_as[p + "experts.3.up_proj.weight_packed"] == "expert 3 up weights: NVFP4 (packed E2M1, two values a byte)"
+    assert r.read_as[p + "experts.3.up_proj.weight_global_scale"].startswith(
+        "expert 3 up global scale (stored as a divisor; inverted)")
+    assert "the larger of gate's and up's" in r.read_as[p + "experts.0.gate_proj.input_global_scale"]
+    assert r.read_as[p + "gate.e_score_correction_bias"].startswith("correction bias (added to the scores for selection only)")
+    assert r.read_as[p + "shared_experts.down_proj.weight_packed"].startswith("shared expert down weights: NVFP4")
+    text = r.summary()
+    assert f"read: {p}experts.{{0..5}}.gate_proj.weight_packed: experts' gate weights: NVFP4" in text
+    assert text.count("read: ") == len({re.sub(r"experts\.\d+\.", "experts.N.", n) for n in names})
+
+
+def test_layer_choice_wording(tmp_path):
+    w = C.synthetic_weights(V3_TINY, seed=5)
+    folder = write_per_expert(tmp_path / "two", w, V3_TINY, hf=deepseek_v3_config(V3_TINY))
+    t = load_file(str(folder / "model.safetensors"))
+    t.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in t.items()})
+    save_file(t, str(folder / "model.safetensors"))
+    assert "layer 'model.layers.0.mlp.' (the first MoE layer; the checkpoint has 2 MoE layers)" in \
+        C.load(folder).report.choices
+    assert "layer 'model.layers.1.mlp.' (layer=1; the checkpoint has 2 MoE layers)" in C.load(folder, layer=1).report.choices
+    assert not any("as asked of" in c for c in C.load(folder).report.choices)
+
+
+# ------------------------------------------------------------------------------------------
+# expert counts from the tensors, config.json as a cross-check; glm4_moe; deepseek_v4 naming
+# ------------------------------------------------------------------------------------------
+
+QWEN_TINY = MoEConfig(64, 32, 8, 2, scoring="softmax", renormalize=True)
+
+
+@pytest.mark.parametrize("key", ["num_local_experts", "num_experts"])
+def test_qwen3_moe_expert_count_from_the_tensors(tmp_path, key):
+    w = C.synthetic_weights(QWEN_TINY, seed=8)
+    hf = {"model_type": "qwen3_moe", key: 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "norm_topk_prob": True}
+    loaded = C.load(write_per_expert(tmp_path / "ok", w, QWEN_TINY, hf=hf))
+    assert loaded.config.num_experts == 8 and loaded.config.renormalize
+    assert f"routing: num_experts=8 (config.json {key})" in loaded.report.choices
+    # config.json stating no count: the tensors decide (the architecture's default of 128 is not used)
+    hf_none = {k: v for k, v in hf.items() if k != key}
+    loaded = C.load(write_per_expert(tmp_path / "none", w, QWEN_TINY, hf=hf_none))
+    assert loaded.config.num_experts == 8
+    assert any(c.startswith("num_experts=8 (the tensors; config.json states none") for c in loaded.report.choices)
+    # a count config.json states that the tensors contradict: a true message naming the key
+    with pytest.raises(C.CheckpointError, match=rf"experts\.8\.\*: missing \(config\.json {key}=128, the "
+                                                rf"checkpoint has experts 0\.\.7\)"):
+        C.load(write_per_expert(tmp_path / "more", w, QWEN_TINY, hf={**hf, key: 128}))
+    with pytest.raises(C.CheckpointError, match=rf"config\.json {key}=4 but the tensors .* have num_experts=8"):
+        C.load(write_per_expert(tmp_path / "fewer", w, QWEN_TINY, hf={**hf, key: 4}))
+
+
+def test_glm4_moe_loads_with_deepseek_v3_routing(tmp_path):
+    cfg = V3_TINY.with_(routed_scaling_factor=1.5)
+    w = C.synthetic_weights(cfg, seed=9)
+    hf = {**deepseek_v3_config(cfg), "model_type": "glm4_moe"}
+    loaded = C.load(write_per_expert(tmp_path / "glm", w, cfg, hf=hf))
+    assert loaded.config == cfg.with_(act_mode=loaded.config.act_mode)
+    assert "layer config: config.json model_type 'glm4_moe'" in loaded.report.choices
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(MoELayer(loaded.weights, loaded.config, backend="torch")(x),
+                               MoELayer(w, loaded.config, backend="torch")(x), rtol=0, atol=0)
+    nobias = write_per_expert(tmp_path / "nobias", C.MoEWeights(**{**w.__dict__, "router_bias": None}), cfg, hf=hf)
+    with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias: missing; glm4_moe routing"):
+        C.load(nobias)
+
+
+V4_TINY = MoEConfig(64, 32, 6, 2, scoring="sqrtsoftplus", routed_scaling_factor=1.5, n_shared_experts=1,
+                    shared_intermediate_size=32, swiglu_limit=10.0)
+
+
+def _v4_folder(tmp_path, layer_kind: str, upstream: bool):
+    """A DeepSeek-V4 layer as a tool writes it: transformers names (ModelOpt) or DeepSeek's
+    upstream ones (llmcompressor: experts.E.w1/w3/w2, gate.bias, shared_experts.w1/w3/w2)."""
+    cfg = V4_TINY.with_(hash_routing=layer_kind == "hash_moe")
+    w = C.synthetic_weights(cfg, seed=12)
+    hf = {"model_type": "deepseek_v4", "n_routed_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "mlp_layer_types": [layer_kind]}
+    naming = "compressed-tensors" if upstream else "modelopt"
+    folder = write_per_expert(tmp_path / f"{layer_kind}-{naming}", w, cfg, hf=hf, naming=naming)
+    t = load_file(str(folder / "model.safetensors"))
+    if w.tid2eid is not None:
+        t["model.layers.0.mlp.gate.tid2eid"] = w.tid2eid.contiguous()
+    if upstream:
+        ren = {"gate_proj.": "w1.", "up_proj.": "w3.", "down_proj.": "w2.", "gate.e_score_correction_bias": "gate.bias"}
+        new = {}
+        for k, v in t.items():
+            k = k.replace(".mlp.", ".ffn.")
+            for a, b in ren.items():
+                k = k.replace(a, b)
+            new[k] = v
+        t = new
+    save_file(t, str(folder / "model.safetensors"))
+    return folder, w, cfg
+
+
+@pytest.mark.parametrize("upstream", [False, True], ids=["transformers-names", "upstream-names"])
+@pytest.mark.parametrize("kind", ["hash_moe", "moe"])
+def test_deepseek_v4_layer_from_the_folder(tmp_path, kind, upstream):
+    folder, w, cfg = _v4_folder(tmp_path, kind, upstream)
+    loaded = C.load(folder)
+    assert loaded.config == cfg.with_(act_mode=loaded.config.act_mode)
+    assert loaded.report.prefix == ("model.layers.0.ffn." if upstream else "model.layers.0.mlp.")
+    x = torch.randn(12, 64) * 3
+    ids = torch.randint(0, w.tid2eid.shape[0], (12,)) if cfg.hash_routing else None
+    tol = 1e-5 if upstream else 0  # compressed-tensors stores the global scales as divisors
+    torch.testing.assert_close(MoELayer(loaded.weights, loaded.config, backend="torch")(x, input_ids=ids),
+                               MoELayer(w, cfg, backend="torch")(x, input_ids=ids), rtol=tol, atol=tol)
+
+
+def test_deepseek_v4_router_tensors_must_match_the_layer_kind(tmp_path):
+    # config.json says top-k, the file holds a hash table: the table would be ignored
+    folder, w, _ = _v4_folder(tmp_path, "hash_moe", False)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "mlp_layer_types": ["moe"]}))
+    with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias: missing; deepseek_v4 routing selects"):
+        C.load(folder)
+    _add_tensors(folder, {"model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(6)})
+    with pytest.raises(C.CheckpointError, match="gate.tid2eid: present but not used"):
+        C.load(folder)
+    # and the caller's config routing by top-k does not drop it either
+    with pytest.raises(C.CheckpointError, match="gate.tid2eid: present but not used"):
+        C.load(folder, config=V4_TINY)
+    # config.json says hash, the table is missing
+    folder, _, _ = _v4_folder(tmp_path / "b", "moe", False)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "mlp_layer_types": ["hash_moe"]}))
+    with pytest.raises(C.CheckpointError, match="gate.tid2eid: missing; deepseek_v4 routing chooses the experts by "
+                                                "token id"):
+        C.load(folder)
+    # a top-k layer without its correction bias
+    folder, _, _ = _v4_folder(tmp_path / "c", "moe", True)
+    t = load_file(str(folder / "model.safetensors"))
+    del t["model.layers.0.ffn.gate.bias"]
+    save_file(t, str(folder / "model.safetensors"))
+    with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias: missing; deepseek_v4 routing"):
+        C.load(folder)
+    # both names of the bias at once
+    folder, w, _ = _v4_folder(tmp_path / "d", "moe", False)
+    _add_tensors(folder, {"model.layers.0.mlp.gate.bias": w.router_bias})
+    with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias and .*gate.bias: both present"):
+        C.load(folder)
