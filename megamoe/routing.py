@@ -4,7 +4,7 @@ frozen token-id table chooses the experts (DeepSeek-V4 ``hash_moe`` layers); and
 supported architecture (Hugging Face ``model_type``) implies (:func:`architecture_routing`).
 
 Ties: among equal selection scores the lowest expert id wins (and, for groups, the lowest group
-id), on every backend and whatever the batch (docs/SPEC.md §3.2).
+id), on every backend and whatever the batch (docs/SPEC.md §3).
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_rule_matches_the_transformers_router(path):
     differ = (got.values != want.values).any(-1)
     if differ.any():
         # Only an exact tie may choose differently: megamoe gives it to the lowest expert id
-        # (docs/SPEC.md §3.2), torch.topk as it happens. Then the chosen selection scores are
+        # (docs/SPEC.md §3), torch.topk as it happens. Then the chosen selection scores are
         # the same multiset, and the megamoe choice is the lowest ids among the tied ones.
         from megamoe.routing import SCORINGS
 
