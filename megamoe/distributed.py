@@ -595,9 +595,9 @@ _TP_SLICED = (
     (re.compile(r"w13_weight(?:_scale)?"), "halves", True),
     (re.compile(r"w2_weight(?:_scale)?"), "columns", True),
     (re.compile(r"experts\.(?:gate_up_proj|down_proj)"), "float-experts", True),
-    (re.compile(rf"shared_experts\.(?:gate_proj|up_proj)\.{_PROJ_TENSOR}"), "rows", False),
+    (re.compile(rf"shared_experts\.(?:gate_proj|up_proj|w1|w3)\.{_PROJ_TENSOR}"), "rows", False),
     (re.compile(r"shared_experts\.gate_up_proj\.weight"), "halves", False),
-    (re.compile(rf"shared_experts\.down_proj\.{_PROJ_TENSOR}"), "columns", False),
+    (re.compile(rf"shared_experts\.(?:down_proj|w2)\.{_PROJ_TENSOR}"), "columns", False),
 )
 
 

@@ -480,3 +480,32 @@ def test_v4_expert_parallel_shards(d):
         a, b = s.expert_start, s.expert_start + e // 2
         assert torch.equal(s.weights.w13.data, full.weights.w13.data[a:b])
         assert torch.equal(s.weights.tid2eid, full.weights.tid2eid) and s.config == full.config
+
+
+@pytest.mark.parametrize("d", V4_CKPTS, ids=[d.name for d in V4_CKPTS])
+def test_v4_tensor_parallel_slices_read_from_the_files(d):
+    """Under tensor parallelism each rank reads its slice of every expert and of the shared
+    expert (in either naming: gate_proj/up_proj/down_proj or upstream w1/w3/w2) from the
+    files; it equals the slice of the whole layer, and the slices' outputs sum to the layer's."""
+    from megamoe.distributed import load_tp_shard, tp_local_config, tp_slice_weights
+
+    for layer in (0, 1):
+        full = C.load(d, layer=layer)
+        ref = _ref(d, layer)
+        x, ids_in = ref["x"].float(), ref["input_ids"]
+        total = torch.zeros_like(ref["y_fp32"])
+        for rank in range(2):
+            s = load_tp_shard(d, rank, 2, layer=layer)
+            want = tp_slice_weights(full.weights, rank, 2)
+            for name in ("w13", "w2", "shared_gate_up", "shared_down"):
+                a, b = getattr(s.weights, name), getattr(want, name)
+                if isinstance(b, nvfp4.NVFP4Tensor):
+                    assert torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+                    assert torch.equal(a.global_scale, b.global_scale), name
+                else:
+                    assert torch.equal(a, b), name
+            assert torch.equal(s.weights.router_weight, full.weights.router_weight)
+            local = MoELayer(s.weights, tp_local_config(full.config, 2), backend="torch")
+            total += local(x, input_ids=ids_in)
+        assert cosine(total, ref["y_fp32"]) >= 0.99999
+        assert _rel_norm(total, ref["y_fp32"]) < 1e-3
