@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -509,3 +510,28 @@ def test_v4_tensor_parallel_slices_read_from_the_files(d):
             total += local(x, input_ids=ids_in)
         assert cosine(total, ref["y_fp32"]) >= 0.99999
         assert _rel_norm(total, ref["y_fp32"]) < 1e-3
+
+
+def test_info_names_the_architecture_the_rule_and_every_tensor_read(capsys):
+    """``megamoe info --checkpoint DIR --layer N`` on a DeepSeek-V4 checkpoint (llmcompressor,
+    upstream names): the architecture, where each routing value came from, and every tensor
+    of the layer with how it was read."""
+    from megamoe.cli import main
+
+    d = FIXTURES / "llmc_v4_nvfp4"
+    assert main(["info", "--checkpoint", str(d), "--layer", "0"]) == 0
+    out = capsys.readouterr().out
+    p = "model.layers.0.ffn."
+    for word in ("layer config: config.json model_type 'deepseek_v4'",
+                 "hash_routing=True (hash_moe, config.json mlp_layer_types[0])",
+                 "scoring='sqrtsoftplus' (config.json scoring_func)", "swiglu_limit=10.0 (config.json swiglu_limit)",
+                 f"read: {p}gate.tid2eid: hash table: the experts of each token id: int64",
+                 f"read: {p}gate.weight: router weight",
+                 f"read: {p}experts.{{0..7}}.w1.weight_packed: experts' gate weights: NVFP4",
+                 f"read: {p}experts.{{0..7}}.w2.input_global_scale: experts' down input scale (stored as a divisor; "
+                 f"inverted)",
+                 f"read: {p}shared_experts.w3.weight_packed: shared expert up weights: NVFP4"):
+        assert word in out, word
+    with C.open_checkpoint(d) as ck:
+        groups = {re.sub(r"experts\.\d+\.", "experts.N.", n) for n in ck.names() if n.startswith(p)}
+    assert out.count("  read: ") == len(groups)
