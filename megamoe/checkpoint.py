@@ -25,9 +25,18 @@ Formats (:func:`load`):
 * **Hugging Face dense** fused experts (``experts.gate_up_proj`` ``[E, 2I, H]``,
   ``experts.down_proj``) in a float dtype: quantized at load, and reported.
 
-Around the experts: ``gate.weight`` (router), ``gate.e_score_correction_bias``, the shared
-expert ``shared_experts.{gate,up,down}_proj`` in bf16 or NVFP4 (either format). An expert
-weight stored in a float dtype is quantized at load time and *reported* (never silently).
+Around the experts (:data:`ROUTER_NAMES`, :data:`SHARED_NAMINGS`): ``gate.weight`` (router),
+``gate.e_score_correction_bias`` (DeepSeek's upstream name ``gate.bias``), ``gate.tid2eid``
+(DeepSeek-V4 hash layers), the shared expert ``shared_experts.{gate,up,down}_proj`` (upstream
+``shared_experts.w1/w3/w2``) in bf16 or NVFP4 (either format). Routed experts may be named
+``experts.{e}.w1/w3/w2`` too. An expert weight stored in a float dtype is quantized at load
+time and *reported* (never silently).
+
+Every tensor under the layer's prefix is read, or the load fails naming the first that is
+not (with or without ``config=``): a layer is never computed without one of its tensors. A
+router tensor the routing would not use (a hash table in a top-k layer, a bias in a hash
+layer, a shared expert with ``n_shared_experts=0``) fails the same way. The report lists every
+tensor read and how (:attr:`LoadReport.read_as`).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Make NVFP4 MoE checkpoints with the real producers, and record the producers' own forward.
 
-Each fixture is a tiny randomly initialised Hugging Face ``DeepseekV3`` model (built from a
-config: nothing is downloaded), quantized on the CPU by the tool itself, and written by the
-tool's own exporter:
+Each fixture is a tiny randomly initialised Hugging Face ``DeepseekV3`` or ``DeepseekV4`` model
+(built from a config: nothing is downloaded), quantized on the CPU by the tool itself, and
+written by the tool's own exporter:
 
 * NVIDIA ModelOpt (``nvidia-modelopt[hf]``): ``mtq.quantize`` + ``export_hf_checkpoint``;
 * llmcompressor / compressed-tensors: ``oneshot`` + ``save_pretrained(save_compressed=True)``.
@@ -18,6 +18,12 @@ its bf16 roundings), and activation bytes made by the tool's own NVFP4
 quantize function (ModelOpt ``NVFP4QTensor.quantize``; compressed-tensors
 ``quantize`` + ``pack_fp4_to_uint8``) on the GEMM inputs it saw: ``act1.*`` on ``x`` with the
 layer's first-GEMM input scale of one expert, ``act2.*`` on that expert's SwiGLU output.
+
+DeepSeek-V4 fixtures (``arch="deepseek_v4"``) have a hash-routed layer (``tid2eid``) and a top-k
+layer, weights scaled so that the SwiGLU clamp bites, and record per layer the token ids
+(``input_ids``) and the float32 model's router choice (``*_fp32``). llmcompressor's DeepSeek-V4
+checkpoints are saved with the mapping its ``load_quantizable_moe`` registers (DeepSeek's
+upstream names); its DeepSeek-V4 venv needs transformers 5.17.
 
 The two producers pin different ``transformers`` versions, so each runs in its own venv:
 
