@@ -1025,11 +1025,11 @@ def test_backend_picks_the_tile_per_launch_and_plans_with_it(emulated, monkeypat
             seen.append((parts, n_part, tile_n))
             return orig(counts, parts, n_part, k, a_gs, b_gs, sm_count, tile_n=tile_n)
 
-    layer = _layer("tiny", emulated, hidden_size=256, intermediate_size=256, num_experts=256, top_k=6)
+    layer = _layer("tiny", emulated, hidden_size=64, intermediate_size=256, num_experts=256, top_k=6)
     monkeypatch.setattr(emulated, "_ext", Spy())
     for t, want in ((1, 64), (64, 128)):
         seen.clear()
-        x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         w, ids = layer.route(x)
         emulated.moe_forward(layer._prepared, layer.config, x, ids, w)
         assert seen[0] == (2, 256, want) and emulated.tile_n_for(t * 6, 256, 2, 256) == want
