@@ -69,6 +69,14 @@ FIXTURES = {
     # DeepSeek-V4 (transformers deepseek_v4): layer 0 hash-routed (tid2eid), layer 1 top-k of
     # sqrt(softplus) scores + correction bias; SwiGLU clamped at swiglu_limit on routed and
     # shared experts, weights scaled so that the clamp bites.
+    # GLM-4.5 MoE (transformers glm4_moe): DeepSeek-V3's router; llmcompressor's save needs
+    # num_mtp_layers=0
+    "modelopt_glm4_nvfp4": dict(arch="glm4_moe", producer="modelopt", scheme="NVFP4", shared="nvfp4", seed=51,
+                                experts=8, top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                norm_topk_prob=True),
+    "llmc_glm4_nvfp4": dict(arch="glm4_moe", producer="llmcompressor", scheme="NVFP4", shared="nvfp4", seed=52,
+                            experts=8, top_k=3, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                            norm_topk_prob=True),
     "modelopt_v4_nvfp4": dict(arch="deepseek_v4", producer="modelopt", scheme="NVFP4", shared="nvfp4", seed=31,
                               experts=8, top_k=2, routed_scaling_factor=1.5, swiglu_limit=10.0),
     "llmc_v4_nvfp4": dict(arch="deepseek_v4", producer="llmcompressor", scheme="NVFP4", shared="nvfp4", seed=41,
@@ -88,7 +96,7 @@ TEST_SEQS, TEST_LEN = 2, 24   # 48 tokens per MoE layer in the reference
 def build_model(spec: dict):
     if spec.get("arch") == "deepseek_v4":
         return build_model_v4(spec)
-    return build_model_v3(spec)
+    return build_model_v3(spec)  # deepseek_v3 or glm4_moe
 
 
 V4_VOCAB = 128
@@ -144,19 +152,23 @@ def build_model_v3(spec: dict):
     """A tiny random DeepseekV3 with the interesting cases present: a spread
     ``e_score_correction_bias``, up rows scaled 0.1x-10x against gate rows per expert,
     a router strong enough that the scores differ."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
     torch.manual_seed(spec["seed"])
-    cfg = DeepseekV3Config(
+    common = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, moe_intermediate_size=MOE_INTER,
         num_hidden_layers=LAYERS, first_k_dense_replace=0, num_attention_heads=2, num_key_value_heads=2,
-        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=spec["experts"], num_experts_per_tok=spec["top_k"], n_shared_experts=1,
         n_group=spec["n_group"], topk_group=spec["topk_group"], norm_topk_prob=spec["norm_topk_prob"],
-        routed_scaling_factor=spec["routed_scaling_factor"], max_position_embeddings=128,
-        num_nextn_predict_layers=0, tie_word_embeddings=False,
+        routed_scaling_factor=spec["routed_scaling_factor"], max_position_embeddings=128, tie_word_embeddings=False,
     )
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    if spec.get("arch") == "glm4_moe":
+        cfg = Glm4MoeConfig(**common, head_dim=32, num_nextn_predict_layers=0)
+        cfg.architectures = ["Glm4MoeForCausalLM"]
+    else:
+        cfg = DeepseekV3Config(**common, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                               v_head_dim=16, num_nextn_predict_layers=0)
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(spec["seed"] + 1000)
     with torch.no_grad():

@@ -41,7 +41,8 @@ def _arch(d: Path) -> str:
     return _spec(d)["spec"].get("arch", "deepseek_v3")
 
 
-CKPTS = [d for d in ALL if _arch(d) == "deepseek_v3"]  # DeepSeek-V3 (tests in this part)
+# DeepSeek-V3's router (tests in this part): deepseek_v3 and GLM-4.5 MoE (glm4_moe)
+CKPTS = [d for d in ALL if _arch(d) in ("deepseek_v3", "glm4_moe")]
 V4_CKPTS = [d for d in ALL if _arch(d) == "deepseek_v4"]  # DeepSeek-V4 (the part below)
 CASES = [pytest.param(d, layer, id=f"{d.name}-layer{layer}") for d in CKPTS for layer in (0, 1)]
 
@@ -59,6 +60,7 @@ def _is_ct_w4a4(d: Path) -> bool:
 def test_the_fixtures_are_there():
     names = {d.name for d in CKPTS}
     assert {"modelopt_nvfp4", "modelopt_nvfp4_shared_bf16", "llmc_nvfp4", "llmc_nvfp4a16"} <= names
+    assert {"modelopt_glm4_nvfp4", "llmc_glm4_nvfp4"} <= names
     assert {"modelopt_v4_nvfp4", "llmc_v4_nvfp4", "llmc_v4_nvfp4a16"} <= {d.name for d in V4_CKPTS}
     for d in ALL:
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
@@ -89,7 +91,7 @@ def test_fixture_loads_from_the_folder_alone(d, layer):
     if spec["producer"] == "llmcompressor" and c.act_mode == "w4a4":
         assert len(torch.unique(loaded.weights.w2_input_scale)) > 1  # calibrated per expert
     text = r.summary()
-    assert "no scoring_func" in text and "layer config: config.json model_type 'deepseek_v3'" in text
+    assert "no scoring_func" in text and f"layer config: config.json model_type '{_arch(d)}'" in text
 
 
 @pytest.mark.parametrize("d,layer", CASES)
