@@ -25,6 +25,7 @@ THRESHOLDS = {
     "sf_roundtrip": 0,  # mismatching bytes
     "gemm_cosine": 0.9999,  # vs the dequantized reference from the same NVFP4 inputs
     "moe_vs_reference": 0.9999,  # backend vs torch reference, same weights and inputs
+    "moe_deepseek_v4": 0.9999,  # the whole V4 layer vs its float64 definition, same NVFP4 weights
     # MoE vs the BF16 reference (dequantized weights, no activation quantization). W4A4
     # quantizes two activations to NVFP4; on Gaussian activations each costs ~0.0045 of
     # cosine (measured 0.9955 per quantization), so the format itself lands near 0.987.
@@ -263,12 +264,88 @@ def check_moe_vs_reference(be: Backend, gen: torch.Generator, full: bool):
         f"preset {preset}, T={x.shape[0]}, same NVFP4 weights and routing: " + "; ".join(parts)
 
 
+def _v4_definition(layer, x: torch.Tensor, input_ids: torch.Tensor | None):
+    """DeepSeek-V4's layer written out from its definition in float64 (docs/SPEC.md §3), apart
+    from megamoe.routing and megamoe.reference's SwiGLU: scores sqrt(softplus(float32 logits)),
+    experts tid2eid[input_ids] or the top-k of scores + bias, weights the chosen scores / (sum +
+    1e-20) * scale; h = silu(min(gate, L)) * clamp(up, -L, L) in the routed experts (activations
+    quantized as §3) and in the shared expert. Returns (output, expert ids, clamped values)."""
+    cfg, w = layer.config, layer.weights
+    lim = cfg.swiglu_limit
+    xd = x.double()
+    logits = (x.float() @ w.router_weight.float().T).double()
+    scores = torch.sqrt(torch.nn.functional.softplus(logits))
+    if cfg.hash_routing:
+        ids = w.tid2eid[input_ids.to(w.tid2eid.device)].to(x.device).long()
+    else:
+        sel = scores + (0 if w.router_bias is None else w.router_bias.double())
+        ids = sel.argsort(dim=-1, descending=True, stable=True)[:, :cfg.top_k]
+    wt = scores.gather(1, ids)
+    wt = wt / (wt.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+    clamped = 0
+
+    def glu(gu, n):
+        nonlocal clamped
+        gate, up = gu[:, :n], gu[:, n:]
+        clamped += int((gate > lim).sum() + (up.abs() > lim).sum())
+        return torch.nn.functional.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)
+
+    out = torch.zeros_like(xd)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        w13 = nvfp4.dequantize(w.w13[e].to(x.device), torch.float64)
+        w2 = nvfp4.dequantize(w.w2[e].to(x.device), torch.float64)
+        in1 = None if w.w13_input_scale is None else w.w13_input_scale[e]
+        in2 = None if w.w2_input_scale is None else w.w2_input_scale[e]
+        a1 = reference.activation_to_gemm_input(x[tok].float(), cfg, in1, torch.float64)
+        h = glu(a1 @ w13.T, cfg.intermediate_size)
+        a2 = reference.activation_to_gemm_input(h.float(), cfg, in2, torch.float64)
+        out.index_add_(0, tok, (a2 @ w2.T) * wt[tok, slot].unsqueeze(1))
+    n = w.shared_down.shape[1]
+    out += glu(xd @ w.shared_gate_up.double().T, n) @ w.shared_down.double().T
+    return out, ids, clamped
+
+
+def check_moe_deepseek_v4(be: Backend, gen: torch.Generator, full: bool):
+    """DeepSeek-V4's semantics on the backend: a top-k layer (sqrt(softplus) + correction bias)
+    and a hash layer (tid2eid by token id), SwiGLU clamped (a low limit, so it bites on many
+    values) in the routed and the shared expert, W4A4 and W4A16, against the float64 definition."""
+    from megamoe.moe import MoELayer
+
+    preset = "small" if full else "tiny"
+    t = 97 if full else 61
+    worst, parts, ok = 1.0, [], True
+    for hash_routing in (False, True):
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        layer = MoELayer.from_preset(preset, seed=seed, backend=be, scoring="sqrtsoftplus", hash_routing=hash_routing,
+                                     swiglu_limit=1.0, n_shared_experts=1, routed_scaling_factor=1.5)
+        x = (torch.randn((t, layer.config.hidden_size), generator=gen) * 2).to(torch.bfloat16).to(be.device)
+        input_ids = None
+        if hash_routing:
+            input_ids = torch.randint(0, layer.weights.tid2eid.shape[0], (t,), generator=gen).to(be.device)
+        for mode in ("w4a4", "w4a16"):
+            layer.config = layer.config.with_(act_mode=mode)
+            out = layer(x, input_ids=input_ids).double()
+            ref, ids, clamped = _v4_definition(layer, x, input_ids)
+            same_ids = bool(torch.equal(layer.route(x, input_ids=input_ids)[1].long(), ids))
+            c = cosine(out, ref)
+            unclamped = MoELayer(layer.weights, layer.config.with_(swiglu_limit=None), backend=be)
+            sees_clamp = clamped > 0 and rel_err(unclamped(x, input_ids=input_ids).double(), ref) > 4 * rel_err(out, ref)
+            ok &= same_ids and sees_clamp and c >= THRESHOLDS["moe_deepseek_v4"]
+            worst = min(worst, c)
+            parts.append(f"{'hash' if hash_routing else 'top-k'} {mode} cosine {c:.6f}"
+                         + ("" if same_ids else " EXPERTS DIFFER") + ("" if sees_clamp else " CLAMP NOT SEEN"))
+    return ("pass" if ok else "fail"), worst, THRESHOLDS["moe_deepseek_v4"], \
+        f"preset {preset} as DeepSeek-V4 (sqrt(softplus), clamp 1.0 biting, shared expert), T={t}: " + "; ".join(parts)
+
+
 CHECKS: dict[str, Callable] = {
     "sf_roundtrip": check_sf_roundtrip,
     "gemm_cosine_uniform": check_gemm_uniform,
     "gemm_cosine_random": check_gemm_random,
     "moe_cosine": check_moe_cosine,
     "moe_vs_reference": check_moe_vs_reference,
+    "moe_deepseek_v4": check_moe_deepseek_v4,
 }
 
 

@@ -146,13 +146,13 @@ def test_readme_fault_injection_statement_is_what_selftest_reports():
     """README, Kernel health: with --inject-fault swapped-sf the SF round trip and the random-scale GEMM check fail,
     the uniform GEMM check and moe_cosine pass, moe_vs_reference is skipped on the torch backend, exit status 1."""
     text = " ".join((REPO / "README.md").read_text().split())
-    assert "`sf_roundtrip` and `gemm_cosine_random` fail" in text and "`moe_cosine` passes too" in text
+    assert "`sf_roundtrip` and `gemm_cosine_random` fail" in text and "`moe_cosine` and `moe_deepseek_v4` pass too" in text
     r = subprocess.run([sys.executable, "-m", "megamoe.cli", "selftest", "--backend", "torch", "--inject-fault",
                         "swapped-sf", "--json"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]
     status = {c["name"]: c["status"] for c in json.loads(r.stdout)["checks"]}
     assert status == {"sf_roundtrip": "fail", "gemm_cosine_uniform": "pass", "gemm_cosine_random": "fail",
-                      "moe_cosine": "pass", "moe_vs_reference": "skip"}, status
+                      "moe_cosine": "pass", "moe_vs_reference": "skip", "moe_deepseek_v4": "pass"}, status
 
 
 def test_performance_page_and_results_hold_the_current_state():
