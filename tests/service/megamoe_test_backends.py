@@ -92,3 +92,24 @@ class FirstLoadsBackend(TorchBackend):
                    and open(claim).read().strip() != str(os.getpid())):
                 time.sleep(0.05)
         return super().prepare_weights(weights)
+
+
+class DeviceDiesOnFileBackend(TorchBackend):
+    """A device that dies for good at a forward while ``$MEGAMOE_TEST_BREAK`` exists (the forward and
+    every later device call fail, as CUDA does after an illegal access). A process started after the
+    file is gone (an instance restarted) has a healthy device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
+        broken = os.environ.get("MEGAMOE_TEST_BREAK")
+        if self.dead or (broken and os.path.exists(broken)):
+            self.dead = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
+        return super().moe_forward(prepared, cfg, x, topk_ids, topk_weights)
+
+    def synchronize(self) -> None:
+        if self.dead:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
