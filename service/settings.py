@@ -16,6 +16,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 HIDDEN_DATATYPES = ("FP32", "BF16")
 
 
+class BearerToken(SecretStr):
+    """A secret string: never printed (``**********`` in reprs and errors)."""
+
+    # the metavar --help shows for --token is this qualname: a string, like every other text flag
+    # (SecretStr's own name would read as a placeholder to fill in)
+    __qualname__ = "str"
+
+
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MEGAMOE_",
@@ -88,7 +96,7 @@ class ServiceSettings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
-    token: SecretStr | None = Field(
+    token: BearerToken | None = Field(
         None, description="bearer token required by the infer and kernel-health endpoints: visible ASCII, no "
         "spaces; unset or empty: no authentication (and no full kernel health). Prefer the env var, flags show "
         "in the process list"

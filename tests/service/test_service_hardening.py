@@ -475,8 +475,11 @@ def test_serve_help_is_plain():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "{str,null}" not in out.stdout and "null" not in out.stdout
-    for flag in ("--timeout-keep-alive-s", "--timeout-request-head-s", "--timeout-body-s", "--max-json-body-bytes"):
+    for flag in ("--timeout-keep-alive-s", "--timeout-request-head-s", "--timeout-body-s", "--max-json-body-bytes",
+                 "--timeout-write-s", "--instance-heartbeat-timeout-s", "--instance-restarts"):
         assert flag in out.stdout
+    # the token is a string to give, not a type name to puzzle over
+    assert "SecretStr" not in out.stdout and "--token str" in out.stdout
     # one "(default: ...)" per option: argparse wraps help text, so count per option block
     blocks = [b for b in out.stdout.split("\n  --")[1:]]
     assert blocks and all(b.count("(default") <= 1 for b in blocks), [b for b in blocks if b.count("(default") > 1]
