@@ -46,6 +46,28 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _selftest_header(be) -> str:
+    """What the self-test runs on: the backend, its device and, for cuda-sm100, the kernel build."""
+    lines = [f"selftest: backend {be.name} on {be.device}"]
+    describe = getattr(be, "describe", None)
+    d = describe() if callable(describe) else {}
+    if be.name == "cuda-sm100" and d:
+        from megamoe import _ext
+
+        kernel = d.get("kernel", {})
+        v = d.get("cuda_versions") or {}
+
+        def fmt(n: int) -> str:
+            return f"{n // 1000}.{n % 1000 // 10}" if n else "none"
+
+        tiles = "/".join(str(n) for n in kernel.get("tile_n_options", ()))
+        lines.append(f"  kernel: CUTLASS {kernel.get('schedule')}, tile 128x({tiles})x256 (N tile {d.get('tile_n')}), "
+                     f"executor {d.get('executor')}, {d.get('sm_count')} SMs")
+        lines.append(f"  megamoe._C: archs {getattr(_ext.ext, 'cuda_archs', '')}, CUDA runtime {fmt(v.get('runtime', 0))} "
+                     f"(static), driver supports CUDA {fmt(v.get('driver', 0))}")
+    return "\n".join(lines)
+
+
 def _cmd_selftest(args) -> int:
     from megamoe import faults, health
     from megamoe.backends import available_backends, get_backend
@@ -55,25 +77,61 @@ def _cmd_selftest(args) -> int:
     else:
         names = [args.backend]
     reports, failed = [], False
+    # progress lines go to stderr with --json (stdout stays one JSON document)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     for name in names:
         try:
             be = get_backend(name, device=args.device)
         except (RuntimeError, ValueError) as exc:
             print(f"selftest: {exc}", file=sys.stderr)
             return 2
+        say(_selftest_header(be))
         if args.inject_fault:
             be = faults.inject(be, args.inject_fault)
-        report = health.run_checks(args.level, backend=be, seed=args.seed)
+        progress = None
+        if args.level == "full":
+            count = [0]
+
+            def progress(check, count=count):
+                count[0] += 1
+                metric = check["metric"]
+                shown = "-" if metric is None else (f"{metric:.6f}" if isinstance(metric, float) else str(metric))
+                say(f"  [{count[0]}/{len(health.CHECKS)}] {check['name']}: {check['status'].upper()} {shown} "
+                    f"({check['duration_ms']:.0f} ms)")
+
+            say(f"selftest: {len(health.CHECKS)} checks, level full (this takes a while)")
+        report = health.run_checks(args.level, backend=be, seed=args.seed, progress=progress)
         if args.inject_fault:
             report["injected_fault"] = args.inject_fault
+        shapes = _selftest_shapes(be, args.level, say)
+        if shapes is not None:
+            report["shapes"] = shapes
+            if any(r["status"] != "pass" for r in shapes):
+                report["status"] = "fail"
         reports.append(report)
         failed |= report["status"] != "pass"
         if not args.json:
             print(health.format_table(report))
+            if shapes is not None:
+                print(f"shapes: {sum(r['status'] == 'pass' for r in shapes)}/{len(shapes)} passed "
+                      f"(routed experts vs the torch backend, cosine >= 0.9999, same bits on a repeat)")
             print()
     if args.json:
         print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
     return 1 if failed else 0
+
+
+def _selftest_shapes(be, level: str, say):
+    """cuda-sm100: the routed experts at deployment shapes, one line per shape as it finishes
+    (what ran, the N tile of each GEMM, cosine vs the torch backend, time per forward)."""
+    from megamoe.backends.cuda_sm100 import (SELFTEST_SHAPES_FULL, SELFTEST_SHAPES_QUICK, CudaSm100Backend,
+                                             format_shape_row, run_shapes)
+
+    if not isinstance(be, CudaSm100Backend):
+        return None
+    shapes = SELFTEST_SHAPES_FULL if level == "full" else SELFTEST_SHAPES_QUICK
+    say(f"selftest: cuda-sm100 deployment shapes ({sum(len(s[3]) for s in shapes)} runs, median of 20 forwards each)")
+    return run_shapes(be, shapes, progress=lambda row: say("  " + format_shape_row(row)))
 
 
 def _cmd_synth(args) -> int:

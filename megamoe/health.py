@@ -363,7 +363,8 @@ def versions(be: Backend | None = None) -> dict:
 
 
 def run_checks(level: str = "quick", backend: str | Backend | None = None, device=None,
-               seed: int | None = None, only: list[str] | None = None) -> dict:
+               seed: int | None = None, only: list[str] | None = None,
+               progress: Callable[[dict], None] | None = None) -> dict:
     """Run the docs/SPEC.md §5 checks on one backend.
 
     Args:
@@ -372,6 +373,7 @@ def run_checks(level: str = "quick", backend: str | Backend | None = None, devic
             None for ``auto``.
         seed: random seed (default: fresh); recorded in the report so a failure replays.
         only: run only these check names.
+        progress: called with each check's result as soon as it is done (e.g. to print it).
 
     Returns:
         ``{"status": "pass"|"fail", "level", "backend", "device", "seed", "versions",
@@ -387,7 +389,11 @@ def run_checks(level: str = "quick", backend: str | Backend | None = None, devic
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {list(CHECKS)}")
-    checks = [_check(n, lambda n=n: CHECKS[n](be, gen, level == "full")) for n in names]
+    checks = []
+    for n in names:
+        checks.append(_check(n, lambda n=n: CHECKS[n](be, gen, level == "full")))
+        if progress is not None:
+            progress(checks[-1])
     be.synchronize()
     status = "fail" if any(c["status"] == "fail" for c in checks) else "pass"
     return {"status": status, "level": level, "backend": be.name, "device": str(be.device), "seed": seed,

@@ -1132,3 +1132,45 @@ def test_cuda_versions_are_reported():
     v = _ext_mod().sm100_cuda_versions()
     assert v["runtime"] >= 12080 and v["runtime"] % 10 == 0
     assert v["driver"] >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# `megamoe selftest --backend cuda-sm100`: what it ran, a time per shape (emulated here)
+# --------------------------------------------------------------------------------------------
+
+TINY_SHAPES = [("tiny E=16", "tiny", dict(num_experts=16, top_k=2), (1, 5))]
+
+
+def test_selftest_shapes_say_what_ran_with_a_time_per_shape(emulated, monkeypatch):
+    from megamoe import cli
+    from megamoe.backends import cuda_sm100
+
+    monkeypatch.setattr(cuda_sm100, "SELFTEST_SHAPES_QUICK", TINY_SHAPES)
+    lines = []
+    rows = cli._selftest_shapes(emulated, "quick", lines.append)
+    assert [r["t"] for r in rows] == [1, 5] and all(r["status"] == "pass" for r in rows), rows
+    assert all(r["cosine"] >= 0.9999 and r["repeat_bits_equal"] and r["us"] > 0 for r in rows)
+    assert len(lines) == 3 and "2 runs" in lines[0]
+    for line, t in zip(lines[1:], (1, 5)):
+        assert line.strip().startswith("PASS") and f"T={t} " in line and "us/forward" in line
+        assert "tile N 64/" in line or "tile N 128/" in line
+    header = cli._selftest_header(emulated)
+    assert "backend cuda-sm100 on cpu" in header and "KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100" in header
+    assert "tile 128x(128/64)x256" in header and "CUDA runtime" in header and "executor emulate" in header
+
+
+def test_selftest_shapes_fail_on_wrong_or_unstable_results(emulated, monkeypatch):
+    """A backend whose output is off (noise) or changes between runs fails its shape rows."""
+    from megamoe.backends import cuda_sm100
+
+    orig = type(emulated).moe_forward
+    gen = torch.Generator().manual_seed(0)
+
+    def noisy(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        return out + 0.1 * out.abs().max() * torch.randn(out.shape, generator=gen)
+
+    monkeypatch.setattr(type(emulated), "moe_forward", noisy)
+    rows = cuda_sm100.run_shapes(emulated, TINY_SHAPES, reps=2)
+    assert all(r["status"] == "fail" and not r["repeat_bits_equal"] for r in rows)
+    assert "FAIL" in cuda_sm100.format_shape_row(rows[0]) and "DIFFERENT BITS" in cuda_sm100.format_shape_row(rows[0])

@@ -48,6 +48,7 @@ Not on the CUTLASS path (stated in :meth:`describe`): W4A16 (bf16 activations) a
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -679,3 +680,80 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
     def synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+
+# ---------------------------------------------------------------------------------------------
+# what `megamoe selftest --backend cuda-sm100` runs after the health checks
+# ---------------------------------------------------------------------------------------------
+
+#: (label, preset, config overrides, token counts) timed by :func:`run_shapes`; "full" adds the rest
+SELFTEST_SHAPES_QUICK = [
+    ("v4-flash TP=8", "v4-flash", dict(hidden_size=4096, intermediate_size=256, num_experts=256, top_k=6),
+     (1, 8, 64)),
+]
+SELFTEST_SHAPES_FULL = SELFTEST_SHAPES_QUICK + [
+    ("v4-flash TP=8", "v4-flash", dict(hidden_size=4096, intermediate_size=256, num_experts=256, top_k=6),
+     (4, 16, 32, 256)),
+    ("v4-flash TP=1", "v4-flash", dict(hidden_size=4096, intermediate_size=2048, num_experts=256, top_k=6),
+     (1, 64, 1024)),
+    ("v3 TP=8", "v3", dict(intermediate_size=256), (1, 64)),
+]
+SHAPE_COSINE_MIN = 0.9999  # docs/SPEC.md §5: moe_vs_reference
+
+
+def run_shapes(be: "CudaSm100Backend", shapes, reps: int = 20, progress=None) -> list[dict]:
+    """Routed experts of each shape on ``be``: cosine against the torch backend (the same NVFP4
+    math in fp32), same bits on a repeat, the N tile of each GEMM and the time per forward
+    (median of ``reps``; CUDA events on a GPU). ``progress(row)`` after each shape.
+
+    Returns one dict per (shape, T): ``shape, h, i, e, k, t, tiles, cosine, min_token_cosine,
+    repeat_bits_equal, us, status`` (``pass`` when the cosines reach SHAPE_COSINE_MIN and the
+    repeat is bit-identical)."""
+    from megamoe.moe import MoELayer
+
+    rows = []
+    ref_be = TorchBackend(device=be.device)
+    for label, preset, over, tokens in shapes:
+        layer = MoELayer.from_preset(preset, seed=1, backend=be, **over)
+        cfg = layer.config
+        for t in tokens:
+            gen = torch.Generator().manual_seed(1000 + t)
+            x = torch.randn(t, cfg.hidden_size, generator=gen).to(torch.bfloat16).to(be.device)
+            w, ids = layer.route(x)
+            tiles = [be.tile_n_for(t * cfg.top_k, cfg.num_experts, 2, cfg.intermediate_size),
+                     be.tile_n_for(t * cfg.top_k, cfg.num_experts, 1, cfg.hidden_size)]
+            out = be.moe_forward(layer._prepared, cfg, x, ids, w)
+            again = be.moe_forward(layer._prepared, cfg, x, ids, w)
+            ref = ref_be.moe_forward(layer.weights, cfg, x, ids, w)
+            cos = float(torch.nn.functional.cosine_similarity(out.double().reshape(1, -1),
+                                                              ref.double().reshape(1, -1)))
+            per_token = float(torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=1).min())
+            times = []
+            for _ in range(reps):
+                if be.device.type == "cuda":
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    be.moe_forward(layer._prepared, cfg, x, ids, w)
+                    stop.record()
+                    stop.synchronize()
+                    times.append(start.elapsed_time(stop) * 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    be.moe_forward(layer._prepared, cfg, x, ids, w)
+                    times.append((time.perf_counter() - t0) * 1e6)
+            same = bool(torch.equal(out, again))
+            ok = cos >= SHAPE_COSINE_MIN and per_token >= 0.999 and same and bool(torch.isfinite(out).all())
+            row = dict(shape=label, h=cfg.hidden_size, i=cfg.intermediate_size, e=cfg.num_experts, k=cfg.top_k, t=t,
+                       tiles=tiles, cosine=cos, min_token_cosine=per_token, repeat_bits_equal=same,
+                       us=float(sorted(times)[len(times) // 2]) if times else float("nan"),
+                       status="pass" if ok else "fail")
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+def format_shape_row(r: dict) -> str:
+    return (f"{r['status'].upper():4s}  {r['shape']:14s} H={r['h']} I={r['i']} E={r['e']} k={r['k']} T={r['t']:<5d} "
+            f"tile N {r['tiles'][0]}/{r['tiles'][1]}  cosine {r['cosine']:.7f} (min token {r['min_token_cosine']:.5f})"
+            f"  repeat {'same bits' if r['repeat_bits_equal'] else 'DIFFERENT BITS'}  {r['us']:.1f} us/forward")
