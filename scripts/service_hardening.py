@@ -12,6 +12,12 @@
 4. SIGTERM: runs of 16 keep-alive clients, SIGTERM mid-load; requests sent but never
    answered ("lost") must be 0.
 5. idle and slow connections: how long until the server closed them all.
+6. before authorization: connections declaring large binary bodies to an unknown route and
+   without the token (the server's memory, virtual and resident, must not grow), a client that
+   never reads its answers (how long until the write timeout closes it), ``Upgrade: h2c``.
+7. instances: ``--instances 2``, one SIGSTOPped under 2,000 idle connections (the parent must keep
+   answering), then restarted after its heartbeat timeout; one killed while fresh connections
+   arrive (503 or 200, never a reset).
 
 Every server is the tiny preset on the torch backend; the figures in service/README.md come
 from this script.
@@ -38,6 +44,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "service"))
+sys.path.insert(1, str(REPO / "tests"))  # _helpers, which the service tests' kit imports
 
 from test_service_hardening import _mutations, _schema_requests, json_body  # noqa: E402
 
@@ -78,14 +85,14 @@ class Server:
             time.sleep(0.1)
         raise RuntimeError("server not ready")
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and every descendant (the JSON decoder process)."""
+    def rss_bytes(self, field: str = "VmRSS:") -> int:
+        """Resident memory (``VmSize:``: virtual) of the server and every descendant (the JSON decoder process)."""
         total, todo = 0, [self.proc.pid]
         while todo:
             pid = todo.pop()
             try:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(field):
                         total += int(line.split()[1]) * 1024
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     todo += [int(c) for c in (task / "children").read_text().split()]
@@ -427,11 +434,179 @@ def idle_and_slow(srv: Server, idle: int, slow: int, keep_alive_s: float, head_s
             "slow_still_open": open_after}
 
 
+# --- 6. before authorization --------------------------------------------------------------------------------
+
+def _binary_head(path: str, declared: int, token: str | None) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", f"Content-Length: {declared}", "Inference-Header-Content-Length: 200"]
+    if token:
+        lines.append(f"Authorization: Bearer {token}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _status_of(sock: socket.socket, timeout_s: float = 10.0) -> int | str:
+    sock.settimeout(timeout_s)
+    try:
+        data = sock.recv(4096)
+    except OSError as exc:
+        return type(exc).__name__
+    return int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else repr(data[:40])
+
+
+def before_authorization(srv: Server, connections: int) -> dict:
+    declared = 200 * 1024 * 1024
+    out: dict = {"connections": connections, "declared_bytes_each": declared}
+    for name, path, token in (("unknown_route", "/no/such/route/infer", TOKEN), ("no_token", INFER, None)):
+        vms0, rss0 = srv.rss_bytes("VmSize:"), srv.rss_bytes()
+        socks = []
+        for _ in range(connections):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            s.sendall(_binary_head(path, declared, token) + b"x" * 65536)
+            socks.append(s)
+        statuses = [_status_of(s) for s in socks]
+        time.sleep(1.0)
+        vms1, rss1 = srv.rss_bytes("VmSize:"), srv.rss_bytes()
+        for s in socks:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()  # reset
+        out[name] = {"statuses": {str(k): statuses.count(k) for k in set(statuses)},
+                     "virtual_growth_bytes": vms1 - vms0, "resident_growth_bytes": rss1 - rss0}
+    # a client that never reads: pipelined requests for 4 MiB answers
+    hidden = torch.zeros(4096, H)
+    ids = torch.zeros(4096, K, dtype=torch.int32)
+    ids[:, 1] = 1
+    from megamoe.service.protocol import binary_infer_body
+
+    body, header_length = binary_infer_body({"hidden_states": hidden, "topk_ids": ids,
+                                             "topk_weights": torch.full((4096, K), 0.5)})
+    head = (f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {header_length}\r\nAuthorization: Bearer {TOKEN}\r\n\r\n").encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.port))
+    s.settimeout(1.0)
+    t0 = time.monotonic()
+    sent = 0
+    closed_after = None
+    while time.monotonic() - t0 < 120:
+        try:
+            if sent < 8:
+                s.sendall(head + body)
+                sent += 1
+            else:
+                time.sleep(0.2)
+                s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")  # fails once it is closed
+        except TimeoutError:
+            continue  # the server does not read while its answers wait: a full send buffer, still open
+        except OSError:
+            closed_after = round(time.monotonic() - t0, 1)
+            break
+    s.close()
+    out["unread_answers"] = {"requests_sent": sent, "seconds_until_closed": closed_after}
+    # Upgrade: h2c on a valid JSON infer
+    doc = json.dumps(json_body(tokens=1)).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as u:
+        u.sendall((f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(doc)}\r\nAuthorization: Bearer "
+                   f"{TOKEN}\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                   "HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n").encode() + doc)
+        out["upgrade_h2c_status"] = _status_of(u)
+    return out
+
+
+# --- 7. instances ----------------------------------------------------------------------------------------------
+
+def _instance_pids(srv: Server) -> dict[str, int]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return {s.labels["instance"]: int(s.labels["pid"]) for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "megamoe_instance_ready"}
+
+
+def _wait_ready(srv: Server, timeout_s: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if httpx.get(srv.url + "/v2/health/ready", timeout=2).status_code == 200:
+                return round(time.monotonic() - t0, 1)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return None
+
+
+def instances(log_dir: Path, idle: int, fresh: int) -> dict:
+    srv = Server("--selftest-level", "off", "--instances", "2", "--instance-heartbeat-timeout-s", "10",
+                 "--timeout-keep-alive-s", "60", token=False, log=log_dir / "instances.log")
+    out: dict = {}
+    try:
+        _wait_ready(srv, 120)
+        victim = _instance_pids(srv)["1"]
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        socks = []
+        for _ in range(idle):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", srv.port))
+            socks.append(s)
+        time.sleep(max(0.0, 4.0 - (time.monotonic() - t_stop)))
+        latencies, statuses = [], []
+        for _ in range(20):
+            t0 = time.monotonic()
+            try:
+                reply = httpx.get(srv.url + "/v2/health/live", timeout=30)
+                statuses.append(reply.headers.get("megamoe-instance", "?") + ":" + str(reply.status_code))
+            except httpx.HTTPError as exc:
+                statuses.append(type(exc).__name__)
+            latencies.append(time.monotonic() - t0)
+        ready_again = _wait_ready(srv, 180)
+        out["hung"] = {"idle_connections": idle, "fresh_after_4s": {k: statuses.count(k) for k in set(statuses)},
+                       "fresh_p50_ms": round(1000 * statistics.median(latencies), 1),
+                       "fresh_max_ms": round(1000 * max(latencies), 1),
+                       "seconds_from_sigstop_to_ready_again": (round(time.monotonic() - t_stop, 1)
+                                                              if ready_again is not None else None),
+                       "restarted": _instance_pids(srv).get("1") != victim}
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        for s in socks:
+            s.close()
+        time.sleep(1.0)
+        # one instance killed while fresh connections arrive
+        victim = _instance_pids(srv)["0"]
+        results: list = []
+        lock = threading.Lock()
+
+        def one():
+            try:
+                reply = httpx.get(srv.url + "/v2/health/live", timeout=60)
+                kind = str(reply.status_code)
+            except httpx.HTTPError as exc:
+                kind = type(exc).__name__
+            with lock:
+                results.append(kind)
+
+        threads = [threading.Thread(target=one) for _ in range(fresh)]
+        for k, t in enumerate(threads):
+            t.start()
+            if k == fresh // 4:
+                os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(90)
+        ready_again = _wait_ready(srv, 180)
+        out["killed"] = {"fresh_connections": fresh, "answers": {k: results.count(k) for k in set(results)},
+                         "ready_again": ready_again is not None}
+    finally:
+        out["exit_code"] = srv.stop()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "service_hardening_cpu.json"))
     p.add_argument("--quick", action="store_true", help="small counts (a smoke run, not the figures)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: fuzz,memory,health,conn,format,sigterm")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: fuzz,memory,health,conn,auth,format,sigterm,instances")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     log_dir = Path("/tmp/megamoe_hardening")
@@ -441,7 +616,7 @@ def main() -> int:
                              "load_average_at_start": os.getloadavg(), "torch": torch.__version__},
                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     srv = Server("--selftest-level", "off", "--timeout-keep-alive-s", "5", "--timeout-request-head-s", "10",
-                 log=log_dir / "main.log")
+                 "--timeout-write-s", "5", log=log_dir / "main.log")
     try:
         if "fuzz" not in skip:
             counts = {"schema": 300, "json": 200, "binary": 100, "urls": 100} if q else \
@@ -457,6 +632,9 @@ def main() -> int:
             out["connections"] = idle_and_slow(srv, idle=50 if q else 500, slow=20 if q else 200, keep_alive_s=5,
                                                head_s=10)
             print("connections", out["connections"], flush=True)
+        if "auth" not in skip:
+            out["before_authorization"] = before_authorization(srv, connections=10 if q else 40)
+            print("before authorization", out["before_authorization"], flush=True)
     finally:
         out["server_exit_code"] = srv.stop()
     if "format" not in skip:
@@ -465,6 +643,9 @@ def main() -> int:
     if "sigterm" not in skip:
         out["sigterm"] = sigterm_runs(2 if q else 10, log_dir)
         print("sigterm", out["sigterm"], flush=True)
+    if "instances" not in skip:
+        out["instances"] = instances(log_dir, idle=200 if q else 2000, fresh=50 if q else 200)
+        print("instances", out["instances"], flush=True)
     out["load_average_at_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", args.out)

@@ -17,7 +17,9 @@ otherwise accept all of them).
 The parent never blocks on one instance: it passes descriptors without blocking, and what an instance
 does not take at once waits in that instance's bounded queue; an instance whose queue is full gets
 no more, and a connection that no instance can take is answered 503 (``Retry-After``, ``Connection:
-close``) by the parent itself, its request read and dropped, never reset.
+close``) by the parent itself, its request read and dropped, never reset. The parent keeps its copy
+of each connection until the instance says it took it: the connections an instance never took when
+it dies or hangs (in its socket, or queued here) go to another instance, their requests intact.
 
 Supervision (messages in service/channel.py):
 
@@ -67,6 +69,7 @@ from .channel import (
     MSG_NOT_READY,
     MSG_READY,
     MSG_SHORT,
+    MSG_TAKEN,
 )
 from .settings import ServiceSettings
 
@@ -107,6 +110,8 @@ class _Instance:
         #: what waits to be sent to it, in order: ("fd", socket) or ("data", bytes)
         self.outbox: deque = deque()
         self.waiting_fds = 0
+        #: connections sent and not yet taken (``T``), in order: the parent keeps its copies
+        self.unacked: deque = deque()
         self.told: bytes | None = None  # the readiness word it was last sent
 
 
@@ -200,7 +205,7 @@ class _Supervisor:
             if inst.process.is_alive():
                 inst.process.kill()
             inst.process.join(5)
-            self._drop_outbox(inst, "the server stopped")
+            self._drop_outbox(inst, "the server stopped", untaken=True)
             inst.channel.close()
         for conn in list(self.refusing):
             conn.close()
@@ -336,7 +341,7 @@ class _Supervisor:
             inst.outbox.popleft()
             if kind == "fd":
                 inst.waiting_fds -= 1
-                item.close()  # the instance has its own descriptor now
+                inst.unacked.append(item)  # closed once the instance says it took it
         self._want_write(inst, bool(inst.outbox))
 
     def _want_write(self, inst: _Instance, on: bool) -> None:
@@ -347,9 +352,13 @@ class _Supervisor:
         except (KeyError, ValueError):
             pass  # unregistered: the instance is gone
 
-    def _drop_outbox(self, inst: _Instance, reason: str | None) -> None:
-        """The connections that were waiting for ``inst``: to another instance, else answered 503."""
+    def _drop_outbox(self, inst: _Instance, reason: str | None, untaken: bool = False) -> None:
+        """The connections that were waiting for ``inst`` (``untaken``: and those it was sent but never
+        took, once it is gone): to another instance, else answered 503."""
         waiting = [item for kind, item in inst.outbox if kind == "fd"]
+        if untaken:
+            waiting = list(inst.unacked) + waiting
+            inst.unacked.clear()
         inst.outbox.clear()
         inst.open = max(0, inst.open - len(waiting))
         inst.waiting_fds = 0
@@ -421,7 +430,10 @@ class _Supervisor:
             inst.stale_logged = False
             log.warning("instance %d (pid %d) is heard from again", inst.index, inst.process.pid)
         for byte in data:
-            if byte == MSG_CLOSED:
+            if byte == MSG_TAKEN:
+                if inst.unacked:
+                    inst.unacked.popleft().close()  # the instance has its own descriptor now
+            elif byte == MSG_CLOSED:
                 inst.open = max(0, inst.open - 1)
             elif byte == MSG_LEAVING:
                 if inst.leaving is None:
@@ -497,7 +509,8 @@ class _Supervisor:
         inst.process.join()
         inst.exited, inst.ready, inst.serving = True, False, False
         code = inst.process.exitcode
-        self._drop_outbox(inst, "the server is shutting down" if self.stopping else None)
+        # what it never took (still in its socket, or queued here) is intact: to the others
+        self._drop_outbox(inst, "the server is shutting down" if self.stopping else None, untaken=True)
         inst.channel.close()
         try:
             from prometheus_client import multiprocess

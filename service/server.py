@@ -521,6 +521,9 @@ class ServiceServer(uvicorn.Server):
                 data, fds = b"", []
             if data:
                 self._parent_news(data)
+            if fds:
+                # taken: the parent lets go of its copies (until then it can hand them to another instance)
+                self.service_state.connections_taken(len(fds))
             for fd in fds:
                 sock = socket.socket(fileno=fd)
                 sock.setblocking(False)

@@ -11,17 +11,16 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing_extensions import TypeAliasType
 
 #: datatypes the metadata may advertise for hidden_states and output (--hidden-datatype)
 HIDDEN_DATATYPES = ("FP32", "BF16")
 
 
-class BearerToken(SecretStr):
-    """A secret string: never printed (``**********`` in reprs and errors)."""
-
-    # the metavar --help shows for --token is this qualname: a string, like every other text flag
-    # (SecretStr's own name would read as a placeholder to fill in)
-    __qualname__ = "str"
+#: the token's type: a SecretStr (never printed, ``**********`` in reprs and errors), under an alias
+#: whose name is what --help shows for it, a string like every other text flag (SecretStr's own
+#: name read as a placeholder to fill in)
+BearerToken = TypeAliasType("str", SecretStr)
 
 
 class ServiceSettings(BaseSettings):

@@ -21,7 +21,7 @@ import torch
 from megamoe.backends.base import Backend
 
 from .batching import DynamicBatcher
-from .channel import EXIT_LEFT, MSG_CLOSED, MSG_HEARTBEAT, MSG_LEAVING, MSG_NOT_READY, MSG_READY
+from .channel import EXIT_LEFT, MSG_CLOSED, MSG_HEARTBEAT, MSG_LEAVING, MSG_NOT_READY, MSG_READY, MSG_TAKEN
 from .metrics import ServiceMetrics
 from .model import ServedModel, load_layer
 from .protocol import ProtocolError, aligned_body
@@ -135,6 +135,11 @@ class ServiceState:
     def connection_closed(self) -> None:
         if self._parent is not None:
             self._tell_parent(bytes([MSG_CLOSED]))
+
+    def connections_taken(self, count: int) -> None:
+        """Connections received from the parent: it keeps its copy of each until told."""
+        if self._parent is not None:
+            self._tell_parent(bytes([MSG_TAKEN]) * count)
 
     def heartbeat(self) -> None:
         """Called by the event loop every HEARTBEAT_S: the parent takes silence for a hung instance."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import signal
 import socket
@@ -480,6 +481,10 @@ def test_serve_help_is_plain():
         assert flag in out.stdout
     # the token is a string to give, not a type name to puzzle over
     assert "SecretStr" not in out.stdout and "--token str" in out.stdout
+    # and the settings, token included, still travel to the instance processes (pickled)
+    from megamoe.service.settings import parse_settings
+
+    assert pickle.loads(pickle.dumps(parse_settings(["--token", "t0k"]))).token_value() == "t0k"
     # one "(default: ...)" per option: argparse wraps help text, so count per option block
     blocks = [b for b in out.stdout.split("\n  --")[1:]]
     assert blocks and all(b.count("(default") <= 1 for b in blocks), [b for b in blocks if b.count("(default") > 1]

@@ -87,6 +87,12 @@ def test_a_hung_instance_gets_no_connections_the_parent_never_blocks_and_it_is_r
             s.setblocking(False)
             s.connect_ex(("127.0.0.1", srv.port))
             idle.append(s)
+        # 200 of them send a request: those handed to the hung instance wait, intact, in its socket
+        asking = idle[:200]
+        for s in asking:
+            s.setblocking(True)
+            s.settimeout(30)
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(4.0)  # past the 3 s of silence: no new connection goes to the hung instance
         answered = []
         for _ in range(6):
@@ -100,6 +106,14 @@ def test_a_hung_instance_gets_no_connections_the_parent_never_blocks_and_it_is_r
         wait_until(lambda: srv.get("/v2/health/ready")[0] == 200, 120, "ready again", srv)
         log = srv.log()
         assert "sent no heartbeat" in log and "restarting it" in log, log
+        # every request was answered, those the hung instance never took by the other one: none reset
+        answers = []
+        for s in asking:
+            try:
+                answers.append(s.recv(4096).split(b"\r\n")[0])
+            except OSError as exc:
+                answers.append(type(exc).__name__.encode())
+        assert answers == [b"HTTP/1.1 200 OK"] * len(asking), {a: answers.count(a) for a in set(answers)}
     finally:
         try:
             os.kill(victim, signal.SIGCONT)
