@@ -5,9 +5,9 @@ The Dockerfile builds with CUDA 12.8.1, where CUTLASS takes other branches than 
 ``cudaGetDriverEntryPoint`` host path). This compiles every translation unit of
 ``cpp/sm100`` for sm_100a, of ``cpp/sm90`` for sm_90a and of ``cpp/common`` for both with:
 
-* the CUDA 12.8 runtime, CRT and CCCL headers and CUDA 12.8's version macros
-  (``__CUDACC_VER_MAJOR__ = 12``, ``__CUDACC_VER_MINOR__ = 8``), so every ``#if`` on the
-  CUDA version takes its 12.8 branch, in the device and in the host pass;
+* for the device code, the CUDA 12.8 runtime, CRT and CCCL headers and CUDA 12.8's version
+  macros (``__CUDACC_VER_MAJOR__ = 12``, ``__CUDACC_VER_MINOR__ = 8``), so every ``#if`` on
+  the CUDA version takes its 12.8 branch (e.g. ``scale_vec::4X``);
 * CUDA 12.8's PTX assembler (``ptxas`` 12.8.93) for the device code, so every instruction
   the 12.8 branches emit must be one 12.8 accepts for that architecture.
 
@@ -16,7 +16,10 @@ constraints.txt with the runtime and CCCL headers) carry ``ptxas`` and the heade
 ``nvcc``, ``cicc`` or ``cudafe++``: the C++ front ends and the PTX generator are those of
 the nvcc on PATH (13.x), and the PTX they write is declared ISA 8.7 (CUDA 12.8's) before
 12.8's ptxas assembles it. So this proves the 12.8 branches compile and assemble; it does
-not prove that CUDA 12.8's own front end accepts the code (the image build does that).
+not prove that CUDA 12.8's own front end accepts the code, and the host pass (kernel stubs,
+CUTLASS's host adapter with its ``cudaGetDriverEntryPoint`` branch) is compiled with the
+nvcc's own headers: the launch stubs its front end writes only compile against its own CRT
+headers. The image build is the full CUDA 12.8 compile.
 
 Usage: ``python .ci/cuda128_compile.py [OUT_DIR]`` (default build/cuda-12.8; its own venv
 there, never the project's). Without nvcc on PATH it says so and exits 0. Exit 1 on any
@@ -24,6 +27,7 @@ compile error, naming the unit.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shlex
@@ -67,18 +71,29 @@ def setup_venv(out: Path) -> Path:
 def transform(script: list[str], site: Path, ptxas: Path) -> list[str]:
     """nvcc's --dryrun commands with CUDA 12.8's headers, version macros and ptxas."""
     nv = site / "nvidia"
-    inc12 = [f"-I{nv / 'cuda_runtime' / 'include'}", f"-I{nv / 'cuda_nvcc' / 'include'}"]
+    runtime12 = str(nv / "cuda_runtime" / "include")
+    crt12 = str(nv / "cuda_nvcc" / "include")
     cccl12 = str(nv / "cuda_cccl" / "include")
     major, minor, build = CUDA_VERSION
     out = []
     for line in script:
+        setting = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=", line)
+        if setting:  # nvcc's settings: the tool paths its commands use are kept (the others are not shell syntax)
+            if setting.group(1) in ("TOP", "CICC_PATH", "NVVMIR_LIBRARY_DIR", "LD_LIBRARY_PATH", "PATH"):
+                out.append("export " + line)
+            continue
+        device_pass = (" -E " in line and "-D__CUDA_ARCH__=" in line) or line.startswith("ptxas ")
+        if not device_pass:  # host pass and the stubs: the compiler's own headers (its CRT glue must match)
+            out.append(line)
+            continue
         line = re.sub(r"-D__CUDACC_VER_MAJOR__=\d+", f"-D__CUDACC_VER_MAJOR__={major}", line)
         line = re.sub(r"-D__CUDACC_VER_MINOR__=\d+", f"-D__CUDACC_VER_MINOR__={minor}", line)
         line = re.sub(r"-D__CUDACC_VER_BUILD__=\d+", f"-D__CUDACC_VER_BUILD__={build}", line)
         line = re.sub(r"-D__CUDA_API_VER_MAJOR__=\d+", f"-D__CUDA_API_VER_MAJOR__={major}", line)
         line = re.sub(r"-D__CUDA_API_VER_MINOR__=\d+", f"-D__CUDA_API_VER_MINOR__={minor}", line)
         line = re.sub(r'"-isystem" "[^"]*/include/cccl"', f'"-isystem" "{cccl12}"', line)
-        line = re.sub(r'"-I[^"]*/targets/[^"/]+/include"', " ".join(f'"{i}"' for i in inc12), line)
+        # CUDA 12.8's runtime API and CRT headers in place of the compiler's
+        line = re.sub(r'"-I[^"]*/targets/[^"/]+/include"', f'"-I{runtime12}" "-I{crt12}"', line)
         if line.startswith("ptxas "):
             ptx = next(a for a in shlex.split(line) if a.endswith(".ptx"))
             out.append(f"sed -i -E 's/^\\.version [0-9]+\\.[0-9]+$/.version {PTX_ISA}/' {shlex.quote(ptx)}")
@@ -120,14 +135,20 @@ def main() -> int:
         print(f"[cuda-12.8] {ptxas} is not CUDA 12.8's ptxas:\n{version}", file=sys.stderr)
         return 1
     failed = []
-    for src, arch in units():
+
+    def one(unit):
         start = time.monotonic()
-        ok, log = compile_unit(nvcc, src, arch, out, site, ptxas)
-        print(f"[cuda-12.8] {src} sm_{arch}: {'ok' if ok else 'FAILED'} ({time.monotonic() - start:.0f} s)",
-              flush=True)
-        if not ok:
-            failed.append(src)
-            print(log[-6000:], file=sys.stderr)
+        ok, log = compile_unit(nvcc, *unit, out, site, ptxas)
+        return unit, ok, log, time.monotonic() - start
+
+    # one unit per core: the sm_100a unit alone takes minutes
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        for (src, arch), ok, log, seconds in pool.map(one, units()):
+            print(f"[cuda-12.8] {src} sm_{arch}: {'ok' if ok else 'FAILED'} ({seconds:.0f} s)", flush=True)
+            if not ok:
+                failed.append(f"{src} (sm_{arch})")
+                errors = [ln for ln in log.splitlines() if "error" in ln]
+                print("\n".join(ln[:600] for ln in (errors[:20] or log.splitlines()[-30:])), file=sys.stderr)
     if failed:
         print(f"[cuda-12.8] compile errors under the CUDA 12.8 headers / ptxas: {', '.join(failed)}", file=sys.stderr)
         return 1

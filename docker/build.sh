@@ -8,10 +8,13 @@
 #   docker/build.sh ci      [WORK_DIR]         wheel + install + smoke in CPU mode (what CI runs)
 #
 # Environment:
-#   MEGAMOE_BUILD_MODE   gpu (default; the image) or cpu (CI: no CUDA compile, torch from $PYTHON's environment)
+#   MEGAMOE_BUILD_MODE   gpu (default; the image), cpu (CI: no CUDA compile, torch from $PYTHON's environment)
+#                        or cpu-image (docker/Dockerfile.cpu: no CUDA compile, torch from TORCH_INDEX_URL)
 #   MEGAMOE_CUDA_ARCHS   CUDA targets in gpu mode, default "90a;100a"
 #   TORCH_INDEX_URL      where `install` gets torch in gpu mode (the image passes the CUDA 12.8 index)
-#   TORCH_VERSION        torch version spec for `install`, default ">=2.8"
+#   TORCH_VERSION        torch version spec for `install`, default "==2.13.0"
+# Every pip install is constrained by constraints.txt (beside this script in the image, at the
+# repository root in a source tree): the same pinned versions as scripts/setup.sh and CI.
 #   PYTHON               interpreter that makes the venvs (default python3); in cpu mode the
 #                        fresh venv also sees this interpreter's packages (torch among them)
 set -euo pipefail
@@ -22,6 +25,12 @@ python="${PYTHON:-python3}"
 
 log() { printf '[docker/build.sh %s] %s\n' "$mode" "$*" >&2; }
 
+constraints="$here/constraints.txt"
+[[ -f "$constraints" ]] || constraints="$here/../constraints.txt"
+[[ -f "$constraints" ]] || { echo "constraints.txt not found beside $here or in its parent" >&2; exit 1; }
+constraints="$(cd "$(dirname "$constraints")" && pwd)/constraints.txt"
+export PIP_CONSTRAINT="$constraints"  # also pins the isolated build environment of `pip wheel`
+
 build_wheel() {
   local src="$1" wheel_dir="$2"
   mkdir -p "$wheel_dir"
@@ -29,7 +38,7 @@ build_wheel() {
   tools="$(mktemp -d)"
   "$python" -m venv "$tools/venv"
   "$tools/venv/bin/pip" install --quiet --upgrade pip
-  if [[ "$mode" == cpu ]]; then
+  if [[ "$mode" == cpu || "$mode" == cpu-image ]]; then
     # No CUDA compile on CPU machines (it would also take hours on two cores): an
     # empty CUDA compiler makes CMake build the torch-backend-only extension.
     log "building the wheel without CUDA"
@@ -64,7 +73,7 @@ print("\n".join(dict.fromkeys(paths)))' >"$venv_site/_parent_environment.pth"
   else
     "$venv/bin/pip" install --no-cache-dir --upgrade pip
     "$venv/bin/pip" install --no-cache-dir --index-url "${TORCH_INDEX_URL:?gpu mode needs TORCH_INDEX_URL}" \
-      "torch${TORCH_VERSION:->=2.8}"
+      "torch${TORCH_VERSION:-==2.13.0}"
   fi
   log "installing $(basename "$wheel") into $venv"
   # --force-reinstall --no-deps: the wheel itself always lands in the venv, even when the
