@@ -26,7 +26,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .batching import DynamicBatcher
 from .dataplane import DataPlane, JSONAnswer, error_response
 from .model import ServedModel
 from .protocol import ProtocolError, strict_json
@@ -109,50 +108,6 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
     metrics = state.metrics
     token = settings.token_value()
 
-    async def startup() -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(state.executor, state.load_and_selftest)
-        except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded ends the process
-            state.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("start-up failed, the server stops: model %r cannot be loaded: %s", state.model_name,
-                      state.load_error)
-            log.debug("traceback of the start-up failure", exc_info=exc)
-            state.exit_code = 1
-            state.request_exit()
-        else:
-            model, runner = state.model, state.runner
-            state.batcher = DynamicBatcher(
-                runner.launch_batch,
-                state.executor,
-                finish=runner.finish_batch,  # the next batch is staged while the device runs this one
-                max_batch_tokens=settings.max_batch_tokens,
-                queue_delay_s=settings.queue_delay_ms / 1000.0,
-                on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
-                on_stages=lambda stages: metrics.record_stages(model.name, stages),
-            )
-            state.batcher.on_queue = metrics.queued.set  # called whenever the queue changes
-            state.batcher.start()
-        finally:
-            state.loading = False
-            state.refresh_ready_gauge()
-            if state.not_ready_reason() is None:
-                log.info("ready: serving model %r", state.model_name)
-
-    async def periodic_selftest() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(settings.selftest_interval_s)
-            if state.model is None:
-                continue
-            try:
-                await loop.run_in_executor(state.executor, state.probe_device)
-                await state.health_report("quick")
-            except ProtocolError:
-                continue  # a full run is in progress: it checks the device too
-            except Exception as exc:  # noqa: BLE001
-                state.selftest_error = f"quick self-test raised {type(exc).__name__}: {exc}"
-                state.refresh_ready_gauge()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -162,9 +117,9 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
                         "anyone who reaches %s:%s; full kernel health is refused", settings.host, settings.port)
         else:
             log.info("authentication is on: infer and kernel health need the bearer token")
-        background = [asyncio.create_task(startup(), name="megamoe-startup")]
+        background = [asyncio.create_task(state.start(), name="megamoe-startup")]
         if settings.selftest_interval_s > 0:
-            background.append(asyncio.create_task(periodic_selftest(), name="megamoe-selftest"))
+            background.append(asyncio.create_task(state.periodic_selftest(), name="megamoe-selftest"))
         plane.start_decoder()
         try:
             yield
@@ -173,11 +128,7 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
             for task in background[1:]:
                 task.cancel()
             await asyncio.gather(background[0], return_exceptions=True)
-            if state.batcher is not None:
-                await state.batcher.stop()
-            for task in list(state.health_runs.values()):
-                await asyncio.gather(task, return_exceptions=True)
-            state.executor.shutdown(wait=True)
+            await state.stop()
             plane.stop_decoder()
 
     app = FastAPI(title="megamoe", description="NVFP4 MoE layer over the Open Inference Protocol (KServe v2)",
@@ -187,11 +138,11 @@ def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = 
     app.add_middleware(ServiceMiddleware, state=state)
 
     @app.exception_handler(StarletteHTTPException)
-    async def httperror_response(request: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def validationerror_response(request: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError):
         return error_response(400, f"invalid request: {exc.errors()}")
 
     def authorized(request: Request) -> bool:

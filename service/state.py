@@ -296,6 +296,66 @@ class ServiceState:
             log.info("start-up self-test (%s): %s", self.settings.selftest_level, report.get("status"))
 
 
+    # --- the lifespan (app.py) -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start-up, in the background: load and self-test on the device thread, then the batcher.
+        A model that cannot be loaded ends the process with exit status 1."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.executor, self.load_and_selftest)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be loaded ends the process
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("start-up failed, the server stops: model %r cannot be loaded: %s", self.model_name,
+                      self.load_error)
+            log.debug("traceback of the start-up failure", exc_info=exc)
+            self.exit_code = 1
+            self.request_exit()
+        else:
+            model, runner, metrics = self.model, self.runner, self.metrics
+            self.batcher = DynamicBatcher(
+                runner.launch_batch,
+                self.executor,
+                finish=runner.finish_batch,  # the next batch is staged while the device runs this one
+                max_batch_tokens=self.settings.max_batch_tokens,
+                queue_delay_s=self.settings.queue_delay_ms / 1000.0,
+                on_batch=lambda n, t, s: metrics.record_batch(model.name, n, t, s),
+                on_stages=lambda stages: metrics.record_stages(model.name, stages),
+            )
+            self.batcher.on_queue = metrics.queued.set  # called whenever the queue changes
+            self.batcher.start()
+        finally:
+            self.loading = False
+            self.refresh_ready_gauge()
+            if self.own_not_ready_reason() is None:
+                log.info("ready: serving model %r", self.model_name)
+
+    async def periodic_selftest(self) -> None:
+        """Every ``selftest_interval_s``: probe the device and run the quick checks (readiness follows)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.settings.selftest_interval_s)
+            if self.model is None:
+                continue
+            try:
+                await loop.run_in_executor(self.executor, self.probe_device)
+                await self.health_report("quick")
+            except ProtocolError:
+                continue  # a full run is in progress: it checks the device too
+            except Exception as exc:  # noqa: BLE001
+                self.selftest_error = f"quick self-test raised {type(exc).__name__}: {exc}"
+                self.refresh_ready_gauge()
+
+    async def stop(self) -> None:
+        """After uvicorn let the requests in flight finish: run what is queued, wait for health runs,
+        end the device thread."""
+        if self.batcher is not None:
+            await self.batcher.stop()
+        for task in list(self.health_runs.values()):
+            await asyncio.gather(task, return_exceptions=True)
+        self.executor.shutdown(wait=True)
+
+
 class _DeviceThreadBackend(Backend):
     """The served backend as a health run sees it: every call runs on the device thread, after
     the inference waiting for it (at most HEALTH_YIELD_MAX_S per call). The checks' own
