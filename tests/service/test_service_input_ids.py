@@ -241,3 +241,25 @@ def test_the_library_hash_layer_is_served_with_input_ids():
             torch.testing.assert_close(_output(reply), layer.forward(hidden, input_ids=token_ids), rtol=0, atol=0)
     finally:
         srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda-sm90", "cuda-sm100"])
+def test_a_hash_batch_on_the_gpu_is_the_layer_forward_of_the_batch(backend):
+    """On a GPU: the batch runner's staging (pinned pool, the ids copied beside the rows, no graph)
+    gives exactly the layer's own forward of the concatenated batch."""
+    from _helpers import backend_or_skip
+
+    backend_or_skip(backend)
+    layer = MoELayer.from_preset(PRESET, seed=0, backend=backend, scoring="sqrtsoftplus", hash_routing=True)
+    served = ServedModel("m", layer, 4096)
+    runner = BatchRunner(served)
+    vocab = layer.weights.tid2eid.shape[0]
+    gen = torch.Generator().manual_seed(13)
+    parts = [(torch.randn(n, layer.config.hidden_size, generator=gen), torch.randint(0, vocab, (n,), generator=gen))
+             for n in (3, 70, 1)]  # stacked, and copied per request (64 rows or more)
+    requests = [served.validate({"hidden_states": h, "input_ids": i}, {"hidden_states": "FP32", "input_ids": "INT64"})
+                for h, i in parts]
+    outputs, _ = runner.finish_batch(runner.launch_batch(requests))
+    whole = layer.forward(torch.cat([h for h, _ in parts]).cuda(), input_ids=torch.cat([i for _, i in parts]).cuda())
+    assert torch.equal(torch.cat(outputs), whole.cpu())
