@@ -1,5 +1,5 @@
 // Rate of the wgmma main loop's arithmetic alone, on one Hopper GPU: warpgroup MMAs with the weights in registers
-// (wgmma m64nNk16, A from registers, as grouped_gemm_wgmma.cuh issues them), with and without the NVFP4 decode that
+// (wgmma m64nNk16, A from registers, as gemm_wgmma.cuh issues them), with and without the NVFP4 decode that
 // fills those registers before each stage's group, and no memory traffic (every operand is already in shared
 // memory). Four warpgroups per SM, one block per SM, one group of K / 16 wgmmas per stage and a drain, as in the
 // kernels. It bounds what the GEMM kernels can reach at a given token width N, whatever their pipeline does.
@@ -17,7 +17,7 @@
 #include <cstdio>
 #include <ctime>
 
-#include "../cpp/sm90/grouped_gemm_wgmma.cuh"  // the kernels' decode, wgmma and descriptor helpers
+#include "../cpp/sm90/gemm_wgmma.cuh"  // the kernels' decode, wgmma and descriptor helpers
 
 using namespace megamoe::sm90;
 

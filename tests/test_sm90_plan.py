@@ -1,4 +1,4 @@
-"""The cuda-sm90 dispatch plan (megamoe._C.sm90_plan, cpp/sm90/grouped_gemm.cu): host only, no GPU.
+"""The cuda-sm90 dispatch plan (megamoe._C.sm90_plan, cpp/sm90/plan.cpp): host only, no GPU.
 
 Boundaries of the one decision that picks kernel, token tile, tokens per pass and the fusions,
 and the backend asking it instead of deciding itself."""

@@ -114,8 +114,8 @@ void register_sm90(nb::module_& m) {
                                       std::to_string(tokens_per_pass));
         sm90::GemmProblem p;
         p.tokens_per_expert = tokens_per_expert;
-        p.k_l1 = k_l1;
-        p.k_l2 = k_l2;
+        p.k_gemm1 = k_l1;
+        p.k_gemm2 = k_l2;
         p.num_experts = num_experts;
         p.w4a16 = w4a16;
         p.gather_input = gather_input;
@@ -185,7 +185,7 @@ void register_sm90(nb::module_& m) {
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
         if (!a.out && !a.out_bf16 && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
         if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
-          throw std::invalid_argument("grouped_gemm: out_operand (h as the L2 operand) needs the silu_mul epilogue");
+          throw std::invalid_argument("grouped_gemm: out_operand (h as the gemm2 operand) needs the silu_mul epilogue");
         if (h_quant_scale) {
           if (!a.out_operand)
             throw std::invalid_argument("grouped_gemm: h_quant_scale (h quantized to NVFP4) needs out_operand");

@@ -1,5 +1,5 @@
 // cp.async (sm_80+) global -> shared copies with zero fill (their completion is tracked with mbarriers:
-// grouped_gemm_wgmma.cuh).
+// gemm_wgmma.cuh).
 #pragma once
 #include <cstdint>
 

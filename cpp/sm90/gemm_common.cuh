@@ -139,7 +139,7 @@ __device__ __forceinline__ int64_t operand_column(int64_t col, bool lane_order) 
   const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
   return (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op);
 }
-// h[out_row, col] of the kSiluMul epilogue written as the bf16 L2 operand ([rows, I], operand order, or
+// h[out_row, col] of the kSiluMul epilogue written as the bf16 gemm2 operand ([rows, I], operand order, or
 // lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
                                                    float hv, bool lane_order) {
@@ -172,7 +172,7 @@ __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, co
 }
 
 // GroupedGemmArgs::slot_experts (one token, no align kernel): the expert id of slot `slot`, or -1 when dropped
-// (outside [0, E)). The load goes through L2 (ld.global.cg): the streaming L2 GEMM reads it before its PDL wait.
+// (outside [0, E)). The load goes through L2 (ld.global.cg): the streaming gemm2 reads it before its PDL wait.
 __device__ __forceinline__ int slot_expert_id(const GroupedGemmArgs& a, int slot) {
   const int64_t id = a.slot_experts_int64 ? int64_t(__ldcg(static_cast<const long long*>(a.slot_experts) + slot))
                                           : int64_t(__ldcg(static_cast<const int*>(a.slot_experts) + slot));

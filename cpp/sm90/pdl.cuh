@@ -1,5 +1,5 @@
 // Programmatic dependent launch (PDL, sm_90) for the decode chain of the MoE forward
-// (align -> [stage] -> L1 -> [stage] -> L2 -> combine): each kernel is launched with
+// (align -> [stage] -> gemm1 -> [stage] -> gemm2 -> combine): each kernel is launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization, so its blocks may start (and run the
 // part of the kernel that reads only constant data: weight prefetch) while
 // its predecessor is still finishing; inside CUDA graphs the capture turns this into a
@@ -13,8 +13,8 @@
 //   3. since each kernel triggers its dependents only after its own wait returned, a kernel
 //      N+1 starts only when kernel N-1 (and all before it) has completed: N+1 may read
 //      outputs of N-1 and earlier before its wait, through L2 (ld.global.cg, never the
-//      non-coherent path), e.g. the L2 GEMM reads the align kernel's expert list to prefetch
-//      its weights while the L1 GEMM drains.
+//      non-coherent path), e.g. gemm2 reads the align kernel's expert list to prefetch
+//      its weights while gemm1 drains.
 // Kernels not written for the protocol (wgmma, common quantize) are launched normally: a
 // normal launch waits for everything before it, and a PDL kernel after such a kernel starts
 // at that kernel's completion (implicit trigger), so mixing is safe.

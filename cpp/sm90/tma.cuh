@@ -1,7 +1,7 @@
 // Tensor memory accelerator (TMA, sm_90) copies global -> shared for the wgmma GEMMs: tensor maps
 // encoded on the host (cuTensorMapEncodeTiled through the runtime's driver entry point, so nothing
 // links libcuda), passed to the kernel as __grid_constant__ parameters; one thread issues a copy of a
-// whole box, whose bytes complete a transaction count on an mbarrier (grouped_gemm_wgmma.cuh).
+// whole box, whose bytes complete a transaction count on an mbarrier (gemm_wgmma.cuh).
 //
 // Swizzled boxes: the 32/64/128-byte swizzles permute the 16-byte chunks of every shared-memory row
 // by address bits (128 B: chunk bits 4..6 ^= bits 7..9; 64 B: bits 4..5 ^= bits 7..8; 32 B: bit 4 ^=

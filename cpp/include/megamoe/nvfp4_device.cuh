@@ -97,7 +97,7 @@ __device__ __forceinline__ float nvfp4_dequantized(const Nvfp4Block& b, float x)
 // which the sm90 GEMMs' weight dequantization produces bf16 pairs (see cpp/sm90/gemm_common.cuh).
 __device__ __forceinline__ int operand_order(int p) { return (p >> 1) + ((p & 1) << 2); }
 
-// Lane order: the activation operand of the sm90 wgmma GEMMs (cpp/sm90/grouped_gemm_wgmma.cuh).
+// Lane order: the activation operand of the sm90 wgmma GEMMs (cpp/sm90/gemm_wgmma.cuh).
 // Within every 64-element block of a row, the operand-order unit u = 8t + v (a unit = the bf16 pair at
 // operand positions 2u, 2u + 1; t < 4, v < 8) is stored at unit 4v + t, so that the 16 elements
 // MMA lane t of a quad owns in the block are two whole words of its weight row. Returns the stored

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "megamoe/common_kernels.h"
+#include "megamoe/sm90_plan.h"
 
 namespace megamoe::sm90 {
 
@@ -53,53 +54,6 @@ enum class Epilogue : int {
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
 };
 
-// The grouped-GEMM kernels (exported to Python once, as megamoe._C.Sm90GemmKernel).
-enum class GemmKernel : int {
-  kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
-  kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (grouped_gemm_stream.cuh)
-  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (grouped_gemm_wgmma.cuh)
-  kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
-  kWgmma128 = 3,  // token tiles of up to 128 tokens, K 128 per stage (K 64 when K % 128 != 0 or rows are copied)
-};
-
-// What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
-struct GemmProblem {
-  int64_t tokens_per_expert = 0;  // expected tokens per expert under uniform routing, ceil(T*k / E)
-  int64_t k_l1 = 0, k_l2 = 0;     // reduction lengths of the two GEMMs (H and I; equal for a single GEMM)
-  int num_experts = 0;
-  bool w4a16 = true;              // activations bf16 (false: NVFP4, W4A4)
-  bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
-  bool h_static_scale = false;    // W4A4: h takes a static global scale (not the per-row dynamic one), so the
-                                  // first GEMM can quantize it in its epilogue
-  GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
-  int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
-};
-
-// The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
-struct GemmPlan {
-  GemmKernel kernel = GemmKernel::kStream;  // never kAuto
-  int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
-  int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
-  bool gather_x = false;    // W4A16, bf16 x, streaming or wgmma tile 32: L1 reads its rows through row_token (the
-                            // streaming kernel from x itself, wgmma from x staged once as [T, H] in lane order), no
-                            // per-slot staging; tiles 64 and 128 read x staged per slot (TMA boxes of contiguous rows)
-  bool h_operand = false;   // L1 writes h as the bf16 L2 operand, no staging kernel between L1 and L2: W4A16, and
-                            // W4A4 with a static scale for h (h_static_scale; L1 quantizes h, GroupedGemmArgs::h_quant_gs)
-  bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
-};
-
-// Pure host function (no CUDA call): the thresholds below are the measured switch points
-// (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
-// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
-// of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
-// multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
-// that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
-// wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
-constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
-constexpr int64_t kWgmma32UpTo = 28;
-constexpr int64_t kWgmma64UpTo = 63;
-constexpr int64_t kStreamOneTileUpTo = 8;
-GemmPlan plan_moe_gemms(const GemmProblem& problem);
 
 struct GroupedGemmArgs {
   const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (wgmma: lane order; or [*, K] natural order with
@@ -131,7 +85,7 @@ struct GroupedGemmArgs {
   uint16_t* out_operand = nullptr;  // kSiluMul only: write h as bf16 [rows, I] in the kernel's own order instead
   const float* h_quant_gs = nullptr;  // with out_operand: h quantized to NVFP4 with this global scale ([E] with
                                       // h_gs_per_expert, else [1]) and written as its exact bf16 decode (e2m1 *
-                                      // e4m3 scale: W4A4's L2 input, bit for bit what quantize_nvfp4 writes of h)
+                                      // e4m3 scale: W4A4's gemm2 input, bit for bit what quantize_nvfp4 writes of h)
   bool h_gs_per_expert = false;
   int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
   GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)

@@ -1,11 +1,7 @@
-// The MoE pipeline around the grouped GEMMs (docs/SPEC.md §3): routing results -> grouped
-// rows, activation staging, dynamic global scale over the valid rows, weighted combine.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Routing results -> grouped rows (docs/SPEC.md §3): the align kernels (one block, or two multi-block kernels)
+// and their launcher, launch_moe_align (megamoe/sm90_kernels.h).
+#include <cstdint>
 
-#include <type_traits>
-
-#include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sm90_kernels.h"
 #include "pdl.cuh"
 
@@ -14,7 +10,7 @@ namespace {
 
 constexpr int kAlignThreads = 1024;
 
-// The kernels here are launched with PDL (align, stage_bf16, combine; cpp/sm90/pdl.cuh): they wait for their
+// The align kernels are launched with PDL (cpp/sm90/pdl.cuh): they wait for their
 // predecessor before their first global access and release their dependents right after.
 // Align: count per expert, exclusive scan, then place every (token, expert) entry. Up to
 // kAlignSmallEntries entries (decode) one block places them without atomics, in entry order; up to
@@ -237,161 +233,6 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id
               entry_row);
 }
 
-// The converted 16-byte chunk c of a source row (the order: see stage_bf16_kernel below).
-template <typename T>
-__device__ __forceinline__ uint4 bf16_chunk(const T* row, int64_t c, bool lane_order) {
-  const int v = int(c & 7);
-  const int64_t first = lane_order ? (c >> 3) * 64 + 8 * (v >> 2) + (v & 3) : c * 8;
-  const int step = lane_order ? 16 : 1;  // elements between the pairs' first elements
-  const T* p = row + first;
-  uint32_t w[4];
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    __nv_bfloat162 b = __floats2bfloat162_rn(static_cast<float>(p[step * t]), static_cast<float>(p[step * t + 4]));
-    w[t] = *reinterpret_cast<uint32_t*>(&b);  // to float exact; one rounding to bf16 (none for bf16 sources)
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// One thread per 16-byte output chunk c of a row (4 bf16 pairs): gather, convert, store. Operand order:
-// chunk c is 8-element group c, pair q = elements (q, q + 4) of it. Lane order: chunk v = c % 8 of
-// 64-element block c / 8 holds the operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements
-// (16t + 8(v / 4) + v % 4, + 4) of the block for pair t.
-template <typename T>
-__global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
-                                  int64_t max_rows, int64_t cols, uint16_t* dst, bool lane_order) {
-  griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t chunks = cols / 8;
-  const int64_t rows = num_rows ? *num_rows : max_rows;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows * chunks;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / chunks, c = idx - r * chunks;
-    const int64_t sr = src_rows ? src_rows[r] : r;
-    *reinterpret_cast<uint4*>(dst + r * cols + c * 8) = bf16_chunk(src + sr * stride, c, lane_order);
-  }
-}
-
-// A token's slot entries (rows of entry_row / dst_rows, routing weights) are read up to kSlotBatch at a time, all
-// before the first store or product that uses them, so that a thread waits for them once per batch, not once per
-// slot (the loop over j, with a store or a dependent load in each step, had the compiler issue one slot at a time).
-constexpr int kSlotBatch = 8;
-
-// 16-byte global store (p 16-byte aligned). Written as one vector store: the scatter loop below, written with a uint4
-// assignment, was compiled into four 4-byte stores per row.
-__device__ __forceinline__ void store16(void* p, const uint4& v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
-// Token order: one thread per 16-byte chunk c of token t's row, read once and stored into each of the token's
-// rows dst_rows[t * top_k + j] >= 0. Each source byte is read once, where stage_bf16_kernel with src_rows reads a
-// token's row once per slot, in expert order.
-template <typename T>
-__global__ void scatter_bf16_kernel(const T* src, int64_t stride, int64_t tokens, const int32_t* dst_rows, int top_k,
-                                    int64_t cols, uint16_t* dst, bool lane_order) {
-  griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t chunks = cols / 8;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < tokens * chunks;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / chunks, c = idx - t * chunks;
-    for (int j0 = 0; j0 < top_k; j0 += kSlotBatch) {
-      int32_t r[kSlotBatch];
-#pragma unroll
-      for (int u = 0; u < kSlotBatch; ++u) r[u] = j0 + u < top_k ? __ldg(dst_rows + t * top_k + j0 + u) : -1;
-      const uint4 v = bf16_chunk(src + t * stride, c, lane_order);  // (again for a second batch: top_k > 8 only)
-#pragma unroll
-      for (int u = 0; u < kSlotBatch; ++u)
-        if (r[u] >= 0) store16(dst + int64_t(r[u]) * cols + c * 8, v);
-    }
-  }
-}
-
-// Eight partial values of y (fp32 or bf16) at element idx (a multiple of 8): loaded as raw 16-byte words (two for fp32
-// rows, one for bf16 rows), then value i as fp32 (bf16 -> fp32 is exact: the bf16 bits in the high half of a word).
-template <typename Y>
-constexpr int kPartialWords = int(sizeof(Y)) / 2;
-__device__ __forceinline__ void load_partial8(const float* y, int64_t idx, uint4 (&u)[2]) {
-  u[0] = __ldcs(reinterpret_cast<const uint4*>(y + idx));
-  u[1] = __ldcs(reinterpret_cast<const uint4*>(y + idx + 4));
-}
-__device__ __forceinline__ void load_partial8(const __nv_bfloat16* y, int64_t idx, uint4 (&u)[1]) {
-  u[0] = __ldcs(reinterpret_cast<const uint4*>(y + idx));
-}
-__device__ __forceinline__ uint32_t word_of(const uint4& u, int k) { return k == 0 ? u.x : k == 1 ? u.y : k == 2 ? u.z : u.w; }
-__device__ __forceinline__ float partial_value(const uint4 (&u)[2], int i) { return __uint_as_float(word_of(u[i / 4], i % 4)); }
-__device__ __forceinline__ float partial_value(const uint4 (&u)[1], int i) {
-  const uint32_t w = word_of(u[0], i / 2);
-  return __uint_as_float(i % 2 ? w & 0xFFFF0000u : w << 16);
-}
-// Eight output values at o (16-byte aligned), each rounded once to T (round to nearest even for __half and bf16).
-__device__ __forceinline__ void store8(float* o, const float (&v)[8]) {
-  reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-template <typename T>
-__device__ __forceinline__ void store8(T* o, const float (&v)[8]) {
-  T t[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) t[i] = T(v[i]);
-  *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(t);
-}
-
-// One thread per 8 consecutive columns of one token (hidden % 8 == 0: 16-byte loads and stores; the bytes of the k
-// partial rows read exactly once); fp32 sum in j order, dropped entries skipped. kBatch slots at a time: their rows
-// and weights, then their partial rows, then the products. kBatch = kSlotBatch where the grid is small (a thread then
-// waits twice per token instead of twice per slot); 1 for large grids, where the waits are hidden by the other
-// threads and the batch's registers (84 instead of about 40 with bf16 rows) cost more than they save
-// (launch_moe_combine picks kBatch by the grid's size).
-// The sums and their order are the same for every kBatch.
-template <typename T, typename Y, int kBatch>
-__global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
-                               int64_t hidden, T* out) {
-  griddep_sync_and_release();  // no-op unless launched with PDL
-  const int64_t octs = hidden / 8, n = tokens * octs;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / octs, c = (idx - t * octs) * 8;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < top_k; j0 += kBatch) {
-      int32_t r[kBatch];
-      float wj[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const bool in = j0 + u < top_k;
-        r[u] = in ? entry_row[t * top_k + j0 + u] : -1;
-        wj[u] = in && r[u] >= 0 ? w[t * top_k + j0 + u] : 0.f;
-      }
-      uint4 v[kBatch][kPartialWords<Y>];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (r[u] >= 0) load_partial8(y, int64_t(r[u]) * hidden + c, v[u]);
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        if (r[u] >= 0) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += wj[u] * partial_value(v[u], i);
-        }
-    }
-    store8(out + t * hidden + c, acc);
-  }
-}
-
-// f(static_cast<C*>(nullptr)) for the C type of t (float, __half, __nv_bfloat16).
-template <typename F>
-cudaError_t with_elem_type(ElemType t, F&& f) {
-  switch (t) {
-    case ElemType::kFloat32: return f(static_cast<float*>(nullptr));
-    case ElemType::kFloat16: return f(static_cast<__half*>(nullptr));
-    case ElemType::kBFloat16: return f(static_cast<__nv_bfloat16*>(nullptr));
-  }
-  return cudaErrorInvalidValue;
-}
-
-unsigned grid_of(int64_t n, int threads, unsigned cap = 65535u * 4) {
-  int64_t b = (n + threads - 1) / threads;
-  if (b < 1) b = 1;
-  return unsigned(b > cap ? cap : b);
-}
-
 }  // namespace
 
 namespace {
@@ -429,59 +270,6 @@ cudaError_t launch_moe_align(const void* topk_ids, bool ids_int64, int64_t token
                             active_experts, num_active, row_token, entry_row, scratch, scratch_size, stream);
   return launch_align_ids(static_cast<const int32_t*>(topk_ids), entries, top_k, num_experts, expert_offsets,
                           active_experts, num_active, row_token, entry_row, scratch, scratch_size, stream);
-}
-
-cudaError_t launch_stage_bf16(const void* src, ElemType src_type, int64_t src_row_stride, const int32_t* src_rows,
-                              const int32_t* num_rows, int64_t max_rows, int64_t cols, uint16_t* dst,
-                              bool lane_order, cudaStream_t stream) {
-  if (cols % (lane_order ? 64 : 16) != 0) return cudaErrorInvalidValue;
-  if (max_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_of(max_rows * (cols / 8), 256);
-  return with_elem_type(src_type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    return pdl_launch(stage_bf16_kernel<T>, grid, 256, 0, stream, static_cast<const T*>(src), src_row_stride,
-                      src_rows, num_rows, max_rows, cols, dst, lane_order);
-  });
-}
-
-cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_row_stride, int64_t tokens,
-                                const int32_t* dst_rows, int top_k, int64_t cols, uint16_t* dst, bool lane_order,
-                                cudaStream_t stream) {
-  if (cols % (lane_order ? 64 : 16) != 0 || top_k <= 0 || !dst_rows) return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_of(tokens * (cols / 8), 256);
-  return with_elem_type(src_type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    return pdl_launch(scatter_bf16_kernel<T>, grid, 256, 0, stream, static_cast<const T*>(src), src_row_stride,
-                      tokens, dst_rows, top_k, cols, dst, lane_order);
-  });
-}
-
-cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
-                               int64_t tokens, int top_k, int64_t hidden, void* out, ElemType out_type,
-                               cudaStream_t stream) {
-  if (hidden % 8 != 0 || reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
-    return cudaErrorInvalidValue;
-  const int64_t n = tokens * (hidden / 8);
-  if (n == 0) return cudaSuccess;
-  const unsigned grid = grid_of(n, 256);
-  // Batched slots up to kCombineBatchedMax threads (decode and small prefill: latency-bound, each thread's waits
-  // are the cost), one slot at a time above (bandwidth-bound: the other threads hide the waits, and the batch's
-  // registers would lower occupancy; docs/PERFORMANCE.md, rejected variants).
-  constexpr int64_t kCombineBatchedMax = int64_t(1) << 16;
-  return with_elem_type(out_type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    auto launch = [&](auto* ytag, auto batch) {
-      using Y = std::remove_pointer_t<decltype(ytag)>;
-      return pdl_launch(combine_kernel<T, Y, decltype(batch)::value>, grid, 256, 0, stream, static_cast<const Y*>(y),
-                        entry_row, topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
-    };
-    auto by_batch = [&](auto* ytag) {
-      return n <= kCombineBatchedMax ? launch(ytag, std::integral_constant<int, kSlotBatch>{})
-                                     : launch(ytag, std::integral_constant<int, 1>{});
-    };
-    return y_bf16 ? by_batch(static_cast<__nv_bfloat16*>(nullptr)) : by_batch(static_cast<float*>(nullptr));
-  });
 }
 
 }  // namespace megamoe::sm90

@@ -185,7 +185,7 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
 }
 
 // kSiluMul with a.h_quant_gs (W4A4 with a static scale for h; gs its value for this expert) for the 8 tokens from
-// tok of one token tile: h quantized to NVFP4 and written as its exact bf16 decode in operand order, the W4A4 L2
+// tok of one token tile: h quantized to NVFP4 and written as its exact bf16 decode in operand order, the W4A4 gemm2
 // input, bit for bit what quantize_nvfp4 makes of the fp32 h written otherwise. The block's 16 columns
 // rb * 16 + g + 8 hh are one NVFP4 block, all in this warp: a token's amax is the max over hh and the shuffles
 // over g. Called by the whole warp; tokens past `rows` are computed as 0 and not stored, the columns are valid or
@@ -226,7 +226,7 @@ __device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const f
 
 // End of one pass over the tokens tok0 .. tok0 + 8*NT - 1: the 4 warps' partial sums are added in shared
 // memory in a fixed order (warp w finishes the token tiles nt % 4 == w), scaled and written. kOperandOut:
-// the kSiluMul epilogue writes h as the bf16 L2 operand when a.out_operand is set (its NVFP4 decode with
+// the kSiluMul epilogue writes h as the bf16 gemm2 operand when a.out_operand is set (its NVFP4 decode with
 // a.h_quant_gs: stream_h_nvfp4).
 template <int NT, bool kOperandOut, bool kQuantH>
 __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
@@ -366,11 +366,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // kStreamOneTileUpTo tokens per expert), kept apart from the multi-tile loop.
 // kFused (W4A16 only): the activation rows are gathered from x (a.act_rows, natural
 // order, interleaved in registers as in the multi-tile kernel) and the kSiluMul epilogue may
-// write h straight as the bf16 L2 operand (a.out_operand), so no staging kernel runs between
-// align, L1 and L2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
+// write h straight as the bf16 gemm2 operand (a.out_operand), so no staging kernel runs between
+// align, gemm1 and gemm2. Same sums, same roundings as the staged path (bf16 x is staged unchanged;
 // h is rounded to bf16 once either way), so results are bit-identical to it.
 // kQuantH (W4A4 with a static scale for h, staged rows): the kSiluMul epilogue quantizes h and writes its NVFP4
-// decode as the L2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
+// decode as the gemm2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
 // kDirect (GroupedGemmArgs::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
 // the first weight-row block of each slot writes a.entry_row_out[j] when set.
@@ -461,17 +461,17 @@ __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kerne
   stream_gemm_nt1_body<kVec, true>(a);
 }
 
-// W4A4 with a static scale for h: the staged-rows kernel whose epilogue quantizes h and writes it as the L2 input
+// W4A4 with a static scale for h: the staged-rows kernel whose epilogue quantizes h and writes it as the gemm2 input
 // (a.out_operand, a.h_quant_gs).
 template <bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(GroupedGemmArgs a) {
   stream_gemm_nt1_body<kVec, false, true>(a);
 }
 
-// One token without the align kernel (a.slot_experts; K % 64 == 0): kFused, the L1 GEMM of a W4A16 forward of bf16
-// x, gathering x's one row through act_rows (zeros) and writing h as the L2 operand (row j: slot j) and the token's
-// entry_row (a.entry_row_out); kQuantH, the L1 GEMM of a W4A4 forward with a static scale for h, reading staged rows
-// (row j: slot j, x's row quantized into each) and writing h's NVFP4 decode and the entry_row; else the L2 GEMM,
+// One token without the align kernel (a.slot_experts; K % 64 == 0): kFused, gemm1 of a W4A16 forward of bf16
+// x, gathering x's one row through act_rows (zeros) and writing h as the gemm2 operand (row j: slot j) and the token's
+// entry_row (a.entry_row_out); kQuantH, gemm1 of a W4A4 forward with a static scale for h, reading staged rows
+// (row j: slot j, x's row quantized into each) and writing h's NVFP4 decode and the entry_row; else gemm2,
 // staged rows (row j: slot j). Held to 128 registers as the fused kernel is (the staged one has 126 without the bound).
 template <bool kFused, bool kQuantH = false>
 __global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_direct_kernel(GroupedGemmArgs a) {

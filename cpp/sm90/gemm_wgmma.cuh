@@ -34,7 +34,7 @@
 // block: pair j of it is register 0 (j even; row g + 8: 1) or 2 (j odd; 3) of step 2q + j / 2.
 // The producers of the activations write lane order when the plan runs these kernels
 // (GemmPlan::lane_order: stage_bf16, the W4A4 quantizer's decode, nvfp4_to_operand, this kernel's
-// own kSiluMul epilogue writing h as the L2 operand); the streaming kernels read operand order.
+// own kSiluMul epilogue writing h as the gemm2 operand); the streaming kernels read operand order.
 // Activation rows: grouped row r of the tile, or row act_rows[r] of act (a gather of lane-order rows,
 // e.g. x staged once per token); each thread's source rows are fixed for the tile, their pointers are
 // set up once and advanced by K per stage.
@@ -66,9 +66,7 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kWgK = 64;         // K of one SW128 activation sub-tile (a stage holds 1, 2 or 4)
-constexpr int kWgTiny = 32, kWgSmall = 64, kWgMid = 128;  // token tiles of GemmKernel::kWgmma32 / 64 / 128
-constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these kernels: every block scans all E token counts
+// kWgK, the token tiles kTile32 / 64 / 128, kWgMaxExperts, wg_min_stage_k: megamoe/sm90_plan.h
 
 // Four warpgroups per SM everywhere (independent warpgroups overlap one's barrier waits, loads and
 // dequantization with the others' MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
@@ -76,13 +74,11 @@ constexpr int kWgMaxExperts = 1024;        // the plan's bound on E for these ke
 // 64: K 256, 3 stages, or K 128 and 6 stages for a K that is a multiple of 128 only or copied activation rows;
 // 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64 only or copied rows
 // (launch_wg_gemm picks): about 192 KB of ring in tiles 64 and 128.
-__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kWgMid ? 128 : 256; }
-// The smallest K per stage a tile runs (its fallback): the K granularity the plan and the launch require.
-__host__ __device__ constexpr int wg_min_stage_k(int max_n) { return max_n == kWgTiny ? 256 : max_n == kWgSmall ? 128 : kWgK; }
+__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kTile128 ? 128 : 256; }
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
 // that two 128-row blocks read from L2.
-__host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kWgTiny ? 128 : 256; }
+__host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kTile32 ? 128 : 256; }
 template <int kMaxN, int kStageK = wg_stage_k(kMaxN)>
 struct WgCfg {
   static constexpr int kKS = kStageK;      // K per stage
@@ -91,7 +87,7 @@ struct WgCfg {
   static constexpr int kRows = wg_rows(kMaxN);  // weight rows per block (64 per warpgroup)
   static constexpr int kThreads = 2 * kRows;    // kRows / 64 warpgroups
   static constexpr int kMinBlocks = kRows == 128 ? 2 : 1;
-  static constexpr int kStages = kMaxN == kWgTiny ? 3 : kMaxN == kWgSmall ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
+  static constexpr int kStages = kMaxN == kTile32 ? 3 : kMaxN == kTile64 ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
   static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
@@ -118,9 +114,9 @@ struct WgCfg {
   // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile
   // (tile 128: 32, 48, ..., 128 in steps of 16; tile 64: 8, 16, 32, 40, 48, 56, 64; tile 32: 8, 16, 32), so a tile's
   // wgmmas run fewer than 16 (tile 128, from 32 tokens) or 8 (tile 64, from 32 tokens) token columns past its tokens.
-  static constexpr int kNumWidths = kMaxN == kWgMid ? 7 : kMaxN == kWgSmall ? 7 : 3;
+  static constexpr int kNumWidths = kMaxN == kTile128 ? 7 : kMaxN == kTile64 ? 7 : 3;
   __host__ __device__ static constexpr int width(int i) {
-    return kMaxN == kWgMid ? 16 * (i + 2) : kMaxN == kWgSmall ? (i < 3 ? 8 << i : 8 * (i + 2)) : 8 << i;
+    return kMaxN == kTile128 ? 16 * (i + 2) : kMaxN == kTile64 ? (i < 3 ? 8 << i : 8 * (i + 2)) : 8 << i;
   }
   __host__ __device__ static constexpr int width_index(int n) {
     int i = 0;
@@ -197,23 +193,15 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
 // grid's last wave, and the copied-rows loop spilling; docs/PERFORMANCE.md, rejected variants).
 // act_tma and quant_h: the kernel's kActTma and kQuantH (the host passes the ones of the kernel it launches).
 __host__ __device__ constexpr int wg_max_items(int max_n, bool act_tma, bool quant_h) {
-  return (max_n == kWgSmall || max_n == kWgTiny) && act_tma && !quant_h ? 2 : 1;
+  return (max_n == kTile64 || max_n == kTile32) && act_tma && !quant_h ? 2 : 1;
 }
 template <int kMaxN, int kStageK>
 __host__ __device__ constexpr int wg_items(int64_t K, bool act_tma, bool quant_h) {
   return wg_max_items(kMaxN, act_tma, quant_h) > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2 : 1;
 }
 
-// Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
-template <int kMaxN>
-inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  const int k_step = wg_min_stage_k(kMaxN);  // tiles 64 and 128 fall back to K 128 and 64 per stage
-  return a.K % k_step == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
-         scale_row_bytes(a) >= a.K / 16;
-}
-
 // kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its exact
-// bf16 decode in lane order, the W4A4 L2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that wg_epilogue
+// bf16 decode in lane order, the W4A4 gemm2 input, bit for bit what quantize_nvfp4 makes of the fp32 h that wg_epilogue
 // writes otherwise. The block's tile of h (the kCols = kRows / 2 columns of row block rb x the tile's tokens) goes
 // through shared memory, the stage ring, free once every warp has passed the block barrier (its wgmmas drained, every
 // copy landed): token rows of kHRow floats (kCols and 4 of padding, so that the 8 columns x 4 tokens a warp writes at
@@ -317,7 +305,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
       hv[i] = swiglu(scaled(acc[wg_acc(i)], alpha0, rs[i]), scaled(acc[wg_acc(i) + 2], alpha1, rs[i]), a.swiglu_clamp,
                      a.swiglu_limit);
     const int64_t row0 = (int64_t(row_begin) + t0) * I;
-    if (a.out_operand) {  // h as the bf16 L2 operand, lane order (store_operand_bf16)
+    if (a.out_operand) {  // h as the bf16 gemm2 operand, lane order (store_operand_bf16)
       store_tokens(a.out_operand + row0 + operand_column(col, true), I,
                    [&](uint16_t* q, int i) { *q = bf16_bits(hv[i]); });
     } else {
@@ -605,7 +593,7 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmArg
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
-  static_assert(kMaxN == kWgTiny || kMaxN == kWgSmall || kMaxN == kWgMid, "token tiles of 32, 64 or 128");
+  static_assert(kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128, "token tiles of 32, 64 or 128");
   static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 7, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN, kStageK>;
   extern __shared__ uint8_t wg_smem_raw[];
@@ -646,111 +634,6 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
                                                          row_begin, rows, m0, rb0, items);
-}
-
-// Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
-template <int kMaxN, int kStageK>
-inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
-  using Cfg = WgCfg<kMaxN, kStageK>;
-  const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
-  // weight and scale boxes: kSiluMul R / 2 rows (gate and up rows apart), kStore all R rows of the block
-  const int box_rows = a.epilogue == Epilogue::kSiluMul ? Cfg::kRows / 2 : Cfg::kRows;
-  {
-    const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
-    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(box_rows), 1};
-    const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides, box,
-                                              Cfg::kWSwizzle);
-    if (err != cudaSuccess) return err;
-  }
-  {
-    const uint64_t srs = uint64_t(scale_row_bytes(a));
-    const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
-    const uint32_t box[3] = {16, uint32_t(box_rows), 1};
-    const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
-                                              CU_TENSOR_MAP_SWIZZLE_NONE);
-    if (err != cudaSuccess) return err;
-  }
-  if (act_tma) {
-    const uint64_t rows = uint64_t(a.act_num_rows > 0 ? a.act_num_rows : a.max_total_rows);
-    // {64 elements, rows, K / 64 blocks}: one box holds a stage's kSub sub-tiles of `width` rows, each 128-byte
-    // swizzled as a wgmma descriptor reads it
-    const uint64_t dims[3] = {uint64_t(kWgK), rows, K / kWgK}, strides[2] = {K * 2, uint64_t(kWgK) * 2};
-    for (int i = 0; i < Cfg::kNumWidths; ++i) {
-      const uint32_t box[3] = {uint32_t(kWgK), uint32_t(Cfg::width(i)), uint32_t(Cfg::kSub)};
-      const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, a.act, dims,
-                                                strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-      if (err != cudaSuccess) return err;
-    }
-  }
-  return cudaSuccess;
-}
-
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
-inline cudaError_t wg_set_attributes() {
-  static bool attr_set = false;
-  if (attr_set) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
-  if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
-                               cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared));
-  if (err == cudaSuccess) attr_set = true;
-  return err;
-}
-
-// Whether the activation rows come by TMA: contiguous rows (no act_rows gather) of a 16-byte aligned view (TMA boxes
-// read 16-byte aligned tensors); otherwise the threads copy them.
-inline bool wg_act_tma(const GroupedGemmArgs& a) {
-  return !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
-}
-
-template <int kMaxN, int kStageK>
-inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
-  using Cfg = WgCfg<kMaxN, kStageK>;
-  const bool act_tma = wg_act_tma(a);
-  // launch_wg_gemm runs copied rows with the tile's smallest K per stage (tile 64: K 128, tile 128: K 64)
-  constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
-  const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's L1 input is staged per slot)
-  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
-      ((kTmaOnly || quant) && !act_tma))
-    return cudaErrorInvalidValue;
-  WgMaps maps{};
-  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
-  if (err != cudaSuccess) return err;
-  if (quant) {
-    err = wg_set_attributes<kMaxN, kStageK, true, true>();
-  } else if constexpr (kTmaOnly) {
-    err = wg_set_attributes<kMaxN, kStageK, true, false>();
-  } else {
-    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
-  }
-  if (err != cudaSuccess) return err;
-  const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
-  const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
-  // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
-  const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
-  if (tiles > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(gx, unsigned(tiles));
-  if (quant) {
-    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
-  } else if (act_tma) {
-    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
-  } else if constexpr (!kTmaOnly) {
-    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
-  }
-  return cudaGetLastError();
-}
-
-// Tile 128 steps K by 128 (4 stages) when K allows it and the activation rows come by TMA, else by 64 (8 stages: the
-// copied-rows loop of K 128 spills); tile 64 likewise by 256 (3 stages) or 128 (6 stages); tile 32 by 256.
-template <int kMaxN>
-inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
-  if constexpr (kMinStageK != kStageK) {
-    if (a.K % kStageK != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
-  }
-  return launch_wg_gemm_k<kMaxN, kStageK>(a, stream);
 }
 
 }  // namespace megamoe::sm90

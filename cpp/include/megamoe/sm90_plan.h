@@ -1,0 +1,64 @@
+// The dispatch plan of the Hopper (sm_90a) MoE GEMMs: which grouped-GEMM kernel and tiling a forward runs.
+// Plain host C++ (no CUDA header, no device code): cpp/sm90/plan.cpp implements it, the launchers and the kernels
+// (cpp/sm90/gemm_*.cuh) read the same constants, tests/test_sm90_plan.py checks it on the CPU.
+#pragma once
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+// Token tiles of the wgmma kernels (GemmKernel::kWgmma32 / 64 / 128: the largest token count of one block).
+constexpr int kTile32 = 32, kTile64 = 64, kTile128 = 128;
+constexpr int kWgK = 64;              // K of one SW128 activation sub-tile of the wgmma kernels (a stage holds 1, 2 or 4)
+constexpr int kWgMaxExperts = 1024;   // the plan's bound on E for the wgmma kernels: every block scans all E token counts
+// The smallest K per stage a wgmma tile runs (its fallback): the K granularity the plan and the launch require.
+constexpr int wg_min_stage_k(int max_n) { return max_n == kTile32 ? 256 : max_n == kTile64 ? 128 : kWgK; }
+
+// The grouped-GEMM kernels (exported to Python once, as megamoe._C.Sm90GemmKernel).
+enum class GemmKernel : int {
+  kAuto = -1,     // let plan_moe_gemms() decide (only as GemmProblem::kernel)
+  kStream = 0,    // streaming, mma.sync, swap-AB: decode, few tokens per expert (cpp/sm90/gemm_stream.cuh)
+  kWgmma32 = 1,   // wgmma, swap-AB, token tiles of up to 32 tokens, K 256 per stage (cpp/sm90/gemm_wgmma.cuh)
+  kWgmma64 = 2,   // the same with token tiles of up to 64 tokens, K 128 per stage
+  kWgmma128 = 3,  // token tiles of up to 128 tokens, K 128 per stage (K 64 when K % 128 != 0 or rows are copied)
+};
+
+// What the dispatch plan needs to know about one MoE forward (or one grouped GEMM).
+struct GemmProblem {
+  int64_t tokens_per_expert = 0;  // expected tokens per expert under uniform routing, ceil(T*k / E)
+  int64_t k_gemm1 = 0, k_gemm2 = 0;  // reduction lengths of the two GEMMs (H and I; equal for a single GEMM)
+  int num_experts = 0;
+  bool w4a16 = true;              // activations bf16 (false: NVFP4, W4A4)
+  bool gather_input = true;       // the input may be gathered by the first GEMM (bf16 x, MoE forward)
+  bool h_static_scale = false;    // W4A4: h takes a static global scale (not the per-row dynamic one), so the
+                                  // first GEMM can quantize it in its epilogue
+  GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
+  int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
+};
+
+// The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
+struct GemmPlan {
+  GemmKernel kernel = GemmKernel::kStream;  // never kAuto
+  int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
+  int tokens_per_pass = 8;  // tokens sharing one dequantization of the weights (streaming: 8..64; wgmma: the tile)
+  bool gather_x = false;    // W4A16, bf16 x, streaming or wgmma tile 32: gemm1 reads its rows through row_token (the
+                            // streaming kernel from x itself, wgmma from x staged once as [T, H] in lane order), no
+                            // per-slot staging; tiles 64 and 128 read x staged per slot (TMA boxes of contiguous rows)
+  bool h_operand = false;   // gemm1 writes h as the bf16 gemm2 operand, no staging kernel between the GEMMs: W4A16, and
+                            // W4A4 with a static scale for h (h_static_scale; gemm1 quantizes h, GroupedGemmArgs::h_quant_gs)
+  bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
+};
+
+// Pure host function (no CUDA call): the thresholds below are the measured switch points
+// (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
+// expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
+// of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
+// multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
+// that is a multiple of 64 only) tile 128; streaming whenever a K is not a multiple of 64 or E > 1024 (the
+// wgmma kernel's limits), one tile per pass up to kStreamOneTileUpTo, more tiles per pass above.
+constexpr int64_t kWgmmaAboveTokensPerExpert = 4;
+constexpr int64_t kWgmma32UpTo = 28;
+constexpr int64_t kWgmma64UpTo = 63;
+constexpr int64_t kStreamOneTileUpTo = 8;
+GemmPlan plan_moe_gemms(const GemmProblem& problem);
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,162 @@
+// Launch of the wgmma grouped-GEMM kernels (gemm_wgmma.cuh): the TMA tensor maps (encoded on the host), the stage K
+// (launch_wg_gemm), TMA or copied activation rows (wg_act_tma), the kernel's shared-memory attributes and its grid.
+#include "gemm_launch.h"
+#include "gemm_wgmma.cuh"
+
+namespace megamoe::sm90 {
+
+cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int rank, const void* base,
+                              const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                              CUtensorMapSwizzle swizzle) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode) return cudaErrorNotSupported;
+  cuuint64_t d[5], st[4];
+  cuuint32_t b[5], one[5];
+  for (int i = 0; i < rank; ++i) {
+    d[i] = dims[i];
+    b[i] = box[i];
+    one[i] = 1;
+    if (i + 1 < rank) st[i] = strides[i];
+  }
+  const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), d, st, b, one,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
+template <int kMaxN>
+inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
+  const int k_step = wg_min_stage_k(kMaxN);  // tiles 64 and 128 fall back to K 128 and 64 per stage
+  return a.K % k_step == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
+         scale_row_bytes(a) >= a.K / 16;
+}
+
+// Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
+template <int kMaxN, int kStageK>
+inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
+  using Cfg = WgCfg<kMaxN, kStageK>;
+  const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
+  // weight and scale boxes: kSiluMul R / 2 rows (gate and up rows apart), kStore all R rows of the block
+  const int box_rows = a.epilogue == Epilogue::kSiluMul ? Cfg::kRows / 2 : Cfg::kRows;
+  {
+    const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
+    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(box_rows), 1};
+    const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides, box,
+                                              Cfg::kWSwizzle);
+    if (err != cudaSuccess) return err;
+  }
+  {
+    const uint64_t srs = uint64_t(scale_row_bytes(a));
+    const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
+    const uint32_t box[3] = {16, uint32_t(box_rows), 1};
+    const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_scale, dims, strides, box,
+                                              CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (err != cudaSuccess) return err;
+  }
+  if (act_tma) {
+    const uint64_t rows = uint64_t(a.act_num_rows > 0 ? a.act_num_rows : a.max_total_rows);
+    // {64 elements, rows, K / 64 blocks}: one box holds a stage's kSub sub-tiles of `width` rows, each 128-byte
+    // swizzled as a wgmma descriptor reads it
+    const uint64_t dims[3] = {uint64_t(kWgK), rows, K / kWgK}, strides[2] = {K * 2, uint64_t(kWgK) * 2};
+    for (int i = 0; i < Cfg::kNumWidths; ++i) {
+      const uint32_t box[3] = {uint32_t(kWgK), uint32_t(Cfg::width(i)), uint32_t(Cfg::kSub)};
+      const cudaError_t err = encode_tensor_map(&maps.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, a.act, dims,
+                                                strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+      if (err != cudaSuccess) return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+inline cudaError_t wg_set_attributes() {
+  static bool attr_set = false;
+  if (attr_set) return cudaSuccess;
+  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
+  if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
+    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
+                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  if (err == cudaSuccess) attr_set = true;
+  return err;
+}
+
+// Whether the activation rows come by TMA: contiguous rows (no act_rows gather) of a 16-byte aligned view (TMA boxes
+// read 16-byte aligned tensors); otherwise the threads copy them.
+inline bool wg_act_tma(const GroupedGemmArgs& a) {
+  return !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
+}
+
+template <int kMaxN, int kStageK>
+inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
+  using Cfg = WgCfg<kMaxN, kStageK>;
+  const bool act_tma = wg_act_tma(a);
+  // launch_wg_gemm runs copied rows with the tile's smallest K per stage (tile 64: K 128, tile 128: K 64)
+  constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
+  const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot)
+  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
+      ((kTmaOnly || quant) && !act_tma))
+    return cudaErrorInvalidValue;
+  WgMaps maps{};
+  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
+  if (err != cudaSuccess) return err;
+  if (quant) {
+    err = wg_set_attributes<kMaxN, kStageK, true, true>();
+  } else if constexpr (kTmaOnly) {
+    err = wg_set_attributes<kMaxN, kStageK, true, false>();
+  } else {
+    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
+  }
+  if (err != cudaSuccess) return err;
+  const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
+  const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
+  // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
+  const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(gx, unsigned(tiles));
+  if (quant) {
+    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  } else if (act_tma) {
+    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  } else if constexpr (!kTmaOnly) {
+    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+  }
+  return cudaGetLastError();
+}
+
+// Tile 128 steps K by 128 (4 stages) when K allows it and the activation rows come by TMA, else by 64 (8 stages: the
+// copied-rows loop of K 128 spills); tile 64 likewise by 256 (3 stages) or 128 (6 stages); tile 32 by 256.
+template <int kMaxN>
+inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
+  if constexpr (kMinStageK != kStageK) {
+    if (a.K % kStageK != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
+  }
+  return launch_wg_gemm_k<kMaxN, kStageK>(a, stream);
+}
+
+cudaError_t launch_wgmma_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+  // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
+  if (a.kernel == GemmKernel::kWgmma32)
+    return wg_gemm_supported<kTile32>(a) ? launch_wg_gemm<kTile32>(a, stream) : cudaErrorInvalidValue;
+  if (a.kernel == GemmKernel::kWgmma64)
+    return wg_gemm_supported<kTile64>(a) ? launch_wg_gemm<kTile64>(a, stream) : cudaErrorInvalidValue;
+  if (a.kernel == GemmKernel::kWgmma128)
+    return wg_gemm_supported<kTile128>(a) ? launch_wg_gemm<kTile128>(a, stream) : cudaErrorInvalidValue;
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,47 @@
+// The dispatch plan of the sm90 MoE GEMMs (megamoe/sm90_plan.h): host only, no CUDA call, so that it is tested on
+// the CPU (tests/test_sm90_plan.py) and every launch reads its choices instead of deciding again.
+#include "megamoe/sm90_plan.h"
+
+namespace megamoe::sm90 {
+
+GemmPlan plan_moe_gemms(const GemmProblem& p) {
+  GemmPlan plan;
+  const bool wgmma_shape = p.k_gemm1 % kWgK == 0 && p.k_gemm2 % kWgK == 0 && p.num_experts <= kWgMaxExperts;
+  GemmKernel kernel = p.kernel;
+  // Both K multiples of the smallest K per stage of tile 32 (256) and of tile 64 (128: its K-256 stages need 256).
+  const bool k_tiny = p.k_gemm1 % wg_min_stage_k(kTile32) == 0 && p.k_gemm2 % wg_min_stage_k(kTile32) == 0;
+  const bool k_small = p.k_gemm1 % wg_min_stage_k(kTile64) == 0 && p.k_gemm2 % wg_min_stage_k(kTile64) == 0;
+  if (kernel == GemmKernel::kAuto) {
+    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
+             : p.tokens_per_expert <= kWgmma32UpTo && k_tiny      ? GemmKernel::kWgmma32
+             : p.tokens_per_expert <= kWgmma64UpTo && k_small     ? GemmKernel::kWgmma64
+                                                                  : GemmKernel::kWgmma128;
+  }
+  if (!wgmma_shape) kernel = GemmKernel::kStream;
+  // an explicit tile-32/64 request on a K they cannot step through: the next tile that can
+  if (kernel == GemmKernel::kWgmma32 && !k_tiny) kernel = GemmKernel::kWgmma64;
+  if (kernel == GemmKernel::kWgmma64 && !k_small) kernel = GemmKernel::kWgmma128;
+  plan.kernel = kernel;
+  plan.h_operand = p.w4a16 || p.h_static_scale;
+  // Tiles 64 and 128 read x staged per slot: their gemm1 takes whole TMA boxes of contiguous rows, which gains more
+  // than the staging costs (docs/PERFORMANCE.md); tile 32 and the streaming kernels gather.
+  plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kernel == GemmKernel::kWgmma32);
+  if (kernel != GemmKernel::kStream) {
+    plan.lane_order = true;
+    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kTile32
+                                             : kernel == GemmKernel::kWgmma64 ? kTile64
+                                                                              : kTile128;
+    return plan;
+  }
+  plan.token_tile = 8;
+  int tpp = p.tokens_per_pass;
+  if (tpp != 8 && tpp != 16 && tpp != 32 && tpp != 64) {
+    // Enough 8-token tiles per pass for an expert somewhat above the expected count.
+    const int64_t want = (p.tokens_per_expert * 3 + 1) / 2;
+    tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 32 ? 32 : 64;
+  }
+  plan.tokens_per_pass = tpp;
+  return plan;
+}
+
+}  // namespace megamoe::sm90
