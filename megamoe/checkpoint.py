@@ -53,7 +53,7 @@ import torch
 
 from megamoe import nvfp4, reference
 from megamoe.presets import MoEConfig, get_preset
-from megamoe.routing import UnknownArchitecture, architecture_routing
+from megamoe.routing import UNSUPPORTED, UnknownArchitecture, architecture_routing
 from megamoe.weights import MoEWeights
 
 log = logging.getLogger("megamoe.checkpoint")
@@ -337,6 +337,10 @@ class OpenCheckpoint:
         """From the header; reads no data."""
         return tuple(self._file(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name (``"U8"``, ``"BF16"``, ...) from the header; reads no data."""
+        return self._file(name).get_slice(name).get_dtype()
+
     def nbytes(self, name: str) -> int:
         """Bytes the tensor takes in the file (from the header)."""
         return math.prod(self.shape(name)) * _DTYPE_BYTES.get(self._file(name).get_slice(name).get_dtype(), 4)
@@ -387,7 +391,9 @@ def layer_experts(ck: OpenCheckpoint, layer: int | str | None = None, prefix: st
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*?)experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.")
 _FUSED = re.compile(r"^(?P<prefix>.*?)w13_weight$")
 _HF_FUSED = re.compile(r"^(?P<prefix>.*?)experts\.gate_up_proj$")
-_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: the layer number in a prefix: ``layers.N.`` (transformers) or ``blocks.N.`` (Kimi-K2.5 as llmcompressor
+#: saves it: ``language_model.model.blocks.N.``)
+_LAYER_NO = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 
 
 def moe_layers(keys) -> list[tuple[str, str]]:
@@ -652,6 +658,43 @@ def _load_hf_fused(get, report, prefix):
     return w13, w2, None, None
 
 
+def _load_modelopt_transposed(get, report, prefix):
+    """ModelOpt's export of transformers' fused, transposed experts (Llama 4): ``experts.gate_up_proj``
+    u8 ``[E, H/2, 2I]`` (packed along H, the GEMM's K), ``_weight_scale`` e4m3 ``[E, H/16, 2I]``,
+    ``_weight_scale_2`` and ``_input_scale`` one value (or one per expert); ``experts.down_proj``
+    ``[E, I/2, H]`` likewise. Transposed to megamoe's ``[E, N, K/2]`` (exact: a byte holds two
+    consecutive K values either way)."""
+    out = []
+    for name, gs_rows in (("experts.gate_up_proj", 2), ("experts.down_proj", 1)):
+        data = get(name)
+        if data.dim() != 3 or data.dtype != torch.uint8:
+            raise CheckpointError(f"{prefix}{name}: {data.dtype} {tuple(data.shape)}; a ModelOpt NVFP4 fused "
+                                  f"expert tensor is uint8 [E, K/2, N]")
+        scale = get(name + "_weight_scale")
+        if scale.dtype != torch.float8_e4m3fn or scale.dim() != 3 or scale.shape[0] != data.shape[0] \
+                or scale.shape[2] != data.shape[2] or scale.shape[1] * 8 != data.shape[1]:
+            raise CheckpointError(f"{prefix}{name}_weight_scale: {scale.dtype} {tuple(scale.shape)}; expected "
+                                  f"float8_e4m3fn [E, K/16, N] for {name} {tuple(data.shape)}")
+        e = data.shape[0]
+        gs = get(name + "_weight_scale_2").float()
+        if gs.numel() == 1:
+            gs = gs.reshape(1).expand(e).contiguous()
+        if gs.numel() != e:
+            raise CheckpointError(f"{prefix}{name}_weight_scale_2: {gs.numel()} values, expected one or one per "
+                                  f"expert ({e})")
+        gs = gs.reshape(e)
+        _expert_scale_check(prefix + name + "_weight_scale_2", gs, "global scale")
+        if gs_rows > 1:
+            gs = gs.unsqueeze(1).expand(e, gs_rows).contiguous()  # one scale for gate and up
+        q = nvfp4.NVFP4Tensor(data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous(), gs)
+        _check_k(prefix + name, q.data, q.scale)
+        report.tensors[prefix + name] = "nvfp4"
+        out.append(q)
+        out.append(_fused_input_scale(get, name + "_input_scale", e, prefix))
+    w13, in1, w2, in2 = out
+    return w13, w2, in1, in2
+
+
 def _apply_w13_layout(w13: nvfp4.NVFP4Tensor, layout: str) -> nvfp4.NVFP4Tensor:
     """Rows of a fused ``[E, 2I, ...]`` gate/up tensor reordered to ``[gate; up]`` (exact: rows
     are independent in NVFP4)."""
@@ -836,14 +879,20 @@ def _load_per_expert(get, report, prefix, where, fmt_name: str | None = None, ex
 #: names of the router tensors after the layer prefix, in the order they are looked for:
 #: transformers' names first, then DeepSeek's upstream ones (llmcompressor's save of DeepSeek-V4).
 ROUTER_NAMES = {
-    "router": ("gate.weight",),
-    "bias": ("gate.e_score_correction_bias", "gate.bias"),
+    # Llama 4 and gpt-oss name the router "router"
+    "router": ("gate.weight", "router.weight"),
+    # MiniMax-M2 keeps the bias in the block, not the router
+    "bias": ("gate.e_score_correction_bias", "gate.bias", "e_score_correction_bias"),
     "tid2eid": ("gate.tid2eid",),
+    # Qwen2-MoE: the shared expert's output scaled by sigmoid(x · g)
+    "shared_gate": ("shared_expert_gate.weight",),
 }
-#: the shared expert's projections, per naming: transformers' (gate/up/down_proj) and DeepSeek's
-#: upstream (w1 = gate, w3 = up, w2 = down).
+#: the shared expert's projections, per naming: transformers' (gate/up/down_proj), DeepSeek's
+#: upstream (w1 = gate, w3 = up, w2 = down), and the singular ``shared_expert`` of Qwen2-MoE
+#: and Llama 4.
 SHARED_NAMINGS = (("shared_experts.gate_proj.", "shared_experts.up_proj.", "shared_experts.down_proj."),
-                  ("shared_experts.w1.", "shared_experts.w3.", "shared_experts.w2."))
+                  ("shared_experts.w1.", "shared_experts.w3.", "shared_experts.w2."),
+                  ("shared_expert.gate_proj.", "shared_expert.up_proj.", "shared_expert.down_proj."))
 
 
 def _has_name(get_optional, name: str) -> bool:
@@ -909,8 +958,13 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     out = {"router": _one_of(get_optional, prefix, ROUTER_NAMES["router"]),
            "bias": _one_of(get_optional, prefix, ROUTER_NAMES["bias"]),
            "tid2eid": _one_of(get_optional, prefix, ROUTER_NAMES["tid2eid"]),
+           "shared_gate": _one_of(get_optional, prefix, ROUTER_NAMES["shared_gate"]),
            "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
            "shared_kind": "none", "shared_report": None}
+    g = out["shared_gate"]
+    if g is not None and (not torch.is_floating_point(g) or g.dim() != 2 or g.shape[0] != 1):
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['shared_gate'][0]}: {g.dtype} {tuple(g.shape)}; expected an "
+                              f"unquantized [1, H] gate (bf16/fp16/fp32)")
     t = out["tid2eid"]
     if t is not None and (t.dim() != 2 or torch.is_floating_point(t) or t.dtype == torch.bool):
         raise CheckpointError(f"{prefix}{ROUTER_NAMES['tid2eid'][0]}: {t.dtype} {tuple(t.shape)}; expected an "
@@ -958,7 +1012,8 @@ def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
     return MoEWeights(
         w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
         router_bias=None if bias is None else bias.float(), shared_gate_up=gu, shared_down=down,
-        tid2eid=None if dense.get("tid2eid") is None else dense["tid2eid"].long(), **kw,
+        tid2eid=None if dense.get("tid2eid") is None else dense["tid2eid"].long(),
+        shared_expert_gate=None if dense.get("shared_gate") is None else dense["shared_gate"].float(), **kw,
     )
 
 
@@ -1057,10 +1112,21 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
 
     get.has = lambda name: prefix + name in where
 
-    if (fmt.name == "compressed-tensors" and layout != "per-expert") or (fmt.name == "modelopt" and layout == "hf-fused"):
+    # ModelOpt keeps transformers' fused, transposed experts (Llama 4) fused: packed uint8
+    modelopt_transposed = (fmt.name == "modelopt" and layout == "hf-fused"
+                           and ck.dtype(prefix + "experts.gate_up_proj") == "U8")
+    if (fmt.name == "compressed-tensors" and layout != "per-expert") or \
+            (fmt.name == "modelopt" and layout == "hf-fused" and not modelopt_transposed):
         raise CheckpointError(f"{prefix}: a {fmt.name} checkpoint with {layout} expert tensors "
                               f"({'w13_weight' if layout == 'fused' else 'experts.gate_up_proj'}): megamoe reads "
                               f"this format's per-expert layout (experts.{{e}}.gate_proj...)")
+    mt = (hf or {}).get("model_type")
+    if mt in UNSUPPORTED and fmt.name != "megamoe":
+        dropped = _would_drop(where, prefix)
+        raise CheckpointError(f"{folder / 'config.json'}: model_type {mt!r} is not supported"
+                              + (" (config= does not change what the checkpoint holds)" if config is not None else "")
+                              + f": {UNSUPPORTED[mt]}. Loading it would drop "
+                              + (", ".join(dropped) if dropped else "these parts of the layer"))
     arch = None
     if hf is not None and config is None and fmt.name != "megamoe":
         try:
@@ -1070,6 +1136,9 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
 
     if layout == "fused":
         w13, w2, in1, in2 = _load_fused(get_experts, report, prefix)
+    elif modelopt_transposed:
+        w13, w2, in1, in2 = _load_modelopt_transposed(get_experts, report, prefix)
+        report.layout = "modelopt fused transposed (experts.gate_up_proj [E, H/2, 2I])"
     elif layout == "hf-fused":
         w13, w2, in1, in2 = _load_hf_fused(get_experts, report, prefix)
     else:
@@ -1087,6 +1156,10 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
             declared, why = "gate-up", "megamoe's own writer (docs/SPEC.md §3.3)"
         elif layout == "hf-fused" and arch is not None:
             declared, why = arch.w13_layout, f"{arch.model_type} fused gate_up_proj"
+        elif modelopt_transposed and config is not None:
+            src_arch = _arch_or_none(hf, prefix)
+            if src_arch is not None:
+                declared, why = src_arch.w13_layout, f"{src_arch.model_type} fused gate_up_proj (config.json)"
         chosen = w13_layout or declared
         if chosen is None:
             raise CheckpointError(f"{prefix}w13_weight: the gate/up row order of this fused tensor is not declared "
@@ -1192,6 +1265,15 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
                                                        "n_shared_experts", "swiglu_limit")}
     report.routing["correction_bias"] = dense["bias"] is not None
     report.routing["router"] = dense["router"] is not None
+    if cfg_src == "given by the caller" and fmt.name != "megamoe":
+        implied = _arch_or_none(hf, prefix)
+        if implied is not None:
+            for k in _SEMANTIC_FIELDS:
+                if k in implied.fields and implied.fields[k] != getattr(config, k):
+                    msg = (f"config= has {k}={getattr(config, k)!r}, but config.json model_type "
+                           f"{implied.model_type!r} computes {k}={implied.fields[k]!r}")
+                    report.warnings.append(msg)
+                    log.warning("%s: %s", path, msg)
     if experts is None:
         _check_every_tensor_read(where, prefix, report)
     report.read_as = {n: _how_read(n[len(prefix):], v) for n, v in report.tensors.items()}
@@ -1204,6 +1286,31 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     if report.quantized_at_load:
         log.warning("quantized at load time (stored in higher precision): %s", ", ".join(report.quantized_at_load))
     return Loaded(weights.to(device), config, report)
+
+
+def _arch_or_none(hf, prefix: str):
+    """The routing config.json's architecture implies for the layer, or None (no config.json,
+    an unknown architecture)."""
+    if not hf:
+        return None
+    try:
+        return architecture_routing(hf, _layer_number(prefix))
+    except UnknownArchitecture:
+        return None
+
+
+def _would_drop(where, prefix: str) -> list[str]:
+    """The layer's tensors megamoe's experts and router have no place for (biases of the experts'
+    GEMMs and of the router), per-expert names folded to ``experts.{N}``."""
+    names = {re.sub(r"experts\.\d+\.", "experts.{N}.", n) for n in where if n.startswith(prefix)
+             and (n.endswith(".bias") or n.endswith("_bias")) and "e_score_correction_bias" not in n}
+    return sorted(names)
+
+
+#: MoEConfig fields where a caller's config= differing from what config.json's architecture
+#: implies computes another layer (reported as warnings)
+_SEMANTIC_FIELDS = ("scoring", "hash_routing", "renormalize", "routed_scaling_factor", "n_group", "topk_group",
+                    "swiglu_limit", "shared_expert_gate", "router_weight_on_input")
 
 
 def _layer_number(prefix: str) -> int | None:
@@ -1222,6 +1329,10 @@ def _check_router_tensors(config: MoEConfig, dense: dict, arch, prefix: str) -> 
         if need == "tid2eid" and dense["tid2eid"] is None:
             raise CheckpointError(f"{prefix}{table_name}: missing; {why} chooses the experts by token id "
                                   f"(hash routing: experts = tid2eid[input_ids])")
+    if arch is not None and "correction_bias" not in arch.requires and not config.hash_routing \
+            and dense["bias"] is not None:
+        raise CheckpointError(f"{prefix}{bias_name}: present but not used: {why} selects experts without a "
+                              f"correction bias")
     if config.hash_routing:
         if dense["tid2eid"] is None:
             raise CheckpointError(f"{prefix}{table_name}: missing; the layer config routes by token id (hash_routing)")
@@ -1233,6 +1344,13 @@ def _check_router_tensors(config: MoEConfig, dense: dict, arch, prefix: str) -> 
                               f"(hash_routing=False); a layer routed by token id needs hash_routing=True")
     if dense["shared_gate_up"] is not None and not config.n_shared_experts:
         raise CheckpointError(f"{prefix}shared_experts: present but not used: the layer config has n_shared_experts=0")
+    gate_name = ROUTER_NAMES["shared_gate"][0]
+    if config.shared_expert_gate and dense.get("shared_gate") is None:
+        raise CheckpointError(f"{prefix}{gate_name}: missing; {why} scales the shared expert by sigmoid(x · gate)")
+    if dense.get("shared_gate") is not None and not config.shared_expert_gate:
+        raise CheckpointError(f"{prefix}{gate_name}: present but not used: the layer config has shared_expert_gate="
+                              f"False (the shared expert's output scaled per token by sigmoid(x · gate), as "
+                              f"qwen2_moe does, needs shared_expert_gate=True)")
 
 
 def _check_every_tensor_read(where, prefix: str, report: "LoadReport") -> None:
@@ -1242,8 +1360,11 @@ def _check_every_tensor_read(where, prefix: str, report: "LoadReport") -> None:
     if unread:
         more = f" (and {len(unread) - 1} more: {', '.join(unread[1:4])}{', ...' if len(unread) > 4 else ''})" \
             if len(unread) > 1 else ""
+        biases = _would_drop(unread, prefix)
+        hint = (f" (biases of the experts' GEMMs or of the router, as gpt-oss has, are not supported: "
+                f"{', '.join(biases)})" if biases else "")
         raise CheckpointError(f"{unread[0]}: a tensor of the MoE layer {prefix!r} that megamoe does not read{more}; "
-                              f"the layer would be computed without it, so it is not loaded")
+                              f"the layer would be computed without it, so it is not loaded{hint}")
 
 
 #: what a tensor is, by its name after the layer prefix (names that are no projection's)
@@ -1252,11 +1373,20 @@ _ROLES = {
     "gate.e_score_correction_bias": "correction bias (added to the scores for selection only)",
     "gate.bias": "correction bias (added to the scores for selection only)",
     "gate.tid2eid": "hash table: the experts of each token id",
+    "router.weight": "router weight (logits computed in float32)",
+    "e_score_correction_bias": "correction bias (added to the scores for selection only)",
+    "shared_expert_gate.weight": "shared expert gate (output scaled by sigmoid(x · gate), float32)",
     "w13_weight": "experts' gate/up weights (fused)", "w13_weight_scale": "experts' gate/up block scales",
     "w13_weight_scale_2": "experts' gate/up global scales", "w13_input_scale": "experts' gate/up input scales",
     "w2_weight": "experts' down weights (fused)", "w2_weight_scale": "experts' down block scales",
     "w2_weight_scale_2": "experts' down global scales", "w2_input_scale": "experts' down input scales",
     "experts.gate_up_proj": "experts' gate/up weights (fused)", "experts.down_proj": "experts' down weights (fused)",
+    "experts.gate_up_proj_weight_scale": "experts' gate/up block scales (transposed [E, K/16, N])",
+    "experts.gate_up_proj_weight_scale_2": "experts' gate/up global scale (a multiplier)",
+    "experts.gate_up_proj_input_scale": "experts' gate/up input scale (a multiplier)",
+    "experts.down_proj_weight_scale": "experts' down block scales (transposed [E, K/16, N])",
+    "experts.down_proj_weight_scale_2": "experts' down global scale (a multiplier)",
+    "experts.down_proj_input_scale": "experts' down input scale (a multiplier)",
 }
 #: what a projection's tensor is, by its suffix
 _SUFFIXES = {
@@ -1281,8 +1411,8 @@ def _how_read(rel: str, stored: str) -> str:
     m = re.fullmatch(r"experts\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _PROJ_NAMES:
         who = f"expert {m.group(1)} {_PROJ_NAMES[m.group(2)]}"
-    elif base.startswith("shared_experts.") and base[len("shared_experts."):] in _PROJ_NAMES:
-        who = f"shared expert {_PROJ_NAMES[base[len('shared_experts.'):]]}"
+    elif base.partition(".")[0] in ("shared_experts", "shared_expert") and base.partition(".")[2] in _PROJ_NAMES:
+        who = f"shared expert {_PROJ_NAMES[base.partition('.')[2]]}"
     else:
         return f"{rel}: {how}"
     what = _SUFFIXES.get(suffix, suffix)

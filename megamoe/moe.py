@@ -151,12 +151,28 @@ class MoELayer:
         topk_ids, topk_weights = self._routing(x, topk_ids, topk_weights, router_logits, input_ids)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        y = self.backend.moe_forward(self._prepared, self.config, x, topk_ids, topk_weights).float()
+        y = self._routed(x, topk_ids, topk_weights,
+                         lambda cfg, rows, ids, w: self.backend.moe_forward(self._prepared, cfg, rows, ids, w))
         if self.config.n_shared_experts:
             y = y + self._shared_expert(x)
         return y.to(hidden_states.dtype)
 
     __call__ = forward
+
+    def _routed(self, x, topk_ids, topk_weights, run) -> torch.Tensor:
+        """The routed experts' sum, float32 ``[T, H]``: ``run(cfg, rows, ids, weights)`` computes
+        ``sum_j w_j * expert_{e_j}(row)``. With ``router_weight_on_input`` (Llama 4) each slot's
+        row is first multiplied by its weight in the rows' dtype (transformers: ``routed_in =
+        hidden_states * router_scores``) and the experts' outputs are added with weight 1: the
+        ``T * k`` scaled rows go through the experts as one-slot rows, summed over the slots."""
+        cfg = self.config
+        if not cfg.router_weight_on_input:
+            return run(cfg, x, topk_ids, topk_weights).float()
+        t, k = topk_ids.shape
+        rows = (x.unsqueeze(1) * topk_weights.to(x.dtype).unsqueeze(-1)).reshape(t * k, x.shape[1])
+        ones = torch.ones((t * k, 1), dtype=torch.float32, device=x.device)
+        one = cfg if k == 1 else cfg.with_(top_k=1)
+        return run(one, rows, topk_ids.reshape(t * k, 1), ones).float().view(t, k, -1).sum(1)
 
     def _float32(self, name: str) -> torch.Tensor:
         """A float32 copy of a dense weight (router, shared expert), made once, not per forward.
@@ -172,10 +188,15 @@ class MoELayer:
         w = self.weights
         if quantize_activations and isinstance(w.shared_gate_up, nvfp4.NVFP4Tensor):
             # a shared expert stored in NVFP4 runs like a routed one (docs/SPEC.md §3.4)
-            return reference.expert_mlp(x.float(), self._float32("shared_gate_up"), self._float32("shared_down"),
-                                        self.config, w.shared_gate_up_input_scale, w.shared_down_input_scale)
-        return reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
-                                   self.config.swiglu_limit)
+            out = reference.expert_mlp(x.float(), self._float32("shared_gate_up"), self._float32("shared_down"),
+                                       self.config, w.shared_gate_up_input_scale, w.shared_down_input_scale)
+        else:
+            out = reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
+                                      self.config.swiglu_limit)
+        if self.config.shared_expert_gate:
+            # Qwen2-MoE: scaled per token by sigmoid(x · g), the [1, H] gate in float32
+            out = out * torch.sigmoid(matmul_rows(x.float(), self._float32("shared_expert_gate")))
+        return out
 
     def reference_bf16(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None,
                        router_logits=None, validate: bool = True, input_ids=None) -> torch.Tensor:
@@ -192,7 +213,8 @@ class MoELayer:
             return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e].to(self.device)),
                                         nvfp4.dequantize(w.w2[e].to(self.device)), cfg, quantize_activations=False)
 
-        out = reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)
+        out = self._routed(x, topk_ids, topk_weights,
+                           lambda c, rows, ids, wt: reference.routed_experts(rows, ids, wt, c.num_experts, expert))
         if cfg.n_shared_experts:
             out = out + self._shared_expert(x, quantize_activations=False)
         return out

@@ -20,6 +20,11 @@ class MoEConfig:
         dynamic_act_scale: compute each activation row's global scale from the row
             (amax/2688) instead of the static per-expert input scales.
         swiglu_limit: optional clamp of gate (max) and up (±limit) before SiLU·up.
+        shared_expert_gate: the shared expert's output is scaled per token by
+            ``sigmoid(x · g)`` (``g`` = the weights' ``shared_expert_gate``, ``[1, H]``; Qwen2-MoE).
+        router_weight_on_input: each chosen expert runs on its row multiplied by the router
+            weight (in the rows' dtype) and its output is added with weight 1 (Llama 4), instead
+            of its output being multiplied by the weight.
     """
 
     hidden_size: int
@@ -37,6 +42,8 @@ class MoEConfig:
     act_mode: str = "w4a4"
     dynamic_act_scale: bool = False
     swiglu_limit: float | None = None
+    shared_expert_gate: bool = False
+    router_weight_on_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size"):
@@ -51,6 +58,8 @@ class MoEConfig:
             raise ValueError(f"scoring={self.scoring!r}: expected 'softmax', 'sigmoid' or 'sqrtsoftplus'")
         if self.hash_routing and self.n_group and self.n_group > 1:
             raise ValueError("hash_routing chooses the experts from a table: n_group does not apply")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ValueError("shared_expert_gate scales the shared expert: it needs n_shared_experts >= 1")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit={self.swiglu_limit}: expected a positive limit or None")
 

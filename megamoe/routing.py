@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["route", "hash_expert_ids", "topk_lowest_id", "SCORINGS", "InputIdsRequired",
-           "architecture_routing", "ArchitectureRouting", "UnknownArchitecture", "ARCHITECTURES"]
+           "architecture_routing", "ArchitectureRouting", "UnknownArchitecture", "ARCHITECTURES", "UNSUPPORTED"]
 
 #: The router score functions: logits (float32) -> scores.
 SCORINGS = {
@@ -161,8 +161,10 @@ class ArchitectureRouting:
 class _Rule:
     """Reads one architecture's keys from config.json, recording where each value came from."""
 
-    def __init__(self, hf: dict, model_type: str):
-        self.hf, self.model_type = hf, model_type
+    def __init__(self, hf: dict, model_type: str, where: str = ""):
+        # ``where``: the part of config.json the keys are read from ("text_config." for a
+        # text model inside a multimodal wrapper), named in every choice and ``stated`` key
+        self.hf, self.model_type, self.where = hf, model_type, where
         self.fields: dict = {}
         self.choices: list[str] = []
         self.stated: dict = {}
@@ -172,12 +174,12 @@ class _Rule:
         keys = (keys,) if isinstance(keys, str) else tuple(keys)
         for key in keys:
             if self.hf.get(key) is not None:
-                self.choices.append(f"{field_name}={self.hf[key]!r} (config.json {key})")
-                self.stated[field_name] = key
+                self.choices.append(f"{field_name}={self.hf[key]!r} (config.json {self.where}{key})")
+                self.stated[field_name] = self.where + key
                 self.fields[field_name] = self.hf[key]
                 return self.hf[key]
         self.choices.append(f"{field_name}={default!r} (architecture default; config.json has no "
-                            f"{' or '.join(keys)})")
+                            f"{' or '.join(self.where + k for k in keys)})")
         self.fields[field_name] = default
         return default
 
@@ -190,14 +192,14 @@ class _Rule:
     def silu_only(self) -> None:
         act = self.hf.get("hidden_act", "silu")
         if act != "silu":
-            raise UnknownArchitecture(f"config.json hidden_act={act!r}: megamoe's experts are SwiGLU (silu); "
+            raise UnknownArchitecture(f"config.json {self.where}hidden_act={act!r}: megamoe's experts are SwiGLU (silu); "
                                       f"{self.model_type} with {act!r} is not supported")
 
     def one_key(self, field_name: str, keys) -> None:
         """config.json stating one value under two names that disagree is refused."""
         vals = {k: self.hf[k] for k in keys if self.hf.get(k) is not None}
         if len(set(map(repr, vals.values()))) > 1:
-            said = ", ".join(f"{k}={v!r}" for k, v in vals.items())
+            said = ", ".join(f"{self.where}{k}={v!r}" for k, v in vals.items())
             raise UnknownArchitecture(f"config.json: {said} disagree (both give {field_name})")
 
     def done(self, w13_layout: str = "gate-up", notes=(), requires=()) -> ArchitectureRouting:
@@ -205,24 +207,25 @@ class _Rule:
                                    list(notes), dict(self.stated), tuple(requires))
 
 
-def _v3_like(hf: dict, model_type: str, defaults: dict) -> ArchitectureRouting:
+def _v3_like(hf: dict, model_type: str, defaults: dict, where: str = "") -> ArchitectureRouting:
     # transformers' DeepseekV3TopkRouter and Glm4MoeTopkRouter: logits in float32, sigmoid
     # scores, e_score_correction_bias added for selection only, group-limited top-k (a group
     # scores the sum of its two best biased scores), chosen weights = unbiased scores,
     # renormalised if norm_topk_prob, times routed_scaling_factor; a shared expert of
     # moe_intermediate_size * n_shared_experts. transformers 5 writes no scoring_func /
     # topk_method; DeepSeek's own config.json writes scoring_func="sigmoid", topk_method="noaux_tc".
-    r = _Rule(hf, model_type)
+    r = _Rule(hf, model_type, where)
     r.silu_only()
     scoring = hf.get("scoring_func")
     if scoring not in (None, "sigmoid"):
-        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: {model_type} routes with sigmoid scores")
+        raise UnknownArchitecture(f"config.json {where}scoring_func={scoring!r}: {model_type} routes with sigmoid "
+                                  f"scores")
     method = hf.get("topk_method")
     if method not in (None, "noaux_tc"):
-        raise UnknownArchitecture(f"config.json topk_method={method!r}: {model_type} routing is 'noaux_tc' "
+        raise UnknownArchitecture(f"config.json {where}topk_method={method!r}: {model_type} routing is 'noaux_tc' "
                                   f"(sigmoid, correction bias, group-limited top-k)")
-    r.fix("scoring", "sigmoid", model_type + (", config.json scoring_func" if scoring else
-                                              "; config.json has no scoring_func"))
+    r.fix("scoring", "sigmoid", model_type + (f", config.json {where}scoring_func" if scoring else
+                                              f"; config.json has no {where}scoring_func"))
     r.one_key("num_experts", ("n_routed_experts", "num_local_experts"))
     r.take("num_experts", ("n_routed_experts", "num_local_experts"), defaults["num_experts"])
     r.take("top_k", "num_experts_per_tok", defaults["top_k"])
@@ -250,6 +253,119 @@ def _glm4_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     # GLM-4.5 / 4.6 MoE: DeepSeek-V3's router (transformers' Glm4MoeTopkRouter) with GLM's defaults.
     return _v3_like(hf, "glm4_moe", dict(num_experts=128, top_k=8, n_group=1, topk_group=1,
                                          routed_scaling_factor=1.0, intermediate_size=1408))
+
+
+def _text_config(hf: dict, model_type: str, text_types: tuple[str, ...]) -> dict:
+    """The ``text_config`` of a multimodal wrapper's config.json, checked to be one of ``text_types``."""
+    tc = hf.get("text_config")
+    if not isinstance(tc, dict):
+        raise UnknownArchitecture(f"config.json model_type={model_type!r} without a text_config: the routing of its "
+                                  f"text model is in text_config")
+    mt = tc.get("model_type")
+    if mt is not None and mt not in text_types:
+        raise UnknownArchitecture(f"config.json text_config.model_type={mt!r}: a {model_type} text model is "
+                                  f"{' or '.join(repr(t) for t in text_types)}")
+    return tc
+
+
+def _kimi_k25(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # Kimi-K2.5 (transformers Kimi_K25ForConditionalGeneration): a DeepSeek-V3 text model
+    # (Kimi-K2's, model_type deepseek_v3 or kimi_k2) inside a multimodal wrapper; the routing is
+    # the text model's, read from text_config (DeepseekV3TopkRouter, DeepSeek-V3's defaults).
+    tc = _text_config(hf, "kimi_k25", ("deepseek_v3", "kimi_k2"))
+    return _v3_like(tc, "kimi_k25", dict(num_experts=256, top_k=8, n_group=8, topk_group=4,
+                                         routed_scaling_factor=2.5, intermediate_size=2048), "text_config.")
+
+
+def _minimax_m2(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # transformers' MiniMaxM2TopKRouter, called with the block's e_score_correction_bias (a
+    # buffer of the sparse-MoE block, not of the router: block_sparse_moe.e_score_correction_bias
+    # in MiniMax's names, mlp.e_score_correction_bias in transformers'): logits, sigmoid scores
+    # in float32, the top-k of scores + bias, the chosen unbiased scores divided by their sum
+    # (always), no scaling, no groups, no shared expert. MiniMax's own config.json states
+    # scoring_func="sigmoid" and use_routing_bias=true; transformers 5 writes neither.
+    r = _Rule(hf, "minimax_m2")
+    r.silu_only()
+    scoring = hf.get("scoring_func")
+    if scoring not in (None, "sigmoid"):
+        raise UnknownArchitecture(f"config.json scoring_func={scoring!r}: minimax_m2 routes with sigmoid scores")
+    if hf.get("use_routing_bias") is False:
+        raise UnknownArchitecture("config.json use_routing_bias=false: transformers' minimax_m2 always adds the "
+                                  "block's e_score_correction_bias for selection")
+    r.fix("scoring", "sigmoid", "minimax_m2" + (", config.json scoring_func" if scoring else
+                                                "; config.json has no scoring_func"))
+    r.fix("n_group", None, "minimax_m2 has no expert groups")
+    r.fix("topk_group", None, "minimax_m2 has no expert groups")
+    r.fix("renormalize", True, "minimax_m2 always normalises the chosen weights")
+    r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
+    r.one_key("num_experts", ("num_local_experts", "num_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 256)
+    r.take("top_k", "num_experts_per_tok", 8)
+    r.take("intermediate_size", "intermediate_size", 1536)
+    return r.done("gate-up", ["the e_score_correction_bias tensor is required (top-k of sigmoid scores + bias)",
+                              "router logits: transformers computes them in the model dtype, megamoe in float32 "
+                              "(a near-tie may pick a different expert)"], ("correction_bias",))
+
+
+def _qwen2_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # transformers' Qwen2MoeTopKRouter: softmax (float32), top-k, renormalised only if
+    # norm_topk_prob (default False), no scaling; Qwen2MoeSparseMoeBlock adds one shared expert
+    # (shared_expert, of shared_expert_intermediate_size) scaled per token by
+    # sigmoid(shared_expert_gate(x)), a [1, H] linear layer kept unquantized.
+    r = _Rule(hf, "qwen2_moe")
+    r.silu_only()
+    r.fix("scoring", "softmax", "qwen2_moe")
+    r.fields.update(routed_scaling_factor=1.0)
+    r.one_key("num_experts", ("num_experts", "num_local_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 60)
+    r.take("top_k", "num_experts_per_tok", 4)
+    r.fields["renormalize"] = bool(r.take("renormalize", "norm_topk_prob", False))
+    r.take("intermediate_size", "moe_intermediate_size", 1408)
+    r.fix("n_shared_experts", 1, "qwen2_moe builds one shared expert")
+    r.take("shared_intermediate_size", "shared_expert_intermediate_size", 5632)
+    r.fix("shared_expert_gate", True, "qwen2_moe scales the shared expert by sigmoid(shared_expert_gate(x))")
+    return r.done("gate-up", ["router logits and weights: transformers computes logits and returns weights in the "
+                              "model dtype, megamoe keeps float32 (a near-tie may pick a different expert)"])
+
+
+def _llama4_text(hf: dict, layer: int | None = None, where: str = "", model_type: str = "llama4_text"
+                 ) -> ArchitectureRouting:
+    # transformers' Llama4Router and Llama4TextMoe: logits, the top-k of the logits (top-1 in
+    # the released models), weights sigmoid(logit) of the chosen experts (not normalised, not
+    # scaled); the weight multiplies the expert's INPUT (routed_in = x * weight, in the model's
+    # dtype), the expert's output is added with weight 1; one shared expert (shared_expert,
+    # of intermediate_size) added to every token. The experts are fused and transposed
+    # (gate_up_proj [E, H, 2I]: gate columns, then up).
+    r = _Rule(hf, model_type, where)
+    r.silu_only()
+    r.fix("scoring", "sigmoid", f"{model_type}: sigmoid of the chosen logits")
+    r.fix("renormalize", False, f"{model_type} does not normalise the weights")
+    r.fix("router_weight_on_input", True, f"{model_type} multiplies the expert's input by the router weight")
+    r.fields.update(routed_scaling_factor=1.0, n_group=None, topk_group=None)
+    r.one_key("num_experts", ("num_local_experts", "num_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 16)
+    r.take("top_k", "num_experts_per_tok", 1)
+    i = r.take("intermediate_size", "intermediate_size", 8192)
+    r.fix("n_shared_experts", 1, f"{model_type} builds one shared expert")
+    r.fields["shared_intermediate_size"] = i
+    return r.done("gate-up", ["selection: transformers takes the top-k of the logits, megamoe of their sigmoid "
+                              "(the same order, unless float32 sigmoid saturates two logits above ~17 to 1.0)"])
+
+
+def _llama4(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # Llama 4 (Llama4ForConditionalGeneration): the llama4_text model inside a multimodal wrapper
+    tc = _text_config(hf, "llama4", ("llama4_text",))
+    return _llama4_text(tc, layer, "text_config.", "llama4")
+
+
+#: model_type -> why megamoe refuses it (every other unknown model_type is refused too, but
+#: these are known MoE families whose expert math megamoe does not compute yet)
+UNSUPPORTED = {
+    "gpt_oss": "gpt-oss experts need per-expert biases on both GEMMs (gate_up_proj_bias, down_proj_bias), "
+               "interleaved gate/up rows and the clamped activation (gate clamped at 7, up to [-7, 7], "
+               "(up + 1) * gate * sigmoid(1.702 * gate)) inside the expert GEMMs, and a router with a bias "
+               "(softmax over the top-k logits); megamoe's experts compute none of these",
+}
 
 
 def _deepseek_v4_kind(hf: dict, layer: int | None) -> tuple[str, str]:
@@ -351,7 +467,8 @@ def _qwen3_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
 #: newcomer adds an architecture here. Each rule is checked against the transformers router
 #: of that architecture on recorded inputs (tests/fixtures/real/routing_*.safetensors).
 ARCHITECTURES = {"deepseek_v3": _deepseek_v3, "deepseek_v4": _deepseek_v4, "glm4_moe": _glm4_moe,
-                 "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+                 "kimi_k25": _kimi_k25, "llama4": _llama4, "llama4_text": _llama4_text, "minimax_m2": _minimax_m2,
+                 "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 
 def architecture_routing(hf_config: dict, layer: int | None = None) -> ArchitectureRouting:
@@ -368,6 +485,8 @@ def architecture_routing(hf_config: dict, layer: int | None = None) -> Architect
         raise UnknownArchitecture("config.json has no model_type: the routing cannot be known "
                                   f"(supported: {', '.join(sorted(ARCHITECTURES))}; or pass the config)")
     rule = ARCHITECTURES.get(mt)
+    if mt in UNSUPPORTED:
+        raise UnknownArchitecture(f"config.json model_type={mt!r}: not supported: {UNSUPPORTED[mt]}")
     if rule is None:
         raise UnknownArchitecture(f"config.json model_type={mt!r}: megamoe does not know this architecture's "
                                   f"routing (supported: {', '.join(sorted(ARCHITECTURES))}); pass the config "

@@ -34,6 +34,8 @@ class MoEWeights:
             ``[2]``), or None (docs/SPEC.md §3.4).
         tid2eid: int64 ``[vocab, k]`` the experts of each token id in a hash-routed layer
             (DeepSeek-V4 ``hash_moe``), or None.
+        shared_expert_gate: ``[1, H]`` the shared expert's gate (its output is scaled per token
+            by ``sigmoid(x · g)``, Qwen2-MoE), or None.
     """
 
     w13: nvfp4.NVFP4Tensor
@@ -47,6 +49,7 @@ class MoEWeights:
     shared_gate_up_input_scale: torch.Tensor | None = None
     shared_down_input_scale: torch.Tensor | None = None
     tid2eid: torch.Tensor | None = None
+    shared_expert_gate: torch.Tensor | None = None
 
     def to(self, device, routed_device=None) -> "MoEWeights":
         """Every tensor on ``device``; the routed experts (``w13``, ``w2``) on ``routed_device``
@@ -83,6 +86,7 @@ class MoEWeights:
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
             shared_gate_up_input_scale=self.shared_gate_up_input_scale,
             shared_down_input_scale=self.shared_down_input_scale, tid2eid=self.tid2eid,
+            shared_expert_gate=self.shared_expert_gate,
         )
 
     def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
@@ -125,6 +129,10 @@ class MoEWeights:
                                  f"max {int(self.tid2eid.max())}")
         elif self.tid2eid is not None:
             raise ValueError("gate.tid2eid: present, but the config does not route by token id (hash_routing=False)")
+        if getattr(cfg, "shared_expert_gate", False):
+            want["shared_expert_gate.weight"] = (self.shared_expert_gate, (1, h), None)
+        elif self.shared_expert_gate is not None:
+            raise ValueError("shared_expert_gate.weight: present, but the config has shared_expert_gate=False")
         for name, (t, shape, dtype) in want.items():
             if t is None:
                 raise ValueError(f"{name}: missing")

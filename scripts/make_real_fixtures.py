@@ -83,7 +83,46 @@ FIXTURES = {
                           experts=8, top_k=3, routed_scaling_factor=1.5, swiglu_limit=10.0),
     "llmc_v4_nvfp4a16": dict(arch="deepseek_v4", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
                              seed=42, experts=6, top_k=2, routed_scaling_factor=2.0, swiglu_limit=7.0),
+    # Kimi-K2.5 (transformers kimi_k25): a DeepSeek-V3 text model inside a multimodal wrapper
+    # (routing in text_config; the vision tower left unquantized). ModelOpt writes
+    # model.language_model.layers.N, llmcompressor language_model.model.blocks.N.
+    "modelopt_kimi_k25_nvfp4": dict(arch="kimi_k25", producer="modelopt", scheme="NVFP4", shared="nvfp4", seed=61,
+                                    experts=8, top_k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                    norm_topk_prob=True),
+    "llmc_kimi_k25_nvfp4": dict(arch="kimi_k25", producer="llmcompressor", scheme="NVFP4", shared="nvfp4", seed=62,
+                                experts=8, top_k=3, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+                                norm_topk_prob=True),
+    "llmc_kimi_k25_nvfp4a16": dict(arch="kimi_k25", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
+                                   seed=63, experts=6, top_k=2, n_group=2, topk_group=1,
+                                   routed_scaling_factor=2.0, norm_topk_prob=False),
+    # MiniMax-M2 (transformers minimax_m2): sigmoid top-k with the block-level
+    # e_score_correction_bias, always normalised, no shared expert
+    "modelopt_minimax_m2_nvfp4": dict(arch="minimax_m2", producer="modelopt", scheme="NVFP4", shared="none",
+                                      seed=71, experts=8, top_k=2),
+    "llmc_minimax_m2_nvfp4": dict(arch="minimax_m2", producer="llmcompressor", scheme="NVFP4", shared="none",
+                                  seed=72, experts=8, top_k=3),
+    "llmc_minimax_m2_nvfp4a16": dict(arch="minimax_m2", producer="llmcompressor", scheme="NVFP4A16", shared="none",
+                                     seed=73, experts=6, top_k=2),
+    # Qwen2-MoE (transformers qwen2_moe): softmax top-k, a singular shared_expert (its own width)
+    # scaled per token by sigmoid(shared_expert_gate(x)); the gate stays unquantized
+    "modelopt_qwen2_moe_nvfp4": dict(arch="qwen2_moe", producer="modelopt", scheme="NVFP4", shared="nvfp4",
+                                     seed=81, experts=8, top_k=2, norm_topk_prob=False),
+    "llmc_qwen2_moe_nvfp4": dict(arch="qwen2_moe", producer="llmcompressor", scheme="NVFP4", shared="nvfp4",
+                                 seed=82, experts=8, top_k=3, norm_topk_prob=True),
+    "llmc_qwen2_moe_nvfp4a16": dict(arch="qwen2_moe", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
+                                    seed=83, experts=6, top_k=2, norm_topk_prob=False),
+    # Llama 4 (transformers llama4_text): top-1 sigmoid, the router weight applied to the
+    # expert's input, a shared expert; ModelOpt keeps the experts fused and transposed
+    "modelopt_llama4_nvfp4": dict(arch="llama4_text", producer="modelopt", scheme="NVFP4", shared="nvfp4",
+                                  seed=91, experts=8, top_k=1),
+    "llmc_llama4_nvfp4": dict(arch="llama4_text", producer="llmcompressor", scheme="NVFP4", shared="nvfp4",
+                              seed=92, experts=8, top_k=1),
+    "llmc_llama4_nvfp4a16": dict(arch="llama4_text", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
+                                 seed=93, experts=6, top_k=1),
 }
+
+#: families whose fixtures record no activation bytes (the tests compare forwards and routing)
+NO_ACT_BYTES = ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text")
 
 HIDDEN = 128
 MOE_INTER = 64
@@ -94,9 +133,145 @@ TEST_SEQS, TEST_LEN = 2, 24   # 48 tokens per MoE layer in the reference
 
 
 def build_model(spec: dict):
-    if spec.get("arch") == "deepseek_v4":
+    arch = spec.get("arch")
+    if arch == "deepseek_v4":
         return build_model_v4(spec)
+    if arch == "kimi_k25":
+        return build_model_kimi_k25(spec)
+    if arch == "minimax_m2":
+        return build_model_minimax_m2(spec)
+    if arch == "qwen2_moe":
+        return build_model_qwen2_moe(spec)
+    if arch == "llama4_text":
+        return build_model_llama4(spec)
     return build_model_v3(spec)  # deepseek_v3 or glm4_moe
+
+
+def moe_blocks(model) -> list:
+    """The MoE block of each decoder layer (every layer of these fixtures is MoE)."""
+    inner = model.model
+    if hasattr(inner, "language_model"):  # kimi_k25: the text model inside the wrapper
+        inner = inner.language_model
+    return [layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp for layer in inner.layers]
+
+
+def _spread_experts(gu, dp, g, e, inter, transposed=False):
+    """Random fused experts with up 0.1x-10x the gate per expert (``gu`` [E, 2I, H], or
+    [E, H, 2I] when ``transposed``; gate first)."""
+    gu.copy_(torch.randn(gu.shape, generator=g) * HIDDEN ** -0.5)
+    ratio = (10 ** (2 * torch.rand(e, generator=g) - 1)).view(e, 1, 1)
+    if transposed:
+        gu[:, :, inter:] *= ratio
+    else:
+        gu[:, inter:, :] *= ratio
+    dp.copy_(torch.randn(dp.shape, generator=g) * inter ** -0.5)
+
+
+def _spread_mlp(mlp, g, scale=1.0):
+    for lin in (mlp.gate_proj, mlp.up_proj):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale * HIDDEN ** -0.5)
+    mlp.down_proj.weight.copy_(torch.randn(mlp.down_proj.weight.shape, generator=g) * mlp.down_proj.weight.shape[1] ** -0.5)
+
+
+def build_model_kimi_k25(spec: dict):
+    """A tiny random Kimi-K2.5: a DeepSeek-V3 text model (as :func:`build_model_v3`) inside the
+    multimodal wrapper, with a one-layer vision tower (left unquantized)."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(spec["seed"])
+    text = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                moe_intermediate_size=MOE_INTER, num_hidden_layers=LAYERS, first_k_dense_replace=0,
+                num_attention_heads=2, num_key_value_heads=2, n_routed_experts=spec["experts"],
+                num_experts_per_tok=spec["top_k"], n_shared_experts=1, n_group=spec["n_group"],
+                topk_group=spec["topk_group"], norm_topk_prob=spec["norm_topk_prob"],
+                routed_scaling_factor=spec["routed_scaling_factor"], max_position_embeddings=128,
+                q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                num_nextn_predict_layers=0, tie_word_embeddings=False)
+    vision = dict(patch_size=4, num_attention_heads=2, num_hidden_layers=1, hidden_size=16, intermediate_size=16,
+                  pos_emb_height=4, pos_emb_width=4, pos_emb_time=1)
+    cfg = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16, tie_word_embeddings=False)
+    cfg.architectures = ["Kimi_K25ForConditionalGeneration"]
+    model = Kimi_K25ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e = spec["experts"]
+    with torch.no_grad():
+        for mlp in moe_blocks(model):
+            mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.08)
+            mlp.gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.05)
+            _spread_experts(mlp.experts.gate_up_proj, mlp.experts.down_proj, g, e, MOE_INTER)
+            _spread_mlp(mlp.shared_experts, g)
+    return model.eval(), cfg
+
+
+def build_model_minimax_m2(spec: dict):
+    """A tiny random MiniMax-M2 with a spread block-level ``e_score_correction_bias`` (the
+    sigmoid scores are all near 0.5, so the bias decides many choices)."""
+    from transformers import AutoModelForCausalLM, MiniMaxM2Config
+
+    torch.manual_seed(spec["seed"])
+    cfg = MiniMaxM2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=LAYERS,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=spec["experts"],
+                          num_experts_per_tok=spec["top_k"], max_position_embeddings=128, tie_word_embeddings=False)
+    cfg.architectures = ["MiniMaxM2ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e = spec["experts"]
+    with torch.no_grad():
+        for mlp in moe_blocks(model):
+            mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.08)
+            mlp.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.05)
+            _spread_experts(mlp.experts.gate_up_proj, mlp.experts.down_proj, g, e, MOE_INTER)
+    return model.eval(), cfg
+
+
+QWEN2_SHARED_INTER = 96
+
+
+def build_model_qwen2_moe(spec: dict):
+    """A tiny random Qwen2-MoE: the shared expert of its own width, its sigmoid gate spread so
+    that the per-token scale varies (0.1-0.9)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    torch.manual_seed(spec["seed"])
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         moe_intermediate_size=MOE_INTER, shared_expert_intermediate_size=QWEN2_SHARED_INTER,
+                         num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2,
+                         num_experts=spec["experts"], num_experts_per_tok=spec["top_k"],
+                         norm_topk_prob=spec["norm_topk_prob"], max_position_embeddings=128, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen2MoeForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e = spec["experts"]
+    with torch.no_grad():
+        for mlp in moe_blocks(model):
+            mlp.gate.weight.copy_(torch.randn(mlp.gate.weight.shape, generator=g) * 0.08)
+            _spread_experts(mlp.experts.gate_up_proj, mlp.experts.down_proj, g, e, MOE_INTER)
+            _spread_mlp(mlp.shared_expert, g)
+            mlp.shared_expert_gate.weight.copy_(torch.randn(mlp.shared_expert_gate.weight.shape, generator=g) * 0.15)
+    return model.eval(), cfg
+
+
+def build_model_llama4(spec: dict):
+    """A tiny random Llama 4 text model, every layer MoE: experts fused and transposed
+    (``gate_up_proj`` [E, H, 2I]), a router strong enough that the sigmoid weights spread."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(spec["seed"])
+    cfg = Llama4TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MOE_INTER,
+                           intermediate_size_mlp=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64, num_local_experts=spec["experts"],
+                           num_experts_per_tok=spec["top_k"], interleave_moe_layer_step=1,
+                           max_position_embeddings=128, tie_word_embeddings=False)
+    cfg.architectures = ["Llama4ForCausalLM"]
+    model = Llama4ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e = spec["experts"]
+    with torch.no_grad():
+        for moe in moe_blocks(model):
+            moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=g) * 0.15)
+            _spread_experts(moe.experts.gate_up_proj, moe.experts.down_proj, g, e, MOE_INTER, transposed=True)
+            _spread_mlp(moe.shared_expert, g)
+    return model.eval(), cfg
 
 
 V4_VOCAB = 128
@@ -214,8 +389,8 @@ def capture_moe_calls(model, tokens) -> dict[int, tuple[torch.Tensor, torch.Tens
         ids = kwargs.get("input_ids")
         seen[i] = (x, None if ids is None else ids.detach().reshape(-1).clone())
 
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.register_forward_pre_hook(
+    for i, mlp in enumerate(moe_blocks(model)):
+        hooks.append(mlp.register_forward_pre_hook(
             lambda mod, args, kwargs, i=i: grab(i, mod, args, kwargs), with_kwargs=True))
     with torch.no_grad():
         model(tokens)
@@ -225,15 +400,37 @@ def capture_moe_calls(model, tokens) -> dict[int, tuple[torch.Tensor, torch.Tens
 
 
 def _run_gate(mlp, x, input_ids):
+    """``(router_logits, topk_weights, topk_ids)`` of the block's router, as the block uses them."""
     if getattr(mlp, "is_hash", False):
         return mlp.gate(x, input_ids)
+    if hasattr(mlp, "router"):  # Llama 4: top-k of the logits, sigmoid of the chosen ones
+        scores, logits = mlp.router(x)
+        ids = torch.topk(logits, mlp.top_k, dim=1).indices
+        return logits, scores.gather(1, ids), ids
+    if hasattr(mlp, "e_score_correction_bias") and not hasattr(mlp.gate, "e_score_correction_bias"):
+        return mlp.gate(x, mlp.e_score_correction_bias)  # MiniMax-M2: the block holds the bias
     return mlp.gate(x)
+
+
+def _run_shared(mlp, x):
+    """The block's shared expert alone, as the block adds it (zeros without one)."""
+    if hasattr(mlp, "shared_expert_gate"):  # Qwen2-MoE
+        return torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+    if hasattr(mlp, "shared_expert"):
+        return mlp.shared_expert(x)
+    if hasattr(mlp, "shared_experts"):
+        return mlp.shared_experts(x)
+    return torch.zeros_like(x)
 
 
 def _run_block(mlp, x, input_ids):
     if input_ids is None:
-        return mlp(x.unsqueeze(0)).reshape(x.shape)
-    return mlp(x.unsqueeze(0), input_ids=input_ids.unsqueeze(0)).reshape(x.shape)
+        out = mlp(x.unsqueeze(0))
+    else:
+        out = mlp(x.unsqueeze(0), input_ids=input_ids.unsqueeze(0))
+    if isinstance(out, tuple):  # Llama 4 returns (output, router_logits)
+        out = out[0]
+    return out.reshape(x.shape)
 
 
 def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None, input_ids=None) -> None:
@@ -244,7 +441,7 @@ def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None, input_id
     with torch.no_grad():
         logits, tw, ti = _run_gate(mlp, x, input_ids)
         y = _run_block(mlp, x, input_ids)
-        y_shared = mlp.shared_experts(x.unsqueeze(0)).reshape(x.shape)
+        y_shared = _run_shared(mlp, x)
     out[f"{key}.x"] = x.contiguous()
     if input_ids is not None:
         out[f"{key}.input_ids"] = input_ids.to(torch.int64).contiguous()
@@ -309,7 +506,10 @@ def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
     calib, test = token_batches(spec["seed"], V4_VOCAB if spec.get("arch") == "deepseek_v4" else VOCAB)
     qcfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
     if spec["shared"] == "bf16":
-        qcfg["quant_cfg"].append({"quantizer_name": "*shared_experts*", "enable": False})
+        qcfg["quant_cfg"].append({"quantizer_name": "*shared_expert*", "enable": False})
+    # left unquantized: Qwen2-MoE's shared-expert gate (one output row), Kimi-K2.5's vision tower
+    for rule in ("*shared_expert_gate*", "*vision_tower*", "*mm_projector*"):
+        qcfg["quant_cfg"].append({"quantizer_name": rule, "enable": False})
 
     def forward_loop(m):
         with torch.no_grad():
@@ -326,9 +526,11 @@ def run_modelopt(name: str, spec: dict, out_root: Path, work: Path) -> Path:
     calls = capture_moe_calls(model, test)
     model32 = copy.deepcopy(model).float()
     ref: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
-        mlp, key, (x, input_ids) = layer.mlp, f"layers.{i}", calls[i]
-        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp, input_ids)
+    for i, (mlp, mlp32) in enumerate(zip(moe_blocks(model), moe_blocks(model32))):
+        key, (x, input_ids) = f"layers.{i}", calls[i]
+        record_layer(mlp, x, ref, key, mlp32, input_ids)
+        if spec.get("arch") in NO_ACT_BYTES:
+            continue
         experts = mlp.experts
         # the activation quantization the tool does, with its own function and scales
         e = int(ref[f"{key}.topk_ids"][0, 0])
@@ -409,19 +611,29 @@ def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path
     tok = _offline_tokenizer(cfg_dir)
     ds = Dataset.from_dict({"input_ids": [r.tolist() for r in calib],
                             "attention_mask": [[1] * CALIB_LEN for _ in calib]})
-    ignore = ["lm_head", "re:.*mlp.gate$"]
+    # routers (mlp.gate, Llama 4's feed_forward.router), Qwen2-MoE's shared-expert gate and
+    # Kimi-K2.5's vision tower stay unquantized
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*router$", "re:.*shared_expert_gate$", "re:.*vision_tower.*",
+              "re:.*mm_projector.*"]
     if spec["shared"] == "bf16":
-        ignore.append("re:.*shared_experts.*")
+        ignore.append("re:.*shared_expert.*")
+    if spec.get("arch") == "kimi_k25":
+        # transformers' save reverts Kimi-K2.5's vision rope permutation on every q_proj/k_proj,
+        # the text model's quantized scales included (and fails on them): attention stays bf16
+        ignore.append("re:.*self_attn.*")
     recipe = QuantizationModifier(targets="Linear", scheme=spec["scheme"], ignore=ignore)
+    if spec.get("arch") == "llama4_text":
+        _llama4_text_config_view()
     oneshot(model=model, dataset=ds, recipe=recipe, processor=tok, num_calibration_samples=CALIB_SEQS,
             max_seq_length=CALIB_LEN)
     calls = capture_moe_calls(model, test)
     model32 = copy.deepcopy(model).float()
     ref: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
-        mlp, key, (x, input_ids) = layer.mlp, f"layers.{i}", calls[i]
-        record_layer(mlp, x, ref, key, model32.model.layers[i].mlp, input_ids)
-        _ct_activation_bytes(mlp, x, ref, key, spec)
+    for i, (mlp, mlp32) in enumerate(zip(moe_blocks(model), moe_blocks(model32))):
+        key, (x, input_ids) = f"layers.{i}", calls[i]
+        record_layer(mlp, x, ref, key, mlp32, input_ids)
+        if spec.get("arch") not in NO_ACT_BYTES:
+            _ct_activation_bytes(mlp, x, ref, key, spec)
     ckpt = work / name
     if ckpt.exists():
         shutil.rmtree(ckpt)
@@ -443,6 +655,26 @@ def run_llmcompressor(name: str, spec: dict, out_root: Path, work: Path) -> Path
                        "float32 copy)",
             "act_quantize": "compressed-tensors quantize() + pack_fp4_to_uint8 with the stored global scale"}
     return write_fixture(name, spec, ckpt, ref, meta, out_root)
+
+
+def _llama4_text_config_view():
+    """llmcompressor's Llama 4 expert linearization reads ``config.text_config`` (the
+    multimodal Llama4Config); a text-only model's config is its own text config."""
+    import types
+
+    from llmcompressor.modeling.moe import llama4 as l4
+
+    orig = l4.Llama4LinearExperts.from_experts_module.__func__
+    if getattr(orig, "_text_view", False):
+        return
+
+    def from_experts_module(cls, experts, config):
+        if not hasattr(config, "text_config"):
+            config = types.SimpleNamespace(text_config=config)
+        return orig(cls, experts, config)
+
+    from_experts_module._text_view = True
+    l4.Llama4LinearExperts.from_experts_module = classmethod(from_experts_module)
 
 
 def _offline_tokenizer(cfg_dir: Path):
@@ -505,6 +737,17 @@ ROUTERS = {
     "routing_deepseek_v4": ("deepseek_v4", dict(n_routed_experts=12, num_experts_per_tok=4, num_hidden_layers=2,
                                                 mlp_layer_types=["hash_moe", "moe"], vocab_size=64,
                                                 routed_scaling_factor=2.5, layer=1)),
+    # (appended: each router's seed is its position, so those above stay as recorded)
+    "routing_kimi_k25": ("kimi_k25", dict(text_config=dict(model_type="deepseek_v3", hidden_size=HIDDEN,
+                                                           n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+                                                           topk_group=2, norm_topk_prob=True,
+                                                           routed_scaling_factor=2.5))),
+    "routing_minimax_m2": ("minimax_m2", dict(num_local_experts=10, num_experts_per_tok=3)),
+    "routing_qwen2_moe": ("qwen2_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=False)),
+    "routing_qwen2_moe_norm": ("qwen2_moe", dict(num_experts=10, num_experts_per_tok=4, norm_topk_prob=True)),
+    "routing_llama4_text": ("llama4_text", dict(num_local_experts=8, num_experts_per_tok=1)),
+    "routing_llama4": ("llama4", dict(text_config=dict(hidden_size=HIDDEN, num_local_experts=8,
+                                                       num_experts_per_tok=2))),
 }
 
 
@@ -521,9 +764,13 @@ def run_routing(out_root: Path) -> list[Path]:
         torch.manual_seed(500 + n)
         kw = dict(kw)
         layer = kw.pop("layer", None)
-        cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, **kw)
+        if "text_config" in kw:  # a multimodal wrapper: the router is the text model's
+            cfg = AutoConfig.for_model(model_type, **kw)
+        else:
+            cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, **kw)
+        rcfg = getattr(cfg, "text_config", cfg)
         dtype = torch.float32 if model_type == "deepseek_v4" else torch.bfloat16
-        if model_type == "deepseek_v3":
+        if model_type in ("deepseek_v3", "kimi_k25"):
             from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
         elif model_type == "glm4_moe":
             from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter as R
@@ -533,9 +780,18 @@ def run_routing(out_root: Path) -> list[Path]:
             R = v4.DeepseekV4HashRouter if cfg.mlp_layer_types[layer] == "hash_moe" else v4.DeepseekV4TopKRouter
         elif model_type == "mixtral":
             from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as R
+        elif model_type == "minimax_m2":
+            from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter as R
+        elif model_type == "qwen2_moe":
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter as R
+        elif model_type in ("llama4", "llama4_text"):
+            from transformers.models.llama4.modeling_llama4 import Llama4Router as R
         else:
             from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as R
-        router = R(cfg)
+        router = R(rcfg)
+        e_bias = None
+        if model_type == "minimax_m2":  # the block's buffer, passed to the router
+            e_bias = torch.randn(rcfg.num_local_experts) * 0.05
         with torch.no_grad():
             router.weight.copy_(torch.randn(router.weight.shape) * 0.1)
             if hasattr(router, "e_score_correction_bias"):
@@ -549,11 +805,22 @@ def run_routing(out_root: Path) -> list[Path]:
         x = torch.randn(64, HIDDEN).to(dtype)
         input_ids = torch.randint(0, cfg.vocab_size, (64,)) if hasattr(router, "tid2eid") else None
         with torch.no_grad():
-            logits, weights, ids = router(x) if input_ids is None else router(x, input_ids)
+            if e_bias is not None:
+                logits, weights, ids = router(x, e_bias)
+            elif model_type in ("llama4", "llama4_text"):
+                # Llama4Router returns sigmoid scores [T, E] (0 where not chosen) and the logits;
+                # the chosen experts are the top-k of the logits
+                scores, logits = router(x)
+                ids = torch.topk(logits, router.top_k, dim=1).indices
+                weights = scores.gather(1, ids)
+            else:
+                logits, weights, ids = router(x) if input_ids is None else router(x, input_ids)
         t = {"router_logits": logits.float().contiguous(), "topk_ids": ids.to(torch.int32).contiguous(),
              "topk_weights": weights.float().contiguous()}
         if hasattr(router, "e_score_correction_bias"):
             t["e_score_correction_bias"] = router.e_score_correction_bias.float().contiguous()
+        if e_bias is not None:
+            t["e_score_correction_bias"] = e_bias.float().contiguous()
         if input_ids is not None:
             t["input_ids"], t["tid2eid"] = input_ids.contiguous(), router.tid2eid.contiguous()
         meta = {"config": cfg.to_json_string(use_diff=False), "transformers_version": transformers.__version__,

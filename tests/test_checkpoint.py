@@ -339,9 +339,13 @@ def test_input_scale_convention_per_expert_and_max(tmp_path, gen):
 def test_unknown_architecture_and_format_refused(tmp_path):
     w = C.synthetic_weights(V3_TINY, seed=11)
     hf = deepseek_v3_config(V3_TINY)
-    write_per_expert(tmp_path / "a", w, V3_TINY, hf=dict(hf, model_type="llama4_text"))
-    with pytest.raises(C.CheckpointError, match="model_type='llama4_text'"):
+    write_per_expert(tmp_path / "a", w, V3_TINY, hf=dict(hf, model_type="dbrx"))
+    with pytest.raises(C.CheckpointError, match="model_type='dbrx'"):
         C.load(tmp_path / "a")
+    # a known architecture whose routing has no use for one of the layer's tensors
+    write_per_expert(tmp_path / "a2", w, V3_TINY, hf=dict(hf, model_type="llama4_text"))
+    with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias: present but not used: llama4_text"):
+        C.load(tmp_path / "a2")
     # explicit config: then the architecture need not be known
     assert C.load(tmp_path / "a", config=V3_TINY).config == V3_TINY
     write_per_expert(tmp_path / "b", w, V3_TINY, hf={k: v for k, v in hf.items() if k != "model_type"})
@@ -672,21 +676,25 @@ def _add_tensors(folder, extra: dict):
     save_file(t, str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("extra", [
-    "model.layers.0.mlp.experts.0.gate_proj.bias",          # gpt-oss-like expert bias
-    "model.layers.0.mlp.router.weight",                     # a router under another name
-    "model.layers.0.mlp.shared_expert.gate_proj.weight",    # Qwen2-MoE's singular shared expert
-    "model.layers.0.mlp.shared_expert_gate.weight",         # and its sigmoid gate
-    "model.layers.0.mlp.e_score_correction_bias",           # MiniMax-M2's block-level bias
+@pytest.mark.parametrize("extra,why", [
+    ("model.layers.0.mlp.experts.0.gate_proj.bias",          # gpt-oss-like expert bias
+     ": a tensor of the MoE layer .* does not read.*biases .* gpt-oss"),
+    ("model.layers.0.mlp.foo.weight", ": a tensor of the MoE layer .* does not read"),
+    # names the loader reads in other families: beside this layer's own, refused all the same
+    ("model.layers.0.mlp.router.weight", "gate.weight and .*router.weight: both present"),  # Llama 4's name
+    ("model.layers.0.mlp.shared_expert.gate_proj.weight", ": two shared experts under two namings"),
+    ("model.layers.0.mlp.shared_expert_gate.weight", r": .*expected an unquantized \[1, H\] gate"),
+    ("model.layers.0.mlp.e_score_correction_bias", ": both present"),             # MiniMax-M2's bias name
 ])
 @pytest.mark.parametrize("with_config", [False, True])
-def test_a_tensor_the_loader_does_not_read_fails_the_load(tmp_path, extra, with_config):
+def test_a_tensor_the_loader_does_not_read_fails_the_load(tmp_path, extra, why, with_config):
     """Never a layer computed without one of its tensors: with or without config=."""
     folder, _ = _v3_folder(tmp_path)
     _add_tensors(folder, {extra: torch.ones(4, 64, dtype=torch.bfloat16)})
     kw = {"config": V3_TINY} if with_config else {}
-    with pytest.raises(C.CheckpointError, match=re.escape(extra) + ": a tensor of the MoE layer .* does not read"):
+    with pytest.raises(C.CheckpointError, match=why) as info:
         C.load(folder, **kw)
+    assert extra.rpartition(".")[0] in str(info.value)  # named (a shared expert by its projection)
     # another layer's tensors are not this layer's
     folder2, _ = _v3_folder(tmp_path / "b")
     _add_tensors(folder2, {"model.layers.0.self_attn.o_proj.weight": torch.ones(4, 4),
@@ -841,3 +849,27 @@ def test_deepseek_v4_router_tensors_must_match_the_layer_kind(tmp_path):
     _add_tensors(folder, {"model.layers.0.mlp.gate.bias": w.router_bias})
     with pytest.raises(C.CheckpointError, match="gate.e_score_correction_bias and .*gate.bias: both present"):
         C.load(folder)
+
+
+@pytest.mark.parametrize("with_config", [False, True])
+def test_gpt_oss_is_refused_naming_what_is_unsupported_and_what_would_be_dropped(tmp_path, with_config):
+    """gpt-oss (config.json model_type gpt_oss) is refused with or without config=: the message
+    names the expert math megamoe does not compute and the layer's tensors it would drop."""
+    folder, _ = _v3_folder(tmp_path)
+    e = V3_TINY.num_experts
+    extra = {f"model.layers.0.mlp.experts.{i}.{p}.bias": torch.zeros(n, dtype=torch.bfloat16)
+             for i in range(e) for p, n in (("gate_proj", 32), ("up_proj", 32), ("down_proj", 64))}
+    extra["model.layers.0.mlp.router.bias"] = torch.zeros(e, dtype=torch.bfloat16)
+    _add_tensors(folder, extra)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt_oss"}))
+    kw = {"config": V3_TINY} if with_config else {}
+    with pytest.raises(C.CheckpointError) as info:
+        C.load(folder, **kw)
+    msg = str(info.value)
+    assert "model_type 'gpt_oss' is not supported" in msg
+    for word in ("biases", "interleaved gate/up", "clamped activation", "router with a bias",
+                 "model.layers.0.mlp.experts.{N}.gate_proj.bias", "model.layers.0.mlp.experts.{N}.down_proj.bias",
+                 "model.layers.0.mlp.router.bias"):
+        assert word in msg, word
+    assert ("config= does not change" in msg) == with_config

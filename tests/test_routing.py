@@ -120,8 +120,8 @@ def test_rule_matches_the_transformers_router(path):
         w, t["topk_weights"] = w[keep], t["topk_weights"][keep]
     assert torch.equal(got.values, want.values)
     gw, ww = w.gather(1, got.indices), t["topk_weights"].gather(1, want.indices)
-    if hf["model_type"] == "qwen3_moe":
-        gw = gw.to(torch.bfloat16).float()  # transformers returns Qwen3-MoE weights in the logits' dtype
+    if hf["model_type"] in ("qwen3_moe", "qwen2_moe", "llama4", "llama4_text"):
+        gw = gw.to(torch.bfloat16).float()  # transformers returns these weights in the logits' dtype
         torch.testing.assert_close(gw, ww, rtol=1e-2, atol=1e-3)
     else:
         torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
@@ -131,6 +131,9 @@ def test_rule_matches_the_transformers_router(path):
     w2, ids2 = route(t["router_logits"], fl["top_k"], other, *args[2:], expert_ids=expert_ids)
     if expert_ids is not None:
         assert torch.equal(ids2, ids) and not torch.allclose(w2, w, rtol=1e-3, atol=1e-4)
+    elif fl.get("router_weight_on_input"):
+        # Llama 4: the top-k of the logits, whatever the (monotone) score; the weights differ
+        assert not torch.allclose(w2, w, rtol=1e-3, atol=1e-4)
     elif fl["scoring"] != "softmax":
         assert not torch.equal(ids2.long().sort(-1).values, want.values)
     if fl["routed_scaling_factor"] != 1.0:
@@ -154,8 +157,12 @@ def test_deepseek_v3_rule_and_defaults():
     ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"model_type": "deepseek_v3", "topk_method": "greedy"}, "topk_method='greedy'"),
     ({"model_type": "mixtral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
-    ({"model_type": "gpt_oss"}, "model_type='gpt_oss'"),
+    ({"model_type": "gpt_oss"}, r"model_type='gpt_oss': not supported: .*biases.*clamped activation"),
+    ({"model_type": "kimi_k25"}, "without a text_config"),
+    ({"model_type": "kimi_k25", "text_config": {"model_type": "qwen3_moe"}}, "text_config.model_type='qwen3_moe'"),
+    ({"model_type": "kimi_k25", "text_config": {"scoring_func": "softmax"}}, "text_config.scoring_func='softmax'"),
+    ({"model_type": "minimax_m2", "use_routing_bias": False}, "use_routing_bias=false"),
+    ({"model_type": "llama4", "text_config": {"model_type": "mixtral"}}, "text_config.model_type='mixtral'"),
     ({"n_routed_experts": 8}, "no model_type"),
 ])
 def test_unknown_or_unsupported_is_refused(hf, msg):
@@ -234,3 +241,37 @@ def test_deepseek_v4_rule_defaults_and_legacy_num_hash_layers():
 def test_deepseek_v4_rule_refusals(hf, layer, msg):
     with pytest.raises(UnknownArchitecture, match=msg):
         architecture_routing(hf, layer)
+
+
+def test_kimi_k25_rule_reads_text_config():
+    """Kimi-K2.5's routing is its DeepSeek-V3 text model's, read from text_config (every choice
+    names the key under text_config)."""
+    rule = architecture_routing({"model_type": "kimi_k25", "n_routed_experts": 99,
+                                 "text_config": {"model_type": "kimi_k2", "n_routed_experts": 384,
+                                                 "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+                                                 "routed_scaling_factor": 2.827, "moe_intermediate_size": 2048}})
+    f = rule.fields
+    assert (f["num_experts"], f["top_k"], f["scoring"], f["routed_scaling_factor"], f["n_shared_experts"]) == \
+        (384, 8, "sigmoid", 2.827, 1)
+    assert rule.stated["num_experts"] == "text_config.n_routed_experts"
+    assert "num_experts=384 (config.json text_config.n_routed_experts)" in rule.choices
+    assert rule.requires == ("correction_bias",)
+
+
+def test_minimax_qwen2_llama4_rules():
+    mm = architecture_routing({"model_type": "minimax_m2", "num_local_experts": 256, "num_experts_per_tok": 8,
+                               "intermediate_size": 1536, "scoring_func": "sigmoid", "use_routing_bias": True})
+    assert (mm.fields["scoring"], mm.fields["renormalize"], mm.fields["routed_scaling_factor"],
+            mm.fields["n_shared_experts"], mm.requires) == ("sigmoid", True, 1.0, 0, ("correction_bias",))
+    q = architecture_routing({"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4,
+                              "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}).fields
+    assert (q["scoring"], q["renormalize"], q["n_shared_experts"], q["shared_intermediate_size"],
+            q["shared_expert_gate"]) == ("softmax", False, 1, 5632, True)
+    for hf in ({"model_type": "llama4_text", "num_local_experts": 16, "num_experts_per_tok": 1,
+                "intermediate_size": 8192},
+               {"model_type": "llama4", "text_config": {"model_type": "llama4_text", "num_local_experts": 16,
+                                                        "num_experts_per_tok": 1, "intermediate_size": 8192}}):
+        f = architecture_routing(hf).fields
+        assert (f["scoring"], f["renormalize"], f["routed_scaling_factor"], f["router_weight_on_input"],
+                f["n_shared_experts"], f["shared_intermediate_size"], f["top_k"]) == \
+            ("sigmoid", False, 1.0, True, 1, 8192, 1)
