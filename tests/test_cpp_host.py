@@ -1,4 +1,5 @@
-"""Compile and run the C++ host test: docs/SPEC.md §2 closed form vs CuTe's Sm1xxBlockScaledConfig."""
+"""Compile and run the C++ host tests: docs/SPEC.md §2 closed form vs CuTe's Sm1xxBlockScaledConfig, and the sm90
+activation orders (megamoe/sm90_operand_order.hpp) vs CuTe layouts."""
 import importlib.util
 import os
 import shutil
@@ -32,7 +33,7 @@ def cuda_includes():
     return None
 
 
-def test_sf_layout_closed_form_equals_cute(tmp_path):
+def compile_and_run(tmp_path, name):
     inc = cutlass_include()
     cuda = cuda_includes()
     if inc is None or cuda is None:
@@ -40,12 +41,21 @@ def test_sf_layout_closed_form_equals_cute(tmp_path):
             pytest.fail(f"CI must run the CuTe host test: CUTLASS headers {inc}, CUDA headers {cuda}")
         pytest.skip("needs the nvidia-cutlass headers and the CUDA toolkit headers")
     cxx = shutil.which("c++") or shutil.which("g++")
-    exe = tmp_path / "test_sf_layout"
+    exe = tmp_path / name
     cmd = [cxx, "-std=c++17", "-O1", "-w", f"-I{ROOT / 'cpp' / 'include'}", f"-I{inc}",
-           *[f"-I{c}" for c in cuda], str(ROOT / "cpp" / "tests" / "test_sf_layout.cpp"), "-o", str(exe)]
+           *[f"-I{c}" for c in cuda], str(ROOT / "cpp" / "tests" / f"{name}.cpp"), "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-4000:]
-    assert " 0 failed" in run.stdout
+    return run.stdout
+
+
+def test_sm90_operand_and_lane_order_equal_cute(tmp_path):
+    out = compile_and_run(tmp_path, "test_sm90_operand_order")
+    assert " 0 failed" in out and " 0 checks" not in out
+
+
+def test_sf_layout_closed_form_equals_cute(tmp_path):
+    assert " 0 failed" in compile_and_run(tmp_path, "test_sf_layout")

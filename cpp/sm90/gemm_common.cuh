@@ -97,9 +97,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Stored position of element j of an 8-element group in operand order (inverse of operand_order()).
-__device__ __forceinline__ int operand_position(int j) { return ((j & 3) << 1) | (j >> 2); }
-
 // x * sigmoid(x) with the fast division (MUFU.RCP and a multiply, 2 ulp; x / inf = -0 for x below about -88), not the
 // IEEE division's range checks and slow-path call per value; every kernel of this backend uses this one definition,
 // so their h agree bit for bit.
@@ -134,13 +131,9 @@ __device__ __forceinline__ float h_quant_scale(const GroupedGemmArgs& a, int exp
   return a.h_quant_gs ? a.h_quant_gs[a.h_gs_per_expert ? expert : 0] : 1.0f;
 }
 
-// Offset of column col of an operand row (operand order, or the wgmma kernels' lane order).
-__device__ __forceinline__ int64_t operand_column(int64_t col, bool lane_order) {
-  const int op = int(col & 56) + operand_position(int(col & 7));  // operand position within the 64-block
-  return (col & ~int64_t(63)) + (lane_order ? lane_order_position(op) : op);
-}
+// operand_position, operand_column: megamoe/sm90_operand_order.hpp
 // h[out_row, col] of the kSiluMul epilogue written as the bf16 gemm2 operand ([rows, I], operand order, or
-// lane order for the wgmma GEMMs: megamoe/nvfp4_device.cuh), rounded once, as staging would.
+// lane order for the wgmma GEMMs: megamoe/sm90_operand_order.hpp), rounded once, as staging would.
 __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_t out_row, int64_t I, int64_t col,
                                                    float hv, bool lane_order) {
   out_operand[out_row * I + operand_column(col, lane_order)] = bf16_bits(hv);

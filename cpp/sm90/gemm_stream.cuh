@@ -35,7 +35,8 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
 
 // Activation operand of one token row, 8 elements (one 16-byte word) at element `col`.
 // Either the staged operand-order buffer, or (fused gather) a bf16 row of x in natural
-// order, interleaved here with byte permutes.
+// order, interleaved here with byte permutes into operand order (megamoe/sm90_operand_order.hpp: stored position
+// operand_position(j) of element j).
 __device__ __forceinline__ uint4 interleave_act(uint4 u) {
   uint4 v;
   v.x = __byte_perm(u.x, u.z, 0x5410);  // (x0, x4)

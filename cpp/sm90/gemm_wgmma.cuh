@@ -28,7 +28,7 @@
 // its rows: the two words at byte 8 tig of the block's 32 and one scale (byte tig of the block's
 // 4). For that to be a dot product, the activations must put the partners of those elements at
 // the k-positions lane tig holds in the A fragment (a0: k 2tig, 2tig+1; a2: k 2tig+8, 2tig+9 of
-// every k16 step): the lane order (megamoe/nvfp4_device.cuh, lane_order_position) stores operand
+// every k16 step): the lane order (megamoe/sm90_operand_order.hpp, lane_order_position) stores operand
 // unit u = 8 tig + v of a block (a unit: the bf16 pair at operand positions 2u, 2u + 1) at unit
 // 4v + tig, so word q of the lane (units v = 4q..4q+3) feeds k16 steps 2q and 2q + 1 of the
 // block: pair j of it is register 0 (j even; row g + 8: 1) or 2 (j odd; 3) of step 2q + j / 2.

@@ -1,4 +1,4 @@
-// Activation staging: bf16 rows in operand or lane order (cpp/sm90/gemm_common.cuh; lane order: megamoe/nvfp4_device.cuh), gathered per grouped row
+// Activation staging: bf16 rows in operand or lane order (megamoe/sm90_operand_order.hpp), gathered per grouped row
 // (stage_bf16) or scattered from each token's row (scatter_bf16), and their launchers (megamoe/sm90_kernels.h).
 // Launched with PDL (cpp/sm90/pdl.cuh): the kernels wait for their predecessor before their first global access and
 // release their dependents right after.
@@ -9,17 +9,18 @@
 
 #include "launch_util.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "megamoe/sm90_operand_order.hpp"
 #include "pdl.cuh"
 
 namespace megamoe::sm90 {
 namespace {
 
-// The converted 16-byte chunk c of a source row (the order: see stage_bf16_kernel below).
+// The converted 16-byte chunk c of a source row: pair t of it holds elements (first + step t, + 4), in operand or lane
+// order (megamoe/sm90_operand_order.hpp, operand_chunk_first).
 template <typename T>
 __device__ __forceinline__ uint4 bf16_chunk(const T* row, int64_t c, bool lane_order) {
-  const int v = int(c & 7);
-  const int64_t first = lane_order ? (c >> 3) * 64 + 8 * (v >> 2) + (v & 3) : c * 8;
-  const int step = lane_order ? 16 : 1;  // elements between the pairs' first elements
+  const int64_t first = operand_chunk_first(c, lane_order);
+  const int step = operand_chunk_step(lane_order);  // elements between the pairs' first elements
   const T* p = row + first;
   uint32_t w[4];
 #pragma unroll
@@ -30,10 +31,7 @@ __device__ __forceinline__ uint4 bf16_chunk(const T* row, int64_t c, bool lane_o
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One thread per 16-byte output chunk c of a row (4 bf16 pairs): gather, convert, store. Operand order:
-// chunk c is 8-element group c, pair q = elements (q, q + 4) of it. Lane order: chunk v = c % 8 of
-// 64-element block c / 8 holds the operand pairs v, 8 + v, 16 + v, 24 + v, i.e. elements
-// (16t + 8(v / 4) + v % 4, + 4) of the block for pair t.
+// One thread per 16-byte output chunk c of a row (4 bf16 pairs): gather, convert, store (bf16_chunk).
 template <typename T>
 __global__ void stage_bf16_kernel(const T* src, int64_t stride, const int32_t* src_rows, const int32_t* num_rows,
                                   int64_t max_rows, int64_t cols, uint16_t* dst, bool lane_order) {

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "megamoe/sm90_operand_order.hpp"
+
 namespace megamoe {
 
 // e4m3 (fn) of a non-negative fp32, round to nearest even, saturating at 448.
@@ -93,19 +95,7 @@ __device__ __forceinline__ float nvfp4_dequantized(const Nvfp4Block& b, float x)
   return __fmul_rn(r, b.scale);
 }
 
-// Stored position p of an 8-element group holds element kOperandOrder[p]: the order in
-// which the sm90 GEMMs' weight dequantization produces bf16 pairs (see cpp/sm90/gemm_common.cuh).
-__device__ __forceinline__ int operand_order(int p) { return (p >> 1) + ((p & 1) << 2); }
-
-// Lane order: the activation operand of the sm90 wgmma GEMMs (cpp/sm90/gemm_wgmma.cuh).
-// Within every 64-element block of a row, the operand-order unit u = 8t + v (a unit = the bf16 pair at
-// operand positions 2u, 2u + 1; t < 4, v < 8) is stored at unit 4v + t, so that the 16 elements
-// MMA lane t of a quad owns in the block are two whole words of its weight row. Returns the stored
-// position of operand-order position p (0 <= p < 64) within its block.
-__device__ __forceinline__ int lane_order_position(int p) {
-  const int u = p >> 1;
-  return ((((u & 7) << 2) | (u >> 3)) << 1) | (p & 1);
-}
+// operand_order, lane_order_position (the sm90 GEMMs' activation orders): megamoe/sm90_operand_order.hpp
 
 // The 8 operand-order bf16 pairs of a block of 16 values (E2M1 values already multiplied by their e4m3 scale: exact).
 __device__ __forceinline__ void operand_pairs(const float (&v)[16], uint32_t (&w)[8]) {
@@ -150,7 +140,7 @@ __device__ __forceinline__ void lane_order_chunks(const float (&v)[16], uint32_t
   operand_pairs(v, w);
   __syncwarp(quad_mask);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) stage[(4 * i + tig + rot) & 31] = w[i];
+  for (int i = 0; i < 8; ++i) stage[(4 * i + tig + rot) & 31] = w[i];  // lane_order_unit(8 tig + i) = 4 i + tig
   __syncwarp(quad_mask);
 #pragma unroll
   for (int h = 0; h < 2; ++h) chunk[h] = *reinterpret_cast<const uint4*>(stage + ((4 * (tig + 4 * h) + rot) & 31));

@@ -5,9 +5,9 @@
 // Row layout used between the kernels ("compact grouped"): the T*k (token, expert)
 // pairs are sorted by expert; expert e owns rows [expert_offsets[e], expert_offsets[e+1]).
 // Activations handed to the GEMMs are bf16 [rows, K] with each 8-element group stored
-// in the order 0,4,1,5,2,6,3,7 ("operand order", see cpp/sm90/gemm_common.cuh), and for the
+// in the order 0,4,1,5,2,6,3,7 ("operand order", megamoe/sm90_operand_order.hpp), and for the
 // wgmma kernels with the 4-byte pairs of every 64-element block further permuted ("lane order",
-// megamoe/nvfp4_device.cuh lane_order_position; GemmPlan::lane_order); for W4A4 they hold
+// megamoe/sm90_operand_order.hpp lane_order_position; GemmPlan::lane_order); for W4A4 they hold
 // e2m1 * e4m3 of the NVFP4 activation (exact), the global scale going into the GEMM alpha.
 #pragma once
 #include <cuda_runtime.h>
