@@ -32,6 +32,13 @@ Around the experts (:data:`ROUTER_NAMES`, :data:`SHARED_NAMINGS`): ``gate.weight
 ``experts.{e}.w1/w3/w2`` too. An expert weight stored in a float dtype is quantized at load
 time and *reported* (never silently).
 
+Per family (docs/SPEC.md §3.4.1): Llama 4's and gpt-oss's router ``router.weight``; MiniMax-M2's
+block-level ``e_score_correction_bias``; Qwen2-MoE's and Llama 4's singular ``shared_expert.*``
+and Qwen2-MoE's unquantized ``shared_expert_gate.weight``; ModelOpt's fused, transposed Llama 4
+experts ``experts.gate_up_proj`` u8 ``[E, H/2, 2I]`` with ``_weight_scale`` / ``_weight_scale_2``
+/ ``_input_scale``; layers numbered ``layers.N`` or ``blocks.N``. gpt-oss is refused with or
+without ``config=``, naming what it needs and the tensors that would be dropped.
+
 Every tensor under the layer's prefix is read, or the load fails naming the first that is
 not (with or without ``config=``): a layer is never computed without one of its tensors. A
 router tensor the routing would not use (a hash table in a top-k layer, a bias in a hash

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Make NVFP4 MoE checkpoints with the real producers, and record the producers' own forward.
 
-Each fixture is a tiny randomly initialised Hugging Face ``DeepseekV3`` or ``DeepseekV4`` model
+Each fixture is a tiny randomly initialised Hugging Face MoE model (``DeepseekV3``, ``Glm4Moe``,
+``DeepseekV4``, ``Kimi_K25``, ``MiniMaxM2``, ``Qwen2Moe``, ``Llama4`` text)
 (built from a config: nothing is downloaded), quantized on the CPU by the tool itself, and
 written by the tool's own exporter:
 
@@ -24,6 +25,10 @@ layer, weights scaled so that the SwiGLU clamp bites, and record per layer the t
 (``input_ids``) and the float32 model's router choice (``*_fp32``). llmcompressor's DeepSeek-V4
 checkpoints are saved with the mapping its ``load_quantizable_moe`` registers (DeepSeek's
 upstream names); its DeepSeek-V4 venv needs transformers 5.17.
+
+Kimi-K2.5 (``kimi_k25``: DeepSeek-V3 in the multimodal wrapper), MiniMax-M2, Qwen2-MoE (a
+sigmoid-gated singular ``shared_expert``) and Llama 4 (``llama4_text``: the router weight on the
+expert's input) fixtures are built the same way; their reference holds no activation bytes.
 
 The two producers pin different ``transformers`` versions, so each runs in its own venv:
 
