@@ -16,10 +16,11 @@ constraints.txt with the runtime and CCCL headers) carry ``ptxas`` and the heade
 ``nvcc``, ``cicc`` or ``cudafe++``: the C++ front ends and the PTX generator are those of
 the nvcc on PATH (13.x), and the PTX they write is declared ISA 8.7 (CUDA 12.8's) before
 12.8's ptxas assembles it. So this proves the 12.8 branches compile and assemble; it does
-not prove that CUDA 12.8's own front end accepts the code, and the host pass (kernel stubs,
-CUTLASS's host adapter with its ``cudaGetDriverEntryPoint`` branch) is compiled with the
-nvcc's own headers: the launch stubs its front end writes only compile against its own CRT
-headers. The image build is the full CUDA 12.8 compile.
+not prove that CUDA 12.8's own front end accepts the code, and the host side (kernel stubs,
+CUTLASS's host adapter with its ``cudaGetDriverEntryPoint`` branch) is not compiled here: the
+stubs the device pass writes under 12.8's macros do not match the host pass of a 13.x front
+end. The regular build compiles the host side with the installed nvcc; the image build is the
+full CUDA 12.8 compile.
 
 Usage: ``python .ci/cuda128_compile.py [OUT_DIR]`` (default build/cuda-12.8; its own venv
 there, never the project's). Without nvcc on PATH it says so and exits 0. Exit 1 on any
@@ -77,6 +78,8 @@ def transform(script: list[str], site: Path, ptxas: Path) -> list[str]:
     major, minor, build = CUDA_VERSION
     out = []
     for line in script:
+        if out and re.match(r"^\S*ptxas ", out[-1]):
+            break  # the device code is assembled: the stubs and the host object are the regular build's
         setting = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)=", line)
         if setting:  # nvcc's settings: the tool paths its commands use are kept (the others are not shell syntax)
             if setting.group(1) in ("TOP", "CICC_PATH", "NVVMIR_LIBRARY_DIR", "LD_LIBRARY_PATH", "PATH"):
@@ -104,7 +107,7 @@ def transform(script: list[str], site: Path, ptxas: Path) -> list[str]:
 
 def compile_unit(nvcc: str, src: str, arch: str, out: Path, site: Path, ptxas: Path) -> tuple[bool, str]:
     cutlass = site / "cutlass_library" / "source"
-    name = f"{Path(src).stem}.sm{arch}"
+    name = f"{Path(src).stem}.sm{arch}"  # the cubin is the result: <out>/tmp/<name>/<stem>.cubin
     tmp = out / "tmp" / name
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [nvcc, "--dryrun", "--keep", "--keep-dir", str(tmp), *FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}",
@@ -116,7 +119,12 @@ def compile_unit(nvcc: str, src: str, arch: str, out: Path, site: Path, ptxas: P
     lines = [ln[3:] if ln.startswith("#$ ") else ln for ln in dry.stderr.splitlines() if ln.strip()]
     script = tmp / "compile.sh"
     script.write_text("set -euo pipefail\n" + "\n".join(transform(lines, site, ptxas)) + "\n")
+    for old in tmp.glob("*.cubin"):
+        old.unlink()
     run = subprocess.run(["bash", str(script)], cwd=REPO, capture_output=True, text=True)
+    cubins = [c for c in tmp.glob("*.cubin") if c.stat().st_size > 0]
+    if run.returncode == 0 and not cubins:
+        return False, f"no cubin in {tmp}\n{run.stdout}{run.stderr}"
     return run.returncode == 0, run.stdout + run.stderr
 
 

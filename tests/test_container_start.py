@@ -160,4 +160,4 @@ def test_cuda128_transform_puts_12_8_into_the_device_pass_only(tmp_path):
     assert out[3] == script[4]  # cicc: the only PTX generator there is
     assert out[4].startswith("sed -i -E") and ".version 8.7" in out[4] and "/t/a.ptx" in out[4]
     assert out[5].startswith(str(ptxas)) and "-arch=sm_100a" in out[5]
-    assert out[6] == script[6]
+    assert len(out) == 6  # nothing after the assembler: the host object is the regular build's
