@@ -6,12 +6,14 @@ e2m1 codes and e4m3 block scales in the docs/SPEC.md §2 layout, fp32 accumulati
 alpha per group, fp32 output (bf16 output before SwiGLU's re-quantization measured
 cosine 0.99977 against the torch reference in CPU emulation; fp32 matches it).
 
-This path is compiled and host-tested in this project's CI (shapes, strides, SF
-layouts against docs/SPEC.md §2, pointer offsets, alphas, workspace, ``can_implement``, and
-the whole MoE glue on the CPU with :func:`emulate_grouped_gemm` standing in for the
-kernel). The kernel itself has never run here: no Blackwell GPU was available. It
-is validated on the user's hardware by the docs/SPEC.md §5 health checks
-(``megamoe selftest --backend cuda-sm100``).
+This path is compiled in this project's CI with CUDA 13 and, device code, with CUDA 12.8's
+headers and ptxas (the image's toolchain), and host-tested there (shapes, strides, SF layouts
+against docs/SPEC.md §2, pointer offsets, alphas, workspace, ``can_implement``, the tile
+choice, and the whole MoE glue on the CPU with :func:`emulate_grouped_gemm` standing in for
+the kernel; ``tests/sm100_gpu/test_sm100_glue_gpu.py`` runs the glue on any CUDA GPU). The
+kernel itself has never run here: no Blackwell GPU was available. It is validated on the
+user's hardware by ``megamoe selftest --backend cuda-sm100`` (the docs/SPEC.md §5 health
+checks and the deployment shapes) and ``pytest tests/sm100_gpu``.
 
 How one MoE forward maps onto the kernel (see ``cpp/include/megamoe/sm100_moe_groups.hpp``):
 
