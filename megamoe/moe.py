@@ -27,6 +27,11 @@ class MoELayer:
 
     def __init__(self, weights: MoEWeights, config: MoEConfig, backend: str | Backend = "auto",
                  device: str | torch.device | None = None) -> None:
+        if config.router_weight_on_input and type(self).forward is not MoELayer.forward:
+            # the weight on the expert's input is applied by MoELayer.forward (_routed); a layer
+            # with its own forward would weigh the outputs instead, computing another layer
+            raise NotImplementedError(f"{type(self).__name__}: router_weight_on_input (Llama 4: the router weight "
+                                      f"multiplies the expert's input) is computed by MoELayer.forward only")
         self._check_weights(weights, config)
         self.config = config
         self.backend = get_backend(backend, device=device)

@@ -721,3 +721,51 @@ def test_info_names_kimi_k25_text_config_and_blocks(capsys):
                  f"read: {p}gate.e_score_correction_bias: correction bias",
                  f"read: {p}shared_experts.gate_proj.weight_packed: shared expert gate weights: NVFP4"):
         assert word in out, word
+
+
+def test_router_weight_on_input_scales_each_slots_row():
+    """Llama 4's weight on the expert's input, with two experts per token (the layer does not
+    assume top-1): each slot's row times its weight, in the rows' dtype, through its expert with
+    weight 1, summed over the slots; plus the shared expert. A layer class with its own forward
+    (which would weigh the outputs) refuses such a config."""
+    from megamoe import reference
+
+    loaded = C.load(FIXTURES / "llmc_llama4_nvfp4", layer=0)
+    cfg, w = loaded.config.with_(top_k=2), loaded.weights
+    m = MoELayer(w, cfg, backend="torch")
+    x = _ref(FIXTURES / "llmc_llama4_nvfp4", 0)["x"]
+    weights, ids = m.route(x)
+    assert ids.shape == (x.shape[0], 2)
+    want = m._shared_expert(x).float()
+    for j in range(2):
+        rows = x * weights[:, j:j + 1].to(x.dtype)  # bf16, as transformers scales them
+        for t in range(x.shape[0]):
+            e = int(ids[t, j])
+            want[t] += reference.expert_mlp(rows[t:t + 1].float(), nvfp4.dequantize(w.w13[e]), nvfp4.dequantize(w.w2[e]),
+                                            cfg, w.w13_input_scale[e], w.w2_input_scale[e])[0]
+    got = m(x).float()
+    torch.testing.assert_close(got, want.to(x.dtype).float(), rtol=0, atol=0)
+    # weighing the outputs instead is another layer
+    assert cosine(MoELayer(w, cfg.with_(router_weight_on_input=False), backend="torch")(x), want) < 0.9999
+
+    class OwnForward(MoELayer):
+        def forward(self, *a, **kw):
+            return super().forward(*a, **kw)
+
+    with pytest.raises(NotImplementedError, match="router_weight_on_input"):
+        OwnForward(w, cfg, backend="torch")
+
+
+def test_shared_expert_gate_scales_the_shared_expert_per_token():
+    """Qwen2-MoE's shared expert: its output times sigmoid(x · gate), per token; the routed part
+    unchanged."""
+    d = FIXTURES / "modelopt_qwen2_moe_nvfp4"
+    loaded = C.load(d, layer=0)
+    x = _ref(d, 0)["x"].float()
+    m = MoELayer(loaded.weights, loaded.config, backend="torch")
+    ungated_w = C.MoEWeights(**{**loaded.weights.__dict__, "shared_expert_gate": None})
+    ungated = MoELayer(ungated_w, loaded.config.with_(shared_expert_gate=False), backend="torch")
+    g = torch.sigmoid(x @ loaded.weights.shared_expert_gate.float().T)
+    assert float(g.min()) < 0.4 and float(g.max()) > 0.6  # the gate varies per token
+    torch.testing.assert_close(m._shared_expert(x), ungated._shared_expert(x) * g, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m(x) - m._shared_expert(x), ungated(x) - ungated._shared_expert(x), rtol=1e-6, atol=1e-5)
