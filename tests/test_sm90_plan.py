@@ -85,7 +85,7 @@ def test_fusion_only_for_w4a16():
 
 @pytest.mark.parametrize("tpe", [1, 4, 5, 40, 100, 5000])
 def test_w4a4_quantizes_h_in_l1_only_with_a_static_scale(tpe):
-    """W4A4: L1 writes h as the L2 operand (its NVFP4 decode) when h takes a static scale; the per-row dynamic
+    """W4A4: gemm1 writes h as the gemm2 operand (its NVFP4 decode) when h takes a static scale; the per-row dynamic
     scale needs the whole row of h first, so h goes through the quantize kernel. x is never gathered by W4A4."""
     static, dynamic = plan(tpe, w4a16=False, h_static_scale=True), plan(tpe, w4a16=False)
     assert static.h_operand and not dynamic.h_operand, (static, dynamic)
@@ -146,29 +146,69 @@ def test_backend_asks_the_plan(monkeypatch):
 
 
 def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
-    """One token runs without the align kernel (the GEMMs read topk_ids themselves, L1 writes entry_row) exactly when
-    its kernels are instantiated for it: on the one-tile streaming kernel, H and I multiples of 64, W4A16 with bf16 x
-    (plan.gather_x) or W4A4 with a static scale for h (plan.h_operand: L1 quantizes h)."""
-    from types import SimpleNamespace
-
+    """One token runs without the align kernel (the GEMMs read topk_ids themselves, gemm1 writes entry_row) exactly
+    when its kernels are instantiated for it: on the one-tile streaming kernel, H and I multiples of 64, W4A16 with
+    bf16 x (plan.gather_x) or W4A4 with a static scale for h (plan.h_operand: gemm1 quantizes h). The backend reads
+    the plan's answer."""
     from megamoe.backends import cuda_sm90
 
-    def cfg(h=4096, i=2048, k=6, act_mode="w4a16"):
-        return SimpleNamespace(hidden_size=h, intermediate_size=i, top_k=k, act_mode=act_mode)
+    def skip(tokens=1, **kw):
+        p = plan(1, tokens=tokens, **kw)
+        assert cuda_sm90.CudaSm90Backend._without_align(p) == p.without_align
+        return p.without_align
 
-    skip = cuda_sm90.CudaSm90Backend._without_align
-    one = plan(1, k_l1=4096, k_l2=2048)
-    assert skip(1, cfg(), one) and skip(1, cfg(k=8), one) and skip(1, cfg(k=1), one) and skip(1, cfg(k=16), one)
-    assert not skip(2, cfg(), one)  # two tokens share an expert's weights: grouped rows
-    assert not skip(1, cfg(h=4128), plan(1, k_l1=4128))  # H % 64 != 0
-    assert not skip(1, cfg(i=2080), plan(1, k_l2=2080))  # I % 64 != 0
-    assert not skip(1, cfg(), plan(1, gather_input=False))  # fp16 / fp32 x: staged per grouped row
-    assert not skip(1, cfg(), plan(1, kernel=kind("wgmma32")))
-    assert not skip(1, cfg(), plan(1, tokens_per_pass=16))
-    w4a4 = cfg(act_mode="w4a4")
+    assert skip() and skip(k_l1=64, k_l2=64)
+    assert not skip(tokens=2)  # two tokens share an expert's weights: grouped rows
+    assert not skip(tokens=0)  # not a forward
+    assert not skip(k_l1=4128)  # H % 64 != 0
+    assert not skip(k_l2=2080)  # I % 64 != 0
+    assert not skip(gather_input=False)  # fp16 / fp32 x: staged per grouped row
+    assert not skip(kernel=kind("wgmma32"))
+    assert not skip(tokens_per_pass=16)
     for gather_input in (True, False):  # x of any dtype: quantized into the slots' rows first
-        assert skip(1, w4a4, plan(1, w4a16=False, gather_input=gather_input, h_static_scale=True))
-    assert not skip(1, w4a4, plan(1, w4a16=False))  # a dynamic scale for h: the quantizer of h reads grouped rows
-    assert not skip(2, w4a4, plan(1, w4a16=False, h_static_scale=True))
-    assert not skip(1, cfg(h=4128, act_mode="w4a4"), plan(1, w4a16=False, h_static_scale=True, k_l1=4128))
-    assert not skip(1, w4a4, plan(1, w4a16=False, h_static_scale=True, kernel=kind("wgmma32")))
+        assert skip(w4a16=False, gather_input=gather_input, h_static_scale=True)
+    assert not skip(w4a16=False)  # a dynamic scale for h: the quantizer of h reads grouped rows
+    assert not skip(tokens=2, w4a16=False, h_static_scale=True)
+    assert not skip(w4a16=False, h_static_scale=True, k_l1=4128)
+    assert not skip(w4a16=False, h_static_scale=True, kernel=kind("wgmma32"))
+
+
+def test_token_order_from_the_threshold_where_a_tokens_slots_stage_alike():
+    """The per-slot gemm1 input goes in token order from sm90_token_order_from tokens: W4A16 always, W4A4 only where
+    a token's slots quantize alike; the threshold is the C++ constant unless the caller moves it."""
+    t = _ext.ext.sm90_token_order_from
+    assert t == 1024
+    for tpe in (1, 40, 5000):  # any kernel
+        assert plan(tpe, tokens=t).token_order and not plan(tpe, tokens=t - 1).token_order
+        assert plan(tpe, tokens=t, w4a16=False).token_order  # slots_quantize_alike defaults to True
+        assert not plan(tpe, tokens=t, w4a16=False, slots_quantize_alike=False).token_order
+        assert plan(tpe, tokens=t, slots_quantize_alike=False).token_order  # W4A16: bf16 x is the same in every slot
+    assert not plan(40, tokens=0, token_order_from=1).token_order
+    assert plan(40, tokens=7, token_order_from=7).token_order and not plan(40, tokens=6, token_order_from=7).token_order
+    with pytest.raises(ValueError, match="token_order_from"):
+        plan(40, tokens=7, token_order_from=0)
+    with pytest.raises(ValueError, match="-3"):
+        plan(40, tokens=-3)
+
+
+def test_stage_k_and_copied_rows():
+    """The wgmma kernels' K per stage: tile 32 256; tile 64 256 where K % 256 == 0 and the rows come by TMA, else
+    128; tile 128 128 likewise, else 64. gemm1 copies its rows with cp.async where it gathers x (gather_x: tile 32,
+    W4A16, bf16 x); gemm2 always reads staged rows by TMA. Streaming: no stages."""
+    p = plan(12)  # tile 32, gathered
+    assert (p.kernel, p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (kind("wgmma32"), True, 256, 256), p
+    p = plan(12, gather_input=False)
+    assert (p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (False, 256, 256), p
+    p = plan(40)  # tile 64, x staged per slot: TMA
+    assert (p.kernel, p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (kind("wgmma64"), False, 256, 256), p
+    p = plan(40, k_l2=2176)  # I % 256 != 0
+    assert (p.stage_k_gemm1, p.stage_k_gemm2) == (256, 128), p
+    p = plan(100)
+    assert (p.kernel, p.stage_k_gemm1, p.stage_k_gemm2) == (kind("wgmma128"), 128, 128), p
+    p = plan(100, k_l1=1088)  # H % 128 != 0
+    assert (p.stage_k_gemm1, p.stage_k_gemm2) == (64, 128), p
+    p = plan(12, kernel=kind("wgmma128"))  # tile 128 never gathers x: staged rows by TMA
+    assert (p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (False, 128, 128), p
+    p = plan(2)
+    assert (p.kernel, p.stage_k_gemm1, p.stage_k_gemm2, p.copied_rows_gemm1) == (kind("stream"), 0, 0, False), p
+    assert "stage_k_gemm1=0" in repr(p) and "without_align=False" in repr(p)

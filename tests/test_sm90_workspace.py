@@ -1,7 +1,9 @@
-"""The cuda-sm90 workspace cache (host-side logic, no GPU): bounded, graph-captured ones kept; where the L1 input
-is written in token order."""
+"""The cuda-sm90 workspace cache (host-side logic, no GPU): bounded, graph-captured ones kept; where the gemm1 input
+is written in token order (the plan's answer)."""
+import pytest
 import torch
 
+from megamoe import _ext
 from megamoe.backends import cuda_sm90
 from megamoe.presets import get_preset
 
@@ -52,9 +54,11 @@ def test_one_value():
     assert not cuda_sm90.one_value(None)
 
 
+@pytest.mark.skipif(not _ext.has_part("sm90"), reason=f"megamoe._C built without sm90 kernels (parts: {_ext.built_parts()})")
 def test_w4a4_token_order_only_where_a_tokens_slots_quantize_alike():
     """W4A16 from TOKEN_ORDER_FROM tokens; W4A4 from there only with a per-row dynamic scale or one static scale
-    for every expert (per-expert scales quantize each slot differently: gathered per slot)."""
+    for every expert (per-expert scales quantize each slot differently: gathered per slot). The answer is the C++
+    plan's (token_order), with the threshold the module passes it."""
     cfg = get_preset("tiny").with_(act_mode="w4a4")
     t = cuda_sm90.TOKEN_ORDER_FROM
 
@@ -69,3 +73,16 @@ def test_w4a4_token_order_only_where_a_tokens_slots_quantize_alike():
     assert order(per_expert, cfg.with_(dynamic_act_scale=True), t)
     assert order(prep(None), cfg, t)
     assert order(per_expert, cfg.with_(act_mode="w4a16"), t) and not order(per_expert, cfg.with_(act_mode="w4a16"), t - 1)
+    assert t == _ext.ext.sm90_token_order_from
+
+
+@pytest.mark.skipif(not _ext.has_part("sm90"), reason=f"megamoe._C built without sm90 kernels (parts: {_ext.built_parts()})")
+def test_the_backend_passes_its_token_order_threshold_to_the_plan(monkeypatch):
+    """Moving cuda_sm90.TOKEN_ORDER_FROM moves the plan's token order (a new plan, not a cached one)."""
+    be = cuda_sm90.CudaSm90Backend.__new__(cuda_sm90.CudaSm90Backend)
+    be.kernel, be.tokens_per_pass, be._plans = "auto", 0, {}
+    t = cuda_sm90.TOKEN_ORDER_FROM
+    assert be.plan(40, 4096, 2048, 256, True, True, False, t, True).token_order
+    monkeypatch.setattr(cuda_sm90, "TOKEN_ORDER_FROM", t + 1)
+    assert not be.plan(40, 4096, 2048, 256, True, True, False, t, True).token_order
+    assert be.plan(40, 4096, 2048, 256, True, True, False, t + 1, True).token_order

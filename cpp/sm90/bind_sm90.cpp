@@ -93,17 +93,28 @@ void register_sm90(nb::module_& m) {
       .def_ro("gather_x", &sm90::GemmPlan::gather_x)
       .def_ro("h_operand", &sm90::GemmPlan::h_operand)
       .def_ro("lane_order", &sm90::GemmPlan::lane_order)
+      .def_ro("stage_k_gemm1", &sm90::GemmPlan::stage_k_gemm1)
+      .def_ro("stage_k_gemm2", &sm90::GemmPlan::stage_k_gemm2)
+      .def_ro("copied_rows_gemm1", &sm90::GemmPlan::copied_rows_gemm1)
+      .def_ro("without_align", &sm90::GemmPlan::without_align)
+      .def_ro("token_order", &sm90::GemmPlan::token_order)
       .def("__repr__", [](const sm90::GemmPlan& p) {
         static const char* names[] = {"stream", "wgmma32", "wgmma64", "wgmma128"};
+        auto flag = [](bool b) { return b ? "True" : "False"; };
         return std::string("Sm90GemmPlan(kernel=") + names[int(p.kernel)] + ", token_tile=" +
                std::to_string(p.token_tile) + ", tokens_per_pass=" + std::to_string(p.tokens_per_pass) +
-               ", gather_x=" + (p.gather_x ? "True" : "False") + ", h_operand=" + (p.h_operand ? "True" : "False") +
-               ", lane_order=" + (p.lane_order ? "True" : "False") + ")";
+               ", gather_x=" + flag(p.gather_x) + ", h_operand=" + flag(p.h_operand) +
+               ", lane_order=" + flag(p.lane_order) + ", stage_k_gemm1=" + std::to_string(p.stage_k_gemm1) +
+               ", stage_k_gemm2=" + std::to_string(p.stage_k_gemm2) + ", copied_rows_gemm1=" +
+               flag(p.copied_rows_gemm1) + ", without_align=" + flag(p.without_align) +
+               ", token_order=" + flag(p.token_order) + ")";
       });
+  m.attr("sm90_token_order_from") = sm90::kTokenOrderFrom;
   m.def(
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
-         sm90::GemmKernel kernel, int tokens_per_pass, bool h_static_scale) {
+         sm90::GemmKernel kernel, int tokens_per_pass, bool h_static_scale, int64_t tokens, bool slots_quantize_alike,
+         int64_t token_order_from) {
         if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
                                       std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
@@ -112,6 +123,9 @@ void register_sm90(nb::module_& m) {
             tokens_per_pass != 64)
           throw std::invalid_argument("sm90_plan: tokens_per_pass must be 0, 8, 16, 32 or 64, got " +
                                       std::to_string(tokens_per_pass));
+        if (tokens < 0 || token_order_from < 1)
+          throw std::invalid_argument("sm90_plan: need tokens >= 0 and token_order_from >= 1, got " +
+                                      std::to_string(tokens) + ", " + std::to_string(token_order_from));
         sm90::GemmProblem p;
         p.tokens_per_expert = tokens_per_expert;
         p.k_gemm1 = k_l1;
@@ -122,13 +136,21 @@ void register_sm90(nb::module_& m) {
         p.kernel = kernel;
         p.tokens_per_pass = tokens_per_pass;
         p.h_static_scale = h_static_scale;
+        p.tokens = tokens;
+        p.slots_quantize_alike = slots_quantize_alike;
+        p.token_order_from = token_order_from;
         return sm90::plan_moe_gemms(p);
       },
       nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
-      nb::arg("tokens_per_pass") = 0, nb::arg("h_static_scale") = false,
-      "The dispatch plan (kernel, token tile, tokens per pass, fusion) for a MoE forward; host only.\n"
-      "h_static_scale (W4A4): h takes a static global scale, so the first GEMM may quantize it (h_operand).");
+      nb::arg("tokens_per_pass") = 0, nb::arg("h_static_scale") = false, nb::arg("tokens") = 0,
+      nb::arg("slots_quantize_alike") = true, nb::arg("token_order_from") = sm90::kTokenOrderFrom,
+      "The dispatch plan of a MoE forward (kernel, token tile, tokens per pass, fusions, stage K, copied rows, the\n"
+      "one-token path, the token order); host only.\n"
+      "h_static_scale (W4A4): h takes a static global scale, so the first GEMM may quantize it (h_operand).\n"
+      "tokens: T of the forward (0: none; without_align and token_order need it). slots_quantize_alike (W4A4): a\n"
+      "token's k slots quantize alike (a per-row dynamic scale, or one static scale for every expert).\n"
+      "token_order_from: token_order from this many tokens (default sm90_token_order_from).");
 
   m.def(
       "sm90_grouped_gemm",

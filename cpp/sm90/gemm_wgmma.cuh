@@ -66,7 +66,7 @@
 
 namespace megamoe::sm90 {
 
-// kWgK, the token tiles kTile32 / 64 / 128, kWgMaxExperts, wg_min_stage_k: megamoe/sm90_plan.h
+// kWgK, the token tiles kTile32 / 64 / 128, kWgMaxExperts, wg_stage_k, wg_min_stage_k: megamoe/sm90_plan.h
 
 // Four warpgroups per SM everywhere (independent warpgroups overlap one's barrier waits, loads and
 // dequantization with the others' MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
@@ -74,7 +74,6 @@ namespace megamoe::sm90 {
 // 64: K 256, 3 stages, or K 128 and 6 stages for a K that is a multiple of 128 only or copied activation rows;
 // 128: K 128, 4 stages, or K 64 and 8 stages for a K that is a multiple of 64 only or copied rows
 // (launch_wg_gemm picks): about 192 KB of ring in tiles 64 and 128.
-__host__ __device__ constexpr int wg_stage_k(int max_n) { return max_n == kTile128 ? 128 : 256; }
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
 // that two 128-row blocks read from L2.

@@ -143,7 +143,7 @@ template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
   if constexpr (kMinStageK != kStageK) {
-    if (a.K % kStageK != 0 || !wg_act_tma(a)) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
+    if (plan_stage_k(kMaxN, a.K, wg_act_tma(a)) != kStageK) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
   }
   return launch_wg_gemm_k<kMaxN, kStageK>(a, stream);
 }

@@ -28,19 +28,28 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   plan.gather_x = p.w4a16 && p.gather_input && (kernel == GemmKernel::kStream || kernel == GemmKernel::kWgmma32);
   if (kernel != GemmKernel::kStream) {
     plan.lane_order = true;
-    plan.token_tile = plan.tokens_per_pass = kernel == GemmKernel::kWgmma32   ? kTile32
-                                             : kernel == GemmKernel::kWgmma64 ? kTile64
-                                                                              : kTile128;
-    return plan;
+    const int tile = kernel == GemmKernel::kWgmma32 ? kTile32 : kernel == GemmKernel::kWgmma64 ? kTile64 : kTile128;
+    plan.token_tile = plan.tokens_per_pass = tile;
+    // gemm1 gathers lane-order rows of x through row_token with cp.async copies (gather_x), else both GEMMs read
+    // contiguous staged rows by TMA
+    plan.copied_rows_gemm1 = plan.gather_x;
+    plan.stage_k_gemm1 = plan_stage_k(tile, p.k_gemm1, !plan.copied_rows_gemm1);
+    plan.stage_k_gemm2 = plan_stage_k(tile, p.k_gemm2, true);
+  } else {
+    plan.token_tile = 8;
+    int tpp = p.tokens_per_pass;
+    if (tpp != 8 && tpp != 16 && tpp != 32 && tpp != 64) {
+      // Enough 8-token tiles per pass for an expert somewhat above the expected count.
+      const int64_t want = (p.tokens_per_expert * 3 + 1) / 2;
+      tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 32 ? 32 : 64;
+    }
+    plan.tokens_per_pass = tpp;
   }
-  plan.token_tile = 8;
-  int tpp = p.tokens_per_pass;
-  if (tpp != 8 && tpp != 16 && tpp != 32 && tpp != 64) {
-    // Enough 8-token tiles per pass for an expert somewhat above the expected count.
-    const int64_t want = (p.tokens_per_expert * 3 + 1) / 2;
-    tpp = p.tokens_per_expert <= kStreamOneTileUpTo ? 8 : want <= 32 ? 32 : 64;
-  }
-  plan.tokens_per_pass = tpp;
+  // One token without the align kernel: the one-tile streaming kernels that take slot_experts (K % 64 == 0), for
+  // W4A16 gathering bf16 x, or W4A4 quantizing h in gemm1 (a dynamic scale for h needs its quantizer's grouped rows).
+  plan.without_align = p.tokens == 1 && kernel == GemmKernel::kStream && plan.tokens_per_pass == 8 &&
+                       p.k_gemm1 % 64 == 0 && p.k_gemm2 % 64 == 0 && (p.w4a16 ? plan.gather_x : plan.h_operand);
+  plan.token_order = p.tokens > 0 && p.tokens >= p.token_order_from && (p.w4a16 || p.slots_quantize_alike);
   return plan;
 }
 

@@ -13,11 +13,11 @@ fixed T):
 1. ``moe_align``      routing results -> rows grouped by expert (one kernel); not for one token on
                       the one-tile streaming kernel (H and I multiples of 64; W4A16 with bf16 x, or
                       W4A4 with a static scale for h): there slot j is row j of expert
-                      topk_ids[0, j], which both GEMMs read themselves, and L1 writes the token's
-                      entry_row (3 kernels: L1, L2, combine; W4A4 4, x quantized into the k
+                      topk_ids[0, j], which both GEMMs read themselves, and gemm1 writes the token's
+                      entry_row (3 kernels: gemm1, gemm2, combine; W4A4 4, x quantized into the k
                       rows first: row j with expert topk_ids[0, j]'s static scale, or all with
                       the row's dynamic one)
-2. L1 input           W4A16 with bf16 x up to wgmma tile 32: none (the L1 GEMM gathers its rows
+2. gemm1 input        W4A16 with bf16 x up to wgmma tile 32: none (gemm1 gathers its rows
                       through row_token: the streaming kernel from x itself, the wgmma kernel
                       from x staged once as the [T, H] bf16 operand); else bf16 per slot
                       (W4A16: TMA boxes of contiguous rows for wgmma tiles 64 and 128; from
@@ -27,27 +27,29 @@ fixed T):
                       TOKEN_ORDER_FROM tokens, where a token's slots quantize alike -- a
                       dynamic scale, or one static scale for every expert -- once per token
                       into its k slots), exact e2m1*e4m3 bf16 operand
-3. L1 GEMM            x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h: the bf16 L2
+3. gemm1              x @ w13^T, gate/up alphas, SiLU(gate)*up in the epilogue -> h: the bf16 gemm2
                       operand (W4A16), h quantized to NVFP4 in the epilogue and written as that
                       operand (W4A4 with static input scales), else fp32
-4. L2 input           fp32 h only (W4A4 with the per-row dynamic scale, which needs the whole row
+4. gemm2 input        fp32 h only (W4A4 with the per-row dynamic scale, which needs the whole row
                       first): as 2, from h
-5. L2 GEMM            h @ w2^T -> y per (token, expert) row: bf16 when x is bf16 (the output's own
+5. gemm2              h @ w2^T -> y per (token, expert) row: bf16 when x is bf16 (the output's own
                       precision; half the bytes of the combine's input), else fp32
 6. combine            out[t] = sum_j w[t,j] * y[row(t,j)] in fp32, rounded once to x's dtype
 
 Workspace grows with T (rows = T*k), never with E.
 
-Which kernel runs, with which token tile and how many tokens per weight pass, and whether
-W4A16 skips the staging kernels is one C++ decision, ``megamoe._C.sm90_plan`` (the dispatch
-table is in docs/PERFORMANCE.md); this module asks it and never re-derives it. The wgmma kernels
+Which kernel runs, with which token tile and how many tokens per weight pass, whether
+W4A16 skips the staging kernels, the K per stage and copied rows of the wgmma kernels, whether one
+token runs without the align kernel and whether the gemm1 input is staged in token order is one C++
+decision, ``megamoe._C.sm90_plan`` (cpp/sm90/plan.cpp; the dispatch table is in docs/PERFORMANCE.md);
+this module asks it and never re-derives it. The wgmma kernels
 read their bf16 operand in lane order, the streaming kernels in operand order; ``plan.lane_order``
-tells every producer of it (staging, the W4A4 quantizer's decode, the L1 epilogue). The streaming
+tells every producer of it (staging, the W4A4 quantizer's decode, the gemm1 epilogue). The streaming
 GEMMs, align, bf16 staging and combine are launched with programmatic dependent launch
-(cpp/sm90/pdl.cuh), so each kernel's launch and the L2 GEMM's weight prefetch overlap the
-previous kernel's tail. W4A16, and W4A4 with static input scales: L1 writes h as the bf16 L2 operand
+(cpp/sm90/pdl.cuh), so each kernel's launch and gemm2's weight prefetch overlap the
+previous kernel's tail. W4A16, and W4A4 with static input scales: gemm1 writes h as the bf16 gemm2 operand
 (W4A4: its NVFP4 decode, bit for bit what the quantizer makes of fp32 h). W4A16 with bf16 x up to wgmma tile
-32 it gathers its rows (align, L1, L2, combine: 4 kernels with the streaming kernel, 3 for one token (W4A4: 4),
+32 it gathers its rows (align, gemm1, gemm2, combine: 4 kernels with the streaming kernel, 3 for one token (W4A4: 4),
 plus the one-time [T, H] staging of x with the wgmma kernel; align is two kernels above 8192 rows);
 tiles 64 and 128 stage x per slot instead.
 """
@@ -68,10 +70,12 @@ __all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_scale_code", "sm90_weights",
 
 
 
-# From this many tokens the per-slot L1 input is written in token order (each row of x read once and stored into
+# From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
 # its k grouped rows; W4A4 where the slots of a token quantize alike: quantized once) instead of gathered per slot
-# (a token's row read, and with W4A4 quantized, k times, in expert order). See CudaSm90Backend._token_order.
-TOKEN_ORDER_FROM = 1024
+# (a token's row read, and with W4A4 quantized, k times, in expert order): the plan's token_order. The value is the
+# C++ plan's (megamoe/sm90_plan.h kTokenOrderFrom); the backend passes this module attribute to every plan it asks
+# for, so that a test may move it.
+TOKEN_ORDER_FROM = _ext.ext.sm90_token_order_from if _ext.has_part("sm90") else None
 
 
 def gemm_kernel(name) -> object:
@@ -249,8 +253,8 @@ class PreparedSm90:
     w2_gs: torch.Tensor      # f32 [E]
     w13_input_scale: torch.Tensor | None
     w2_input_scale: torch.Tensor | None
-    # every expert's L1 input scale is the same value (e.g. a checkpoint loaded with input_scales="max"): a token's
-    # NVFP4 L1 input is then the same in all its k slots, so from TOKEN_ORDER_FROM tokens it is quantized once
+    # every expert's gemm1 input scale is the same value (e.g. a checkpoint loaded with input_scales="max"): a token's
+    # NVFP4 gemm1 input is then the same in all its k slots, so from TOKEN_ORDER_FROM tokens it is quantized once
     w13_input_scale_uniform: bool = False
 
 
@@ -314,15 +318,18 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._plans: dict[tuple, object] = {}
 
     def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool,
-             h_static_scale: bool = False):
-        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached."""
-        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, h_static_scale, str(self.kernel),
-               self.tokens_per_pass)
+             h_static_scale: bool = False, tokens: int = 0, slots_quantize_alike: bool = True):
+        """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached. ``tokens``:
+        T of a MoE forward (the one-token path and the token order need it)."""
+        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, h_static_scale, tokens,
+               slots_quantize_alike, TOKEN_ORDER_FROM, str(self.kernel), self.tokens_per_pass)
         plan = self._plans.get(key)
         if plan is None:
             plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
                                       w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
-                                      tokens_per_pass=self.tokens_per_pass, h_static_scale=h_static_scale)
+                                      tokens_per_pass=self.tokens_per_pass, h_static_scale=h_static_scale,
+                                      tokens=tokens, slots_quantize_alike=slots_quantize_alike,
+                                      token_order_from=TOKEN_ORDER_FROM)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -504,10 +511,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         grid_experts = min(e, r)
         expected = -(-r // e)  # tokens per expert under uniform routing
         w4a16 = cfg.act_mode == "w4a16"
-        # W4A4 with a static scale for h: L1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
+        # W4A4 with a static scale for h: gemm1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
         h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
-        plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static)
-        if self._without_align(t, cfg, plan):
+        plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static, t,
+                         self._slots_quantize_alike(prepared, cfg))
+        if self._without_align(plan):
             return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
@@ -517,11 +525,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a1_rows, a_gs, per_e, a_rs = ws.row_token, None, False, None
             if plan.kernel == ext.Sm90GemmKernel.stream:
                 a1 = x  # the streaming kernel reads the rows of bf16 x itself
-            else:  # one operand row per token (not per slot); the wgmma L1 gathers them through row_token
+            else:  # one operand row per token (not per slot); the wgmma gemm1 gathers them through row_token
                 a1 = ws.x_op[:t]
                 ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
         else:
-            token_order = self._token_order(prepared, cfg, t)
+            token_order = plan.token_order
             a_gs, per_e, a_rs = self._stage(x, None if token_order else ws.row_token[:r], ws.expert_offsets,
                                             ws.a1[:r], ws.a1_rs, cfg, prepared.w13_input_scale, stream,
                                             plan.lane_order, dst_rows=ws.entry_row[:r] if token_order else None)
@@ -532,7 +540,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
                               h_quant_scale=prepared.w2_input_scale if plan.h_operand and not w4a16 else None,
                               **common)
-        if plan.h_operand:  # W4A16: bf16 h; W4A4: h quantized with the experts' static scales (L2's alpha)
+        if plan.h_operand:  # W4A16: bf16 h; W4A4: h quantized with the experts' static scales (gemm2's alpha)
             a_gs, per_e, a_rs = (None, False, None) if w4a16 else (prepared.w2_input_scale, True, None)
         else:
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
@@ -546,20 +554,16 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return out
 
     @staticmethod
-    def _without_align(t: int, cfg, plan) -> bool:
-        """Whether the forward runs without the align kernel (_one_token): one token on the one-tile streaming kernel,
-        H and I multiples of 64; W4A16 with bf16 x (plan.gather_x), or W4A4 with h quantized in L1's epilogue
-        (plan.h_operand: a static scale for h)."""
-        if not (t == 1 and plan.kernel == _ext.ext.Sm90GemmKernel.stream and plan.tokens_per_pass == 8
-                and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 64 == 0):
-            return False
-        return plan.gather_x if cfg.act_mode == "w4a16" else plan.h_operand
+    def _without_align(plan) -> bool:
+        """Whether the forward runs without the align kernel (_one_token): the plan's without_align (one token on the
+        one-tile streaming kernel, H and I multiples of 64; W4A16 with bf16 x, or W4A4 with h quantized in gemm1)."""
+        return plan.without_align
 
     def _one_token(self, prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
         """One token on the one-tile streaming kernel, without the align kernel: slot j of the grid is row j, of expert
-        topk_ids[0, j] (no row when that id is dropped). W4A16: L1 gathers x's row through token0_rows; W4A4: x's row
+        topk_ids[0, j] (no row when that id is dropped). W4A16: gemm1 gathers x's row through token0_rows; W4A4: x's row
         is quantized into row j first (a static scale: expert topk_ids[0, j]'s; the dynamic one: once for all k
-        rows), and L1 quantizes h. L1 writes h as the L2 operand and the token's entry_row; L2 writes the y rows, the
+        rows), and gemm1 quantizes h. gemm1 writes h as the gemm2 operand and the token's entry_row; gemm2 writes the y rows, the
         combine kernel sums them (the same sums and roundings as the align path: bit for bit its output)."""
         ext = _ext.ext
         k = cfg.top_k
@@ -597,15 +601,22 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return cfg.dynamic_act_scale or static_scale is None
 
     @staticmethod
+    def _slots_quantize_alike(prepared: PreparedSm90, cfg) -> bool:
+        """Whether all k slots of a token take the same gemm1 input: W4A16, and W4A4 with a per-row dynamic scale or
+        one static scale for every expert (GemmProblem::slots_quantize_alike)."""
+        return (cfg.act_mode == "w4a16" or CudaSm90Backend._dynamic_scale(cfg, prepared.w13_input_scale)
+                or prepared.w13_input_scale_uniform)
+
+    @staticmethod
     def _token_order(prepared: PreparedSm90, cfg, t: int) -> bool:
-        """Whether the per-slot L1 input is written in token order (each row of x read once and stored into the
-        token's k slots through entry_row) rather than gathered slot by slot: from TOKEN_ORDER_FROM tokens, for W4A16,
-        and for W4A4 when all k slots of a token quantize alike (a per-row dynamic scale, or one static scale)."""
-        if t < TOKEN_ORDER_FROM:
-            return False
-        if cfg.act_mode == "w4a16":
-            return True
-        return CudaSm90Backend._dynamic_scale(cfg, prepared.w13_input_scale) or prepared.w13_input_scale_uniform
+        """The plan's token_order for a forward of t tokens of this layer: whether the per-slot gemm1 input is written
+        in token order (each row of x read once and stored into the token's k slots through entry_row) rather than
+        gathered slot by slot."""
+        return _ext.ext.sm90_plan(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_l1=cfg.hidden_size,
+                                  k_l2=cfg.intermediate_size, num_experts=cfg.num_experts,
+                                  w4a16=cfg.act_mode == "w4a16", gather_input=False, tokens=t,
+                                  slots_quantize_alike=CudaSm90Backend._slots_quantize_alike(prepared, cfg),
+                                  token_order_from=TOKEN_ORDER_FROM).token_order
 
     @staticmethod
     def expert_flops(cfg, t: int) -> float:

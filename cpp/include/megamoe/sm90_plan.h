@@ -10,8 +10,19 @@ namespace megamoe::sm90 {
 constexpr int kTile32 = 32, kTile64 = 64, kTile128 = 128;
 constexpr int kWgK = 64;              // K of one SW128 activation sub-tile of the wgmma kernels (a stage holds 1, 2 or 4)
 constexpr int kWgMaxExperts = 1024;   // the plan's bound on E for the wgmma kernels: every block scans all E token counts
-// The smallest K per stage a wgmma tile runs (its fallback): the K granularity the plan and the launch require.
+// K per stage of a wgmma tile: the largest it runs (wg_stage_k), and the smallest (its fallback, wg_min_stage_k: the K
+// granularity the plan and the launch require). plan_stage_k: the one a GEMM of reduction length k runs, the largest
+// when k is a multiple of it and the activation rows come by TMA (act_tma), else the smallest.
+constexpr int wg_stage_k(int max_n) { return max_n == kTile128 ? 128 : 256; }
 constexpr int wg_min_stage_k(int max_n) { return max_n == kTile32 ? 256 : max_n == kTile64 ? 128 : kWgK; }
+constexpr int plan_stage_k(int max_n, int64_t k, bool act_tma) {
+  return k % wg_stage_k(max_n) == 0 && act_tma ? wg_stage_k(max_n) : wg_min_stage_k(max_n);
+}
+
+// From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
+// its k grouped rows; W4A4 where a token's slots quantize alike: quantized once) instead of gathered per slot (a
+// token's row read, and with W4A4 quantized, k times, in expert order): GemmPlan::token_order.
+constexpr int64_t kTokenOrderFrom = 1024;
 
 // The grouped-GEMM kernels (exported to Python once, as megamoe._C.Sm90GemmKernel).
 enum class GemmKernel : int {
@@ -33,9 +44,14 @@ struct GemmProblem {
                                   // first GEMM can quantize it in its epilogue
   GemmKernel kernel = GemmKernel::kAuto;  // an explicit choice (benchmarks, tests): kept when the shape allows it
   int tokens_per_pass = 0;                // streaming: explicit 8, 16, 32 or 64 (0: the plan's)
+  int64_t tokens = 0;                     // T of the MoE forward (0: not a forward: no one-token path, no token order)
+  bool slots_quantize_alike = true;       // W4A4: a token's k slots quantize alike (a per-row dynamic scale, or one
+                                          // static scale for every expert), so its gemm1 input may go in token order
+  int64_t token_order_from = kTokenOrderFrom;  // GemmPlan::token_order from this many tokens
 };
 
-// The one dispatch decision (kernel, token tile, tokens per pass, fusion) for a problem.
+// The one dispatch decision for a problem: kernel, token tile, tokens per pass, fusions, stage K, copied rows, the
+// one-token path and the token order.
 struct GemmPlan {
   GemmKernel kernel = GemmKernel::kStream;  // never kAuto
   int token_tile = 8;       // tokens per MMA tile: 8 streaming (n8), 32 / 64 / 128 wgmma (largest N per block)
@@ -46,6 +62,17 @@ struct GemmPlan {
   bool h_operand = false;   // gemm1 writes h as the bf16 gemm2 operand, no staging kernel between the GEMMs: W4A16, and
                             // W4A4 with a static scale for h (h_static_scale; gemm1 quantizes h, GroupedGemmArgs::h_quant_gs)
   bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
+  // wgmma: K per pipeline stage of gemm1 and gemm2 (plan_stage_k, for 16-byte aligned activations, as the workspace's
+  // are) and whether gemm1 copies its gathered rows with cp.async (gather_x) instead of TMA boxes; 0 / false streaming
+  int stage_k_gemm1 = 0, stage_k_gemm2 = 0;
+  bool copied_rows_gemm1 = false;
+  // One token (GemmProblem::tokens == 1) runs without the align kernel: on the one-tile streaming kernel with both K
+  // multiples of 64, W4A16 gathering bf16 x (gather_x) or W4A4 with h quantized in gemm1 (h_operand); slot j is row j
+  // of expert topk_ids[0, j] and gemm1 writes the token's entry_row.
+  bool without_align = false;
+  // The per-slot gemm1 input (where not gathered) is written in token order (scatter through entry_row) rather than
+  // gathered slot by slot: from GemmProblem::token_order_from tokens, W4A16, or W4A4 whose slots quantize alike.
+  bool token_order = false;
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
