@@ -1412,6 +1412,8 @@ def _how_read(rel: str, stored: str) -> str:
     """``"<what it is>: <how it was read>"`` for the tensor ``rel`` (its name after the layer
     prefix) read as ``stored`` (``report.tensors``: ``nvfp4``, ``quantized-at-load (...)`` or a dtype)."""
     how = {"nvfp4": "NVFP4 (packed E2M1, two values a byte)"}.get(stored, stored)
+    if rel in ("experts.gate_up_proj", "experts.down_proj") and stored == "nvfp4":  # ModelOpt's Llama 4 export
+        return f"{_ROLES[rel][:-1]}, stored transposed [E, K/2, N]): {how}, transposed at load"
     if rel in _ROLES:
         return f"{_ROLES[rel]}: {how}"
     base, _, suffix = rel.rpartition(".")

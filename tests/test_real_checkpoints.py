@@ -611,6 +611,7 @@ def test_family_loads_from_the_folder_alone(d, layer):
             ("sigmoid", False, 1.0, 1, True)
         if spec["producer"] == "nvidia-modelopt":  # fused and transposed, packed along H
             assert r.layout.startswith("modelopt fused transposed") and r.w13_layout == "gate-up"
+            assert r.read_as[f"{r.prefix}experts.gate_up_proj"].endswith("transposed at load")
 
 
 @pytest.mark.parametrize("d,layer", FAMILY_CASES)
