@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
         print(f"megamoe serve: invalid settings: {problems}", file=sys.stderr)
         return 2
+    if settings.tp > 1:
+        # tensor parallelism spans the ranks of a torchrun job; one process serves the whole layer
+        print(f"megamoe serve: --tp {settings.tp} needs one process per rank: torchrun --nproc-per-node "
+              f"{settings.tp} -m megamoe.service.distributed --tp {settings.tp} ... (a single-process server "
+              f"serves the whole layer: leave --tp at 1)", file=sys.stderr)
+        return 2
     if settings.instances > 1:
         from .instances import serve_instances  # the parent: it supervises the instance processes
         from .settings import configure_logging

@@ -157,3 +157,13 @@ def test_help_answers(argv):
     for flag in ("--checkpoint", "--preset", "--backend", "--host", "--port", "--token", "--max-body-bytes",
                  "--max-tokens-per-request", "--queue-delay-ms", "--max-batch-tokens"):
         assert flag in out.stdout, flag
+
+
+def test_single_process_serve_refuses_tensor_parallel(capsys):
+    """--tp N > 1 runs under torchrun, one process per rank; a single-process server would
+    silently serve the whole layer, so it refuses with the command to run instead."""
+    from megamoe.service import main
+
+    assert main(["--tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4" in err and "torchrun --nproc-per-node 4 -m megamoe.service.distributed" in err
