@@ -1,5 +1,5 @@
 """Compile and run the C++ host tests: docs/SPEC.md §2 closed form vs CuTe's Sm1xxBlockScaledConfig, and the sm90
-activation orders (megamoe/sm90_operand_order.hpp) vs CuTe layouts."""
+activation orders (megamoe/sm90_operand_order.hpp) vs CuTe layouts, the sm90 grouped-GEMM argument rules."""
 import importlib.util
 import os
 import shutil
@@ -33,7 +33,7 @@ def cuda_includes():
     return None
 
 
-def compile_and_run(tmp_path, name):
+def compile_and_run(tmp_path, name, *sources):
     inc = cutlass_include()
     cuda = cuda_includes()
     if inc is None or cuda is None:
@@ -43,7 +43,8 @@ def compile_and_run(tmp_path, name):
     cxx = shutil.which("c++") or shutil.which("g++")
     exe = tmp_path / name
     cmd = [cxx, "-std=c++17", "-O1", "-w", f"-I{ROOT / 'cpp' / 'include'}", f"-I{inc}",
-           *[f"-I{c}" for c in cuda], str(ROOT / "cpp" / "tests" / f"{name}.cpp"), "-o", str(exe)]
+           *[f"-I{c}" for c in cuda], str(ROOT / "cpp" / "tests" / f"{name}.cpp"),
+           *[str(ROOT / src) for src in sources], "-o", str(exe)]
     build = subprocess.run(cmd, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -54,6 +55,11 @@ def compile_and_run(tmp_path, name):
 
 def test_sm90_operand_and_lane_order_equal_cute(tmp_path):
     out = compile_and_run(tmp_path, "test_sm90_operand_order")
+    assert " 0 failed" in out and " 0 checks" not in out
+
+
+def test_sm90_grouped_gemm_argument_rules(tmp_path):
+    out = compile_and_run(tmp_path, "test_sm90_gemm_args", "cpp/sm90/gemm_args.cpp")
     assert " 0 failed" in out and " 0 checks" not in out
 
 

@@ -197,27 +197,16 @@ void register_sm90(nb::module_& m) {
         a.swiglu_limit = swiglu_limit.value_or(0.f);
         a.epilogue = epilogue;
         if (out && elem_type(*out, "out") == ElemType::kBFloat16) {
-          if (epilogue != sm90::Epilogue::kStore)
-            throw std::invalid_argument("grouped_gemm: a bfloat16 out needs the store epilogue (silu_mul writes fp32 "
-                                        "out or out_operand)");
           a.out_bf16 = ptr<uint16_t>(*out, "out", 2);
         } else {
           a.out = opt_ptr<float>(out, "out", 4);
         }
         a.out_operand = opt_ptr<uint16_t>(out_operand, "out_operand", 2);
-        if (!a.out && !a.out_bf16 && !a.out_operand) throw std::invalid_argument("grouped_gemm: give out or out_operand");
-        if (a.out_operand && epilogue != sm90::Epilogue::kSiluMul)
-          throw std::invalid_argument("grouped_gemm: out_operand (h as the gemm2 operand) needs the silu_mul epilogue");
         if (h_quant_scale) {
-          if (!a.out_operand)
-            throw std::invalid_argument("grouped_gemm: h_quant_scale (h quantized to NVFP4) needs out_operand");
           const int64_t n = numel(*h_quant_scale);
           if (n != 1 && n != a.num_experts)
             throw std::invalid_argument("grouped_gemm: h_quant_scale must have 1 or E = " +
                                         std::to_string(a.num_experts) + " entries, got " + std::to_string(n));
-          if (act_rows && (plan.kernel != sm90::GemmKernel::kStream || plan.tokens_per_pass == 8))
-            throw std::invalid_argument("grouped_gemm: h_quant_scale needs activation rows without act_rows here (the "
-                                        "wgmma and one-tile streaming kernels quantize h only for staged rows)");
           a.h_quant_gs = ptr<const float>(*h_quant_scale, "h_quant_scale", 4);
           a.h_gs_per_expert = n != 1;
         }
@@ -255,6 +244,7 @@ void register_sm90(nb::module_& m) {
             a.entry_row_out = ptr<int32_t>(*entry_row_out, "entry_row_out", 4);
           }
         }
+        if (const char* err = sm90::grouped_gemm_args_error(a)) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(),

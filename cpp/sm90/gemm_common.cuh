@@ -148,11 +148,6 @@ __device__ __forceinline__ void store_out(const GroupedGemmArgs& a, int64_t idx,
   }
 }
 
-// Byte stride between the scale rows of the weights (GroupedGemmArgs::w_scale_row_bytes, or K/16 when unset).
-__host__ __device__ __forceinline__ int64_t scale_row_bytes(const GroupedGemmArgs& a) {
-  return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
-}
-
 // Expert slot -> expert and its row range; false when the slot is unused.
 __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, const int32_t* num_active,
                                                const int32_t* expert_offsets, int slot, int& expert,

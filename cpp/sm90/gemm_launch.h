@@ -1,6 +1,6 @@
 // The launchers of the two grouped-GEMM families, called by launch_grouped_gemm (gemm_launch.cu) once the arguments
 // common to both are checked: the streaming kernels (gemm_stream_launch.cu) and the wgmma kernels
-// (gemm_wgmma_launch.cu). Each returns cudaErrorInvalidValue for a case its kernels do not instantiate.
+// (gemm_wgmma_launch.cu). Both expect arguments that passed grouped_gemm_args_error.
 #pragma once
 #include <cuda_runtime.h>
 

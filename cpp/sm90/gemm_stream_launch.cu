@@ -7,10 +7,9 @@
 namespace megamoe::sm90 {
 
 cudaError_t launch_stream_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  if (a.kernel != GemmKernel::kStream) return cudaErrorInvalidValue;
+  // (the arguments passed grouped_gemm_args_error: every branch below has its instantiation)
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int nt = a.tokens_per_pass / 8;
-  if (nt != 1 && nt != 2 && nt != 4 && nt != 8) return cudaErrorInvalidValue;
 
   const unsigned gx = silu_mul ? unsigned(a.N / 2 / 16) : unsigned((a.N + kStreamRows - 1) / kStreamRows);
   const dim3 grid(gx, unsigned(a.grid_experts));
@@ -21,23 +20,17 @@ cudaError_t launch_stream_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   sa.prefetch_blocks = 4 * sm_count();
   if (a.slot_experts) {  // one token without the align kernel, K % 64 == 0: its gemm2 (staged rows) and its gemm1, either
                          // gathering bf16 x (W4A16) or reading staged rows and quantizing h (W4A4, static h scale)
-    if (nt != 1 || !vec) return cudaErrorInvalidValue;
-    if (!silu_mul) {
-      if (a.act_rows) return cudaErrorInvalidValue;
-      return pdl_launch(stream_gemm_nt1_direct_kernel<false>, grid, kStreamThreads, 0, stream, sa);
-    }
-    if (!a.out_operand || bool(a.act_rows) == bool(a.h_quant_gs)) return cudaErrorInvalidValue;
+    if (!silu_mul) return pdl_launch(stream_gemm_nt1_direct_kernel<false>, grid, kStreamThreads, 0, stream, sa);
     if (a.h_quant_gs) return pdl_launch(stream_gemm_nt1_direct_kernel<false, true>, grid, kStreamThreads, 0, stream, sa);
     return pdl_launch(stream_gemm_nt1_direct_kernel<true>, grid, kStreamThreads, 0, stream, sa);
   }
   if (nt == 1) {
     const bool fused = a.act_rows || a.out_operand;
     const bool quant = a.h_quant_gs != nullptr;
-    if (quant && !a.act_rows) {  // W4A4 (no gather): the staged-rows kernel with the quantizing epilogue
+    if (quant) {  // W4A4 (staged rows: a gather with the quantizing epilogue is not instantiated)
       if (vec) return pdl_launch(stream_gemm_nt1_quant_kernel<true>, grid, kStreamThreads, 0, stream, sa);
       return pdl_launch(stream_gemm_nt1_quant_kernel<false>, grid, kStreamThreads, 0, stream, sa);
     }
-    if (quant) return cudaErrorInvalidValue;  // a gather with the quantizing epilogue is not instantiated
     if (vec && fused) return pdl_launch(stream_gemm_nt1_fused_kernel<true>, grid, kStreamThreads, 0, stream, sa);
     if (vec) return pdl_launch(stream_gemm_nt1_kernel<true>, grid, kStreamThreads, 0, stream, sa);
     if (fused) return pdl_launch(stream_gemm_nt1_fused_kernel<false>, grid, kStreamThreads, 0, stream, sa);

@@ -35,14 +35,6 @@ cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int ra
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Scale rows of 16-byte multiples (their TMA map's stride; a K that is not a multiple of 256 needs padded rows).
-template <int kMaxN>
-inline bool wg_gemm_supported(const GroupedGemmArgs& a) {
-  const int k_step = wg_min_stage_k(kMaxN);  // tiles 64 and 128 fall back to K 128 and 64 per stage
-  return a.K % k_step == 0 && a.num_experts <= kWgMaxExperts && scale_row_bytes(a) % 16 == 0 &&
-         scale_row_bytes(a) >= a.K / 16;
-}
-
 // Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
 template <int kMaxN, int kStageK>
 inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
@@ -106,10 +98,8 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   const bool act_tma = wg_act_tma(a);
   // launch_wg_gemm runs copied rows with the tile's smallest K per stage (tile 64: K 128, tile 128: K 64)
   constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
-  const bool quant = a.h_quant_gs != nullptr;  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot)
-  if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0 ||
-      ((kTmaOnly || quant) && !act_tma))
-    return cudaErrorInvalidValue;
+  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot; grouped_gemm_args_error)
+  const bool quant = a.h_quant_gs != nullptr;
   WgMaps maps{};
   cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
   if (err != cudaSuccess) return err;
@@ -123,9 +113,9 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   if (err != cudaSuccess) return err;
   const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
   const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
-  // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts.
+  // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts (at most
+  // 65535: grouped_gemm_args_error).
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
-  if (tiles > 65535) return cudaErrorInvalidValue;
   const dim3 grid(gx, unsigned(tiles));
   if (quant) {
     wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
@@ -149,14 +139,14 @@ inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream)
 }
 
 cudaError_t launch_wgmma_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  // The plan chooses wgmma only for shapes it takes (act_rows: a gather of lane-order rows).
-  if (a.kernel == GemmKernel::kWgmma32)
-    return wg_gemm_supported<kTile32>(a) ? launch_wg_gemm<kTile32>(a, stream) : cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma64)
-    return wg_gemm_supported<kTile64>(a) ? launch_wg_gemm<kTile64>(a, stream) : cudaErrorInvalidValue;
-  if (a.kernel == GemmKernel::kWgmma128)
-    return wg_gemm_supported<kTile128>(a) ? launch_wg_gemm<kTile128>(a, stream) : cudaErrorInvalidValue;
-  return cudaErrorInvalidValue;
+  // (the arguments passed grouped_gemm_args_error: K a multiple of the tile's K per stage, E <= 1024, scale rows of
+  // 16-byte multiples, aligned weights)
+  switch (a.kernel) {
+    case GemmKernel::kWgmma32: return launch_wg_gemm<kTile32>(a, stream);
+    case GemmKernel::kWgmma64: return launch_wg_gemm<kTile64>(a, stream);
+    case GemmKernel::kWgmma128: return launch_wg_gemm<kTile128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace megamoe::sm90

@@ -101,7 +101,20 @@ struct GroupedGemmArgs {
   bool slot_experts_int64 = false;
   int32_t* entry_row_out = nullptr;
 };
+// Every rule the arguments of launch_grouped_gemm must follow, written once: nullptr when they do, else what is wrong
+// (the binding throws it with the call's name; launch_grouped_gemm returns cudaErrorInvalidValue).
+const char* grouped_gemm_args_error(const GroupedGemmArgs& args);
 cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// Byte stride between the scale rows of the weights (GroupedGemmArgs::w_scale_row_bytes, or K/16 when unset).
+#if defined(__CUDACC__)
+__host__ __device__ __forceinline__
+#else
+inline
+#endif
+int64_t scale_row_bytes(const GroupedGemmArgs& a) {
+  return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
+}
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
 // dropped entries skipped), cast to out_type. y [rows, H], fp32 or (y_bf16) bf16; H % 8 == 0, y and out

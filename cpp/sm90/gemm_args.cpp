@@ -1,0 +1,66 @@
+// Every rule the arguments of launch_grouped_gemm must follow, written once with its message (megamoe/sm90_kernels.h
+// grouped_gemm_args_error): the binding throws it, the launcher returns cudaErrorInvalidValue. Host only, so that
+// cpp/tests/test_sm90_gemm_args.cpp checks it on the CPU.
+#include <cstdint>
+
+#include "megamoe/sm90_kernels.h"
+
+namespace megamoe::sm90 {
+
+const char* grouped_gemm_args_error(const GroupedGemmArgs& a) {
+  if (a.K <= 0 || a.K % 16 != 0) return "K must be a positive multiple of 16";
+  if (a.N <= 0) return "N (weight rows) must be positive";
+  if (!a.act || !a.w_data || !a.w_scale || !a.w_global_scale) return "act, w_data, w_scale and w_global_scale are needed";
+  if (!a.expert_offsets && !a.slot_experts) return "give expert_offsets or slot_experts";
+  if (a.grid_experts <= 0 || a.grid_experts > 65535) return "grid_experts must be in [1, 65535]";
+  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  if (silu_mul && a.N % 32 != 0) return "the silu_mul epilogue needs N = 2 I with I a multiple of 16";
+  if (silu_mul && a.w_gs_per_expert != 2)
+    return "the silu_mul epilogue needs w_global_scale with 2 entries per expert (gate, up)";
+  if (silu_mul && a.out_bf16) return "a bfloat16 out needs the store epilogue (silu_mul writes fp32 out or out_operand)";
+  if (a.out && a.out_bf16) return "give one of out and out_bf16";
+  if (!a.out && !a.out_bf16 && !(silu_mul && a.out_operand)) return "give out (or out_operand with silu_mul)";
+  if (a.out_operand && !silu_mul) return "out_operand (h as the gemm2 operand) needs the silu_mul epilogue";
+  if (a.h_quant_gs && !(silu_mul && a.out_operand)) return "h_quant_scale (h quantized to NVFP4) needs out_operand";
+  if (a.entry_row_out && !(a.slot_experts && silu_mul))
+    return "entry_row_out is written by the silu_mul GEMM with slot_experts only";
+  if (a.slot_experts && a.kernel != GemmKernel::kStream)
+    return "slot_experts runs on the one-tile streaming kernel only";
+  switch (a.kernel) {
+    case GemmKernel::kStream: {
+      const int nt = a.tokens_per_pass / 8;
+      if (a.tokens_per_pass % 8 != 0 || (nt != 1 && nt != 2 && nt != 4 && nt != 8))
+        return "the streaming kernel takes 8, 16, 32 or 64 tokens per pass";
+      if (a.slot_experts) {
+        if (nt != 1 || a.K % 64 != 0)
+          return "slot_experts runs on the one-tile streaming kernel (8 tokens per pass) with K % 64 == 0";
+        if (!silu_mul && a.act_rows) return "slot_experts: the store GEMM reads staged rows (no act_rows)";
+        if (silu_mul && bool(a.act_rows) == bool(a.h_quant_gs))
+          return "slot_experts: the silu_mul GEMM either gathers act through act_rows or reads staged rows with "
+                 "h_quant_scale";
+      } else if (nt == 1 && a.h_quant_gs && a.act_rows) {
+        return "h_quant_scale needs activation rows without act_rows on the one-tile streaming kernel";
+      }
+      return nullptr;
+    }
+    case GemmKernel::kWgmma32:
+    case GemmKernel::kWgmma64:
+    case GemmKernel::kWgmma128: {
+      const int tile = a.kernel == GemmKernel::kWgmma32 ? kTile32 : a.kernel == GemmKernel::kWgmma64 ? kTile64 : kTile128;
+      if (a.K % wg_min_stage_k(tile) != 0) return "K is not a multiple of this wgmma tile's K per stage (the plan's)";
+      if (a.num_experts > kWgMaxExperts) return "the wgmma kernels take at most 1024 experts";
+      if (scale_row_bytes(a) % 16 != 0 || scale_row_bytes(a) < a.K / 16)
+        return "the wgmma kernels need scale rows of a multiple of 16 bytes, at least K / 16 (sm90_scale_rows)";
+      if (reinterpret_cast<uintptr_t>(a.w_data) % 16 != 0 || reinterpret_cast<uintptr_t>(a.w_scale) % 16 != 0)
+        return "the wgmma kernels need 16-byte aligned w_data and w_scale";
+      if (a.h_quant_gs && (a.act_rows || reinterpret_cast<uintptr_t>(a.act) % 16 != 0))
+        return "h_quant_scale needs activation rows without act_rows here (16-byte aligned, read by TMA)";
+      if ((a.max_total_rows + tile - 1) / tile + a.grid_experts > 65535)
+        return "too many token tiles for one wgmma grid (max_total_rows / tile + grid_experts > 65535)";
+      return nullptr;
+    }
+    default: return "the plan's kernel is not one of stream, wgmma32, wgmma64, wgmma128";
+  }
+}
+
+}  // namespace megamoe::sm90
