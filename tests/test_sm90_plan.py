@@ -212,3 +212,22 @@ def test_stage_k_and_copied_rows():
     p = plan(2)
     assert (p.kernel, p.stage_k_gemm1, p.stage_k_gemm2, p.copied_rows_gemm1) == (kind("stream"), 0, 0, False), p
     assert "stage_k_gemm1=0" in repr(p) and "without_align=False" in repr(p)
+
+
+def test_quantize_rows_passes_quantize_nvfp4_its_own_keywords(monkeypatch):
+    """cuda_common.quantize_rows (the backend's keyword call of megamoe._C.quantize_nvfp4): every keyword it passes,
+    the options included, is a parameter of the binding, and every required parameter is passed."""
+    import re
+
+    from megamoe.backends import cuda_common
+
+    first = _ext.ext.quantize_nvfp4.__doc__.split("\n")[0]
+    inner = re.match(r"quantize_nvfp4\((.*)\) -> None$", first).group(1)
+    params = {part.split(":")[0]: " = " in part for part in inner.split(", ")}  # name -> has a default
+    assert {"src", "global_scale", "gs_mode", "stream", "dequant_lane_order", "row_experts"} <= set(params), first
+    seen = {}
+    monkeypatch.setattr(_ext.ext, "quantize_nvfp4", lambda **kw: seen.update(kw))
+    cuda_common.quantize_rows("x", global_scale=None, gs_mode=cuda_common.GS_PER_EXPERT, stream=0,
+                              dequant_lane_order=True, scatter_rows=None, scatter_k=0, row_experts=None)
+    assert set(seen) <= set(params), set(seen) - set(params)
+    assert {p for p, has_default in params.items() if not has_default} <= set(seen)

@@ -11,8 +11,8 @@ import torch
 
 from megamoe import _ext, nvfp4
 
-__all__ = ["CudaCommonMixin", "common_ext", "current_stream", "GS_SINGLE", "GS_PER_EXPERT", "GS_PER_ROW",
-           "GS_PER_ROW_DYNAMIC", "E4M3_NAN_BYTE"]
+__all__ = ["CudaCommonMixin", "common_ext", "current_stream", "quantize_rows", "GS_SINGLE", "GS_PER_EXPERT",
+           "GS_PER_ROW", "GS_PER_ROW_DYNAMIC", "E4M3_NAN_BYTE"]
 
 # megamoe::GlobalScaleMode (cpp/include/megamoe/common_kernels.h)
 GS_SINGLE, GS_PER_EXPERT, GS_PER_ROW, GS_PER_ROW_DYNAMIC = 0, 1, 2, 3
@@ -27,6 +27,18 @@ def common_ext():
 
 def current_stream(device: torch.device | None = None) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def quantize_rows(src: torch.Tensor, *, global_scale, gs_mode: int, stream: int, src_rows=None, expert_offsets=None,
+                  dst_offsets=None, data=None, scale=None, scale_swz=None, sf_rows: int = 0, dequant=None,
+                  row_scale_out=None, **options) -> None:
+    """``megamoe._C.quantize_nvfp4`` by keyword, the outputs and row maps not given left out (see
+    cpp/include/megamoe/common_kernels.h QuantizeArgs; ``options``: dequant_lane_order, scatter_rows, scatter_k,
+    row_experts)."""
+    common_ext().quantize_nvfp4(src=src, global_scale=global_scale, gs_mode=gs_mode, src_rows=src_rows,
+                                expert_offsets=expert_offsets, dst_offsets=dst_offsets, data=data, scale=scale,
+                                scale_swz=scale_swz, sf_rows=sf_rows, dequant=dequant, row_scale_out=row_scale_out,
+                                stream=stream, **options)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +83,7 @@ class CudaCommonMixin:
                 gs_arg = nvfp4._global_scale_rows(gs, lead).expand(*lead, 1).reshape(-1).contiguous()
         data = torch.full((rows, k // 2), 0xFF, dtype=torch.uint8, device=x.device)
         scale = torch.full((rows, k // 16), E4M3_NAN_BYTE, dtype=torch.uint8, device=x.device)
-        ext.quantize_nvfp4(x2, gs_arg, mode, None, None, None, data, scale, None, 0, None, None, stream)
+        quantize_rows(x2, global_scale=gs_arg, gs_mode=mode, data=data, scale=scale, stream=stream)
         return nvfp4.NVFP4Tensor(data.reshape(*lead, k // 2), _as_e4m3(scale).reshape(*lead, k // 16), gs.clone())
 
     # ---------------------------------------------------------------- SF layout

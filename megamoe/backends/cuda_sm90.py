@@ -63,7 +63,7 @@ import torch
 from megamoe import _ext, nvfp4
 from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_SINGLE, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
-                                          current_stream)
+                                          current_stream, quantize_rows)
 
 __all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_scale_code", "sm90_weights", "sm90_word_layout",
            "sm90_word_layout_inverse"]
@@ -478,14 +478,15 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             return None, False, None
         dynamic = self._dynamic_scale(cfg, static_scale)
         if dst_rows is not None:  # every slot of a token gets the same quantization (see _token_order)
-            common_ext().quantize_nvfp4(src, None if dynamic else static_scale[:1],
-                                        GS_PER_ROW_DYNAMIC if dynamic else GS_SINGLE, None, None, None, None, None,
-                                        None, 0, dst, dst_rs if dynamic else None, stream,
-                                        dequant_lane_order=lane_order, scatter_rows=dst_rows, scatter_k=cfg.top_k)
+            quantize_rows(src, global_scale=None if dynamic else static_scale[:1],
+                          gs_mode=GS_PER_ROW_DYNAMIC if dynamic else GS_SINGLE, dequant=dst,
+                          row_scale_out=dst_rs if dynamic else None, stream=stream, dequant_lane_order=lane_order,
+                          scatter_rows=dst_rows, scatter_k=cfg.top_k)
         else:
-            common_ext().quantize_nvfp4(src, None if dynamic else static_scale, GS_PER_ROW_DYNAMIC if dynamic
-                                        else GS_PER_EXPERT, src_rows, ws_offsets, None, None, None, None, 0, dst,
-                                        dst_rs if dynamic else None, stream, dequant_lane_order=lane_order)
+            quantize_rows(src, global_scale=None if dynamic else static_scale,
+                          gs_mode=GS_PER_ROW_DYNAMIC if dynamic else GS_PER_EXPERT, src_rows=src_rows,
+                          expert_offsets=ws_offsets, dequant=dst, row_scale_out=dst_rs if dynamic else None,
+                          stream=stream, dequant_lane_order=lane_order)
         if dynamic:
             return None, False, dst_rs
         return static_scale, True, None
@@ -580,9 +581,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                 a_gs, per_e, a_rs = self._stage(x, None, ws.expert_offsets, ws.a1[:k], ws.a1_rs, cfg, static_scale,
                                                 stream, plan.lane_order, dst_rows=ws.token0_slots)
             else:
-                common_ext().quantize_nvfp4(x, static_scale, GS_PER_EXPERT, ws.token0_rows, None, None, None, None,
-                                            None, 0, ws.a1, None, stream, dequant_lane_order=plan.lane_order,
-                                            row_experts=topk_ids.view(-1))
+                quantize_rows(x, global_scale=static_scale, gs_mode=GS_PER_EXPERT, src_rows=ws.token0_rows,
+                              dequant=ws.a1, stream=stream, dequant_lane_order=plan.lane_order,
+                              row_experts=topk_ids.view(-1))
                 a_gs, per_e, a_rs = static_scale, True, None
             ext.sm90_grouped_gemm(act=ws.a1, a_global_scale=a_gs, a_gs_per_expert=per_e, a_row_scale=a_rs,
                                   h_quant_scale=prepared.w2_input_scale, **l1)
