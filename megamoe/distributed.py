@@ -101,6 +101,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -794,6 +795,14 @@ class TensorShardLoaded:
     report: TensorShardLoadReport
 
 
+#: Architectures whose layer tensor parallelism cannot slice yet, and why.
+TP_UNSUPPORTED = {
+    "qwen2_moe": "Qwen2-MoE's singular shared_expert and its sigmoid shared_expert_gate",
+    "llama4": "Llama 4's singular shared_expert, its transposed fused experts and the router weight on the input",
+    "llama4_text": "Llama 4's singular shared_expert, its transposed fused experts and the router weight on the input",
+}
+
+
 def load_tp_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) -> TensorShardLoaded:
     """Load rank ``rank``'s slice (of ``world_size``) of every expert of one NVFP4 MoE layer.
 
@@ -809,6 +818,13 @@ def load_tp_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) 
         CheckpointError: as :func:`megamoe.checkpoint.load`; expert weights in a float dtype.
     """
     load_kw = dict(load_kw)
+    cfg_json = Path(path) / "config.json"
+    if cfg_json.is_file():
+        hf = json.loads(cfg_json.read_text())
+        mt = hf.get("model_type")
+        if mt in TP_UNSUPPORTED:
+            raise checkpoint.CheckpointError(f"{path}: model_type={mt!r}: tensor parallelism does not slice "
+                                             f"{TP_UNSUPPORTED[mt]} yet; serve this layer whole (one process) instead")
     with checkpoint.open_checkpoint(path) as ck:
         prefix, layout, _ = checkpoint.layer_experts(ck, load_kw.pop("layer", None), load_kw.pop("prefix", None))
         cache: dict = {}
@@ -816,6 +832,10 @@ def load_tp_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) 
         shapes_only = _ShapesOnly(ck, prefix, cache)
         first = checkpoint.load_open(shapes_only, experts=(0, 1), prefix=prefix, input_scales="per-expert", **load_kw)
         cfg, rep = first.config, first.report
+        if cfg.shared_expert_gate or cfg.router_weight_on_input:
+            what = "a gated shared expert" if cfg.shared_expert_gate else "the router weight applied on the input"
+            raise checkpoint.CheckpointError(f"{path}: tensor parallelism does not slice {what} yet; serve this "
+                                             f"layer whole (one process) instead")
         if rep.quantized_at_load:
             raise checkpoint.CheckpointError(
                 f"{rep.quantized_at_load[0]}: stored in a float dtype: tensor parallelism reads NVFP4 weights only "
