@@ -101,8 +101,8 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
