@@ -35,6 +35,7 @@ const char* grouped_gemm_args_error(const GroupedGemmArgs& a) {
         if (nt != 1 || a.K % 64 != 0)
           return "slot_experts runs on the one-tile streaming kernel (8 tokens per pass) with K % 64 == 0";
         if (!silu_mul && a.act_rows) return "slot_experts: the store GEMM reads staged rows (no act_rows)";
+        if (silu_mul && !a.out_operand) return "slot_experts: the silu_mul GEMM writes h into out_operand";
         if (silu_mul && bool(a.act_rows) == bool(a.h_quant_gs))
           return "slot_experts: the silu_mul GEMM either gathers act through act_rows or reads staged rows with "
                  "h_quant_scale";

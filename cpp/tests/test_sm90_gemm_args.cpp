@@ -114,6 +114,8 @@ int main() {
   broken("slots with 16 tokens per pass", [](GroupedGemmArgs& a) { a.tokens_per_pass = 16; }, "K % 64 == 0",
          one_token_gemm1);
   broken("slots with K % 64", [](GroupedGemmArgs& a) { a.K = 1040; }, "K % 64 == 0", one_token_gemm1);
+  broken("slots: fp32 h", [](GroupedGemmArgs& a) { a.out_operand = nullptr; a.out = fake<float>(0x60000); },
+         "writes h into out_operand", one_token_gemm1);
   broken("slots: gather and quantized h", [](GroupedGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
          "either gathers act", one_token_gemm1);
   broken("slots: store GEMM gathering",
