@@ -65,3 +65,31 @@ def test_sm90_grouped_gemm_argument_rules(tmp_path):
 
 def test_sf_layout_closed_form_equals_cute(tmp_path):
     assert " 0 failed" in compile_and_run(tmp_path, "test_sf_layout")
+
+
+def test_global_scale_modes_seen_by_python_are_the_cpp_enum():
+    """megamoe::GlobalScaleMode (cpp/include/megamoe/common_kernels.h) is declared once: the extension exports every
+    member with its value, cuda_common's GS_* are those members, and quantize_nvfp4 refuses a gs_mode outside it."""
+    import re
+
+    from megamoe import _ext
+    from megamoe.backends import cuda_common
+
+    if not _ext.has_part("common"):
+        pytest.skip("the extension was built without cpp/common")
+    header = (ROOT / "cpp" / "include" / "megamoe" / "common_kernels.h").read_text()
+    body = re.search(r"enum class GlobalScaleMode : int \{(.*?)\};", header, re.S).group(1)
+    cpp = {re.sub(r"(?<!^)([A-Z])", r"_\1", name[1:]).lower(): int(value)
+           for name, value in re.findall(r"^\s*(k\w+)\s*=\s*(\d+)\s*,", body, re.M)}
+    assert set(cpp) == {"single", "per_expert", "per_row", "per_row_dynamic"}, cpp
+    exported = _ext.ext.GlobalScaleMode
+    assert {m.name: int(m.value) for m in exported} == cpp
+    assert [cuda_common.GS_SINGLE, cuda_common.GS_PER_EXPERT, cuda_common.GS_PER_ROW,
+            cuda_common.GS_PER_ROW_DYNAMIC] == [exported.single, exported.per_expert, exported.per_row,
+                                                exported.per_row_dynamic]
+    import torch
+
+    with pytest.raises(TypeError):  # refused while converting the arguments, before anything runs
+        _ext.ext.quantize_nvfp4(src=torch.zeros(2, 16), global_scale=None, gs_mode=max(cpp.values()) + 1,
+                                src_rows=None, expert_offsets=None, dst_offsets=None, data=None, scale=None,
+                                scale_swz=None, sf_rows=0, dequant=None, row_scale_out=None, stream=0)

@@ -53,9 +53,15 @@ void def_scale_layout_pair(nb::module_& m, const char* name, ScaleLayoutLaunch l
 }  // namespace
 
 void register_common(nb::module_& m) {
+  nb::enum_<GlobalScaleMode>(m, "GlobalScaleMode",
+                             "where the quantizer finds a row's global scale (cpp/include/megamoe/common_kernels.h)")
+      .value("single", GlobalScaleMode::kSingle)
+      .value("per_expert", GlobalScaleMode::kPerExpert)
+      .value("per_row", GlobalScaleMode::kPerRow)
+      .value("per_row_dynamic", GlobalScaleMode::kPerRowDynamic);
   m.def(
       "quantize_nvfp4",
-      [](const Array& src, OptArray global_scale, int gs_mode, OptArray src_rows, OptArray expert_offsets,
+      [](const Array& src, OptArray global_scale, GlobalScaleMode gs_mode, OptArray src_rows, OptArray expert_offsets,
          OptArray dst_offsets, OptArray data, OptArray scale, OptArray scale_swz, int64_t sf_rows, OptArray dequant,
          OptArray row_scale_out, uintptr_t stream, bool dequant_lane_order, OptArray scatter_rows, int scatter_k,
          OptArray row_experts) {
@@ -71,8 +77,7 @@ void register_common(nb::module_& m) {
                                                           std::to_string(a.cols));
         a.src_rows = opt_ptr<const int32_t>(src_rows, "src_rows", 4);
         a.global_scale = opt_ptr<const float>(global_scale, "global_scale", 4);
-        if (gs_mode < 0 || gs_mode > 3) throw std::invalid_argument("quantize_nvfp4: gs_mode must be 0..3");
-        a.gs_mode = static_cast<GlobalScaleMode>(gs_mode);
+        a.gs_mode = gs_mode;
         if (a.gs_mode != GlobalScaleMode::kPerRowDynamic && !a.global_scale)
           throw std::invalid_argument("quantize_nvfp4: global_scale is required unless gs_mode is per-row dynamic");
         if (a.gs_mode == GlobalScaleMode::kPerRow && numel(*global_scale) < a.rows)

@@ -14,8 +14,11 @@ from megamoe import _ext, nvfp4
 __all__ = ["CudaCommonMixin", "common_ext", "current_stream", "quantize_rows", "GS_SINGLE", "GS_PER_EXPERT",
            "GS_PER_ROW", "GS_PER_ROW_DYNAMIC", "E4M3_NAN_BYTE"]
 
-# megamoe::GlobalScaleMode (cpp/include/megamoe/common_kernels.h)
-GS_SINGLE, GS_PER_EXPERT, GS_PER_ROW, GS_PER_ROW_DYNAMIC = 0, 1, 2, 3
+# megamoe::GlobalScaleMode (cpp/include/megamoe/common_kernels.h) as the extension exports it
+# (megamoe._C.GlobalScaleMode, quantize_nvfp4's gs_mode); None where cpp/common was not built.
+_GS = _ext.ext.GlobalScaleMode if _ext.has_part("common") else None
+GS_SINGLE, GS_PER_EXPERT, GS_PER_ROW, GS_PER_ROW_DYNAMIC = (
+    (_GS.single, _GS.per_expert, _GS.per_row, _GS.per_row_dynamic) if _GS is not None else (None, None, None, None))
 #: 0x7F is NaN in e4m3: the poison for buffers that a kernel must fill completely.
 E4M3_NAN_BYTE = 0x7F
 
@@ -29,7 +32,7 @@ def current_stream(device: torch.device | None = None) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def quantize_rows(src: torch.Tensor, *, global_scale, gs_mode: int, stream: int, src_rows=None, expert_offsets=None,
+def quantize_rows(src: torch.Tensor, *, global_scale, gs_mode, stream: int, src_rows=None, expert_offsets=None,
                   dst_offsets=None, data=None, scale=None, scale_swz=None, sf_rows: int = 0, dequant=None,
                   row_scale_out=None, **options) -> None:
     """``megamoe._C.quantize_nvfp4`` by keyword, the outputs and row maps not given left out (see
