@@ -107,8 +107,8 @@ def plan_args(cfg: MoEConfig, t: int, mode: str) -> dict:
     """The arguments of the sm90 dispatch plan ``moe_forward`` asks for at ``t`` bf16 tokens (static
     activation scales, as the benchmark's weights have): expected tokens per expert, both GEMMs' K."""
     w4a16 = mode == "w4a16"
-    return dict(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_l1=cfg.hidden_size,
-                k_l2=cfg.intermediate_size, num_experts=cfg.num_experts, w4a16=w4a16, gather_input=True,
+    return dict(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_gemm1=cfg.hidden_size,
+                k_gemm2=cfg.intermediate_size, num_experts=cfg.num_experts, w4a16=w4a16, gather_input=True,
                 h_static_scale=not w4a16)
 
 
@@ -363,9 +363,7 @@ def main(argv=None) -> int:
                 cfg = base.with_(act_mode=mode)
                 try:
                     pa = plan_args(cfg, t, mode)
-                    row[f"sm90_{mode}_plan"] = plan_summary(be.plan(pa["tokens_per_expert"], pa["k_l1"], pa["k_l2"],
-                                                                    pa["num_experts"], pa["w4a16"], pa["gather_input"],
-                                                                    pa["h_static_scale"]))
+                    row[f"sm90_{mode}_plan"] = plan_summary(be.plan(**pa))
                     times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
                                                bufs, reps, queued=True)
                     med = statistics.median(times)

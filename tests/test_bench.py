@@ -25,7 +25,8 @@ def test_union_length_merges_overlaps_and_keeps_gaps(bench):
 
 
 def test_exposed_other_excludes_the_wait_inside_a_gemm(bench):
-    # one forward: align 0-2, L1 2-10, L2 launched early (PDL) 9-20, combine launched early 19-23 (waits for L2 until 20)
+    # one forward: align 0-2, gemm1 2-10, gemm2 launched early (PDL) 9-20, combine launched early 19-23 (waits for gemm2
+    # until 20)
     spans = [("moe_align_kernel", 0.0, 2.0), ("wg_gemm_kernel<64>", 2.0, 10.0), ("wg_gemm_kernel<64>", 9.0, 20.0),
              ("combine_kernel", 19.0, 23.0)]
     # the kernels' own durations add up to 6 us of non-GEMM time; exposed: 0-2 and 20-23
@@ -57,7 +58,7 @@ def test_tp_flag_builds_the_rank_shapes(bench):
     one = bench.parse_args(["--presets", "v4-flash"])
     assert one.configs["v4-flash"].intermediate_size == 2048 and one.out.endswith("moe_h200.json")
     pa = bench.plan_args(v4, 8192, "w4a4")
-    assert (pa["k_l1"], pa["k_l2"], pa["num_experts"], pa["tokens_per_expert"]) == (4096, 256, 256, 192)
+    assert (pa["k_gemm1"], pa["k_gemm2"], pa["num_experts"], pa["tokens_per_expert"]) == (4096, 256, 256, 192)
     assert pa["h_static_scale"] and not pa["w4a16"]
     # a rank's expert FLOPs (and so its floors): 1/8 of the whole layer's
     from megamoe.backends.cuda_sm90 import CudaSm90Backend

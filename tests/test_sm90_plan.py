@@ -9,7 +9,7 @@ from megamoe import _ext
 pytestmark = pytest.mark.skipif(not _ext.has_part("sm90"),
                                 reason=f"megamoe._C built without sm90 kernels (parts: {_ext.built_parts()})")
 
-V4_FLASH = dict(k_l1=4096, k_l2=2048, num_experts=256)
+V4_FLASH = dict(k_gemm1=4096, k_gemm2=2048, num_experts=256)
 
 
 def plan(tpe, w4a16=True, gather_input=True, **kw):
@@ -44,11 +44,11 @@ def test_switch_to_wgmma_and_its_tiles():
     assert (plan(64).kernel, plan(64).token_tile) == (kind("wgmma128"), 128)
     # tile 32 steps K by 256, tile 64 by 128: a K that is a multiple of 128 only runs tile 64 in tile 32's
     # range, one that is a multiple of 64 only runs tile 128 in both ranges
-    assert (plan(7, k_l2=2176).kernel, plan(24, k_l1=1152).token_tile) == (kind("wgmma64"), 64)
-    assert plan(9, k_l2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma64")
-    assert (plan(7, k_l2=2112).kernel, plan(30, k_l1=1088).token_tile) == (kind("wgmma128"), 128)
-    assert plan(9, k_l2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
-    assert plan(9, k_l1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
+    assert (plan(7, k_gemm2=2176).kernel, plan(24, k_gemm1=1152).token_tile) == (kind("wgmma64"), 64)
+    assert plan(9, k_gemm2=2176, kernel=kind("wgmma32")).kernel == kind("wgmma64")
+    assert (plan(7, k_gemm2=2112).kernel, plan(30, k_gemm1=1088).token_tile) == (kind("wgmma128"), 128)
+    assert plan(9, k_gemm2=2112, kernel=kind("wgmma32")).kernel == kind("wgmma128")
+    assert plan(9, k_gemm1=1088, kernel=kind("wgmma64")).kernel == kind("wgmma128")
     assert (plan(65).kernel, plan(65).token_tile) == (kind("wgmma128"), 128)
     assert plan(100000).kernel == kind("wgmma128")
     for tpe in (7, 24, 25, 28, 29, 32, 33, 63, 64, 65, 5000):
@@ -60,16 +60,16 @@ def test_switch_to_wgmma_and_its_tiles():
         assert p.lane_order and plan(tpe, w4a16=False).lane_order, p
         assert not plan(tpe, w4a16=False).h_operand and not plan(tpe, w4a16=False).gather_x
     assert not any(plan(tpe).lane_order for tpe in range(5))
-    assert not plan(100, k_l1=1040).lane_order
+    assert not plan(100, k_gemm1=1040).lane_order
 
 
-@pytest.mark.parametrize("k_l1,k_l2", [(1040, 464), (4096, 464), (1040, 2048)])
-def test_k_not_multiple_of_64_streams_with_more_tiles_per_pass(k_l1, k_l2):
+@pytest.mark.parametrize("k_gemm1,k_gemm2", [(1040, 464), (4096, 464), (1040, 2048)])
+def test_k_not_multiple_of_64_streams_with_more_tiles_per_pass(k_gemm1, k_gemm2):
     for tpe, tpp in ((1, 8), (6, 8), (8, 8), (9, 32), (21, 32), (22, 64), (5000, 64)):
-        p = plan(tpe, k_l1=k_l1, k_l2=k_l2)
+        p = plan(tpe, k_gemm1=k_gemm1, k_gemm2=k_gemm2)
         assert (p.kernel, p.tokens_per_pass, p.gather_x) == (kind("stream"), tpp, True), (tpe, p)
     # an explicit wgmma request cannot run such a K either
-    assert plan(100, k_l1=k_l1, k_l2=k_l2, kernel=kind("wgmma128")).kernel == kind("stream")
+    assert plan(100, k_gemm1=k_gemm1, k_gemm2=k_gemm2, kernel=kind("wgmma128")).kernel == kind("stream")
 
 
 def test_more_than_1024_experts_streams():
@@ -84,7 +84,7 @@ def test_fusion_only_for_w4a16():
 
 
 @pytest.mark.parametrize("tpe", [1, 4, 5, 40, 100, 5000])
-def test_w4a4_quantizes_h_in_l1_only_with_a_static_scale(tpe):
+def test_w4a4_quantizes_h_in_gemm1_only_with_a_static_scale(tpe):
     """W4A4: gemm1 writes h as the gemm2 operand (its NVFP4 decode) when h takes a static scale; the per-row dynamic
     scale needs the whole row of h first, so h goes through the quantize kernel. x is never gathered by W4A4."""
     static, dynamic = plan(tpe, w4a16=False, h_static_scale=True), plan(tpe, w4a16=False)
@@ -157,11 +157,11 @@ def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
         assert cuda_sm90.CudaSm90Backend._without_align(p) == p.without_align
         return p.without_align
 
-    assert skip() and skip(k_l1=64, k_l2=64)
+    assert skip() and skip(k_gemm1=64, k_gemm2=64)
     assert not skip(tokens=2)  # two tokens share an expert's weights: grouped rows
     assert not skip(tokens=0)  # not a forward
-    assert not skip(k_l1=4128)  # H % 64 != 0
-    assert not skip(k_l2=2080)  # I % 64 != 0
+    assert not skip(k_gemm1=4128)  # H % 64 != 0
+    assert not skip(k_gemm2=2080)  # I % 64 != 0
     assert not skip(gather_input=False)  # fp16 / fp32 x: staged per grouped row
     assert not skip(kernel=kind("wgmma32"))
     assert not skip(tokens_per_pass=16)
@@ -169,7 +169,7 @@ def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
         assert skip(w4a16=False, gather_input=gather_input, h_static_scale=True)
     assert not skip(w4a16=False)  # a dynamic scale for h: the quantizer of h reads grouped rows
     assert not skip(tokens=2, w4a16=False, h_static_scale=True)
-    assert not skip(w4a16=False, h_static_scale=True, k_l1=4128)
+    assert not skip(w4a16=False, h_static_scale=True, k_gemm1=4128)
     assert not skip(w4a16=False, h_static_scale=True, kernel=kind("wgmma32"))
 
 
@@ -201,11 +201,11 @@ def test_stage_k_and_copied_rows():
     assert (p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (False, 256, 256), p
     p = plan(40)  # tile 64, x staged per slot: TMA
     assert (p.kernel, p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (kind("wgmma64"), False, 256, 256), p
-    p = plan(40, k_l2=2176)  # I % 256 != 0
+    p = plan(40, k_gemm2=2176)  # I % 256 != 0
     assert (p.stage_k_gemm1, p.stage_k_gemm2) == (256, 128), p
     p = plan(100)
     assert (p.kernel, p.stage_k_gemm1, p.stage_k_gemm2) == (kind("wgmma128"), 128, 128), p
-    p = plan(100, k_l1=1088)  # H % 128 != 0
+    p = plan(100, k_gemm1=1088)  # H % 128 != 0
     assert (p.stage_k_gemm1, p.stage_k_gemm2) == (64, 128), p
     p = plan(12, kernel=kind("wgmma128"))  # tile 128 never gathers x: staged rows by TMA
     assert (p.copied_rows_gemm1, p.stage_k_gemm1, p.stage_k_gemm2) == (False, 128, 128), p

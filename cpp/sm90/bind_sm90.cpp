@@ -112,13 +112,13 @@ void register_sm90(nb::module_& m) {
   m.attr("sm90_token_order_from") = sm90::kTokenOrderFrom;
   m.def(
       "sm90_plan",
-      [](int64_t tokens_per_expert, int64_t k_l1, int64_t k_l2, int num_experts, bool w4a16, bool gather_input,
+      [](int64_t tokens_per_expert, int64_t k_gemm1, int64_t k_gemm2, int num_experts, bool w4a16, bool gather_input,
          sm90::GemmKernel kernel, int tokens_per_pass, bool h_static_scale, int64_t tokens, bool slots_quantize_alike,
          int64_t token_order_from) {
-        if (tokens_per_expert < 0 || k_l1 <= 0 || k_l2 <= 0 || num_experts <= 0)
+        if (tokens_per_expert < 0 || k_gemm1 <= 0 || k_gemm2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
-                                      std::to_string(tokens_per_expert) + ", " + std::to_string(k_l1) + ", " +
-                                      std::to_string(k_l2) + ", " + std::to_string(num_experts));
+                                      std::to_string(tokens_per_expert) + ", " + std::to_string(k_gemm1) + ", " +
+                                      std::to_string(k_gemm2) + ", " + std::to_string(num_experts));
         if (tokens_per_pass != 0 && tokens_per_pass != 8 && tokens_per_pass != 16 && tokens_per_pass != 32 &&
             tokens_per_pass != 64)
           throw std::invalid_argument("sm90_plan: tokens_per_pass must be 0, 8, 16, 32 or 64, got " +
@@ -128,8 +128,8 @@ void register_sm90(nb::module_& m) {
                                       std::to_string(tokens) + ", " + std::to_string(token_order_from));
         sm90::GemmProblem p;
         p.tokens_per_expert = tokens_per_expert;
-        p.k_gemm1 = k_l1;
-        p.k_gemm2 = k_l2;
+        p.k_gemm1 = k_gemm1;
+        p.k_gemm2 = k_gemm2;
         p.num_experts = num_experts;
         p.w4a16 = w4a16;
         p.gather_input = gather_input;
@@ -141,7 +141,7 @@ void register_sm90(nb::module_& m) {
         p.token_order_from = token_order_from;
         return sm90::plan_moe_gemms(p);
       },
-      nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_l1"), nb::arg("k_l2"), nb::arg("num_experts"),
+      nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_gemm1"), nb::arg("k_gemm2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
       nb::arg("tokens_per_pass") = 0, nb::arg("h_static_scale") = false, nb::arg("tokens") = 0,
       nb::arg("slots_quantize_alike") = true, nb::arg("token_order_from") = sm90::kTokenOrderFrom,

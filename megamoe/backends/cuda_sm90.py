@@ -317,16 +317,16 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._pinned: set[tuple] = set()
         self._plans: dict[tuple, object] = {}
 
-    def plan(self, tokens_per_expert: int, k_l1: int, k_l2: int, num_experts: int, w4a16: bool, gather_input: bool,
-             h_static_scale: bool = False, tokens: int = 0, slots_quantize_alike: bool = True):
+    def plan(self, tokens_per_expert: int, k_gemm1: int, k_gemm2: int, num_experts: int, w4a16: bool,
+             gather_input: bool, h_static_scale: bool = False, tokens: int = 0, slots_quantize_alike: bool = True):
         """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached. ``tokens``:
         T of a MoE forward (the one-token path and the token order need it)."""
-        key = (tokens_per_expert, k_l1, k_l2, num_experts, w4a16, gather_input, h_static_scale, tokens,
+        key = (tokens_per_expert, k_gemm1, k_gemm2, num_experts, w4a16, gather_input, h_static_scale, tokens,
                slots_quantize_alike, TOKEN_ORDER_FROM, str(self.kernel), self.tokens_per_pass)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_l1=k_l1, k_l2=k_l2, num_experts=num_experts,
-                                      w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
+            plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_gemm1=k_gemm1, k_gemm2=k_gemm2,
+                                      num_experts=num_experts, w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
                                       tokens_per_pass=self.tokens_per_pass, h_static_scale=h_static_scale,
                                       tokens=tokens, slots_quantize_alike=slots_quantize_alike,
                                       token_order_from=TOKEN_ORDER_FROM)
@@ -569,11 +569,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         ext = _ext.ext
         k = cfg.top_k
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
-        l1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
-                  epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2,
-                  entry_row_out=ws.entry_row, **slots)
+        gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
+                     epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2,
+                     entry_row_out=ws.entry_row, **slots)
         if cfg.act_mode == "w4a16":
-            ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **l1)
+            ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **gemm1)
             a2_gs = None
         else:
             static_scale = prepared.w13_input_scale
@@ -586,7 +586,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                               row_experts=topk_ids.view(-1))
                 a_gs, per_e, a_rs = static_scale, True, None
             ext.sm90_grouped_gemm(act=ws.a1, a_global_scale=a_gs, a_gs_per_expert=per_e, a_row_scale=a_rs,
-                                  h_quant_scale=prepared.w2_input_scale, **l1)
+                                  h_quant_scale=prepared.w2_input_scale, **gemm1)
             a2_gs = prepared.w2_input_scale
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
@@ -613,8 +613,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         """The plan's token_order for a forward of t tokens of this layer: whether the per-slot gemm1 input is written
         in token order (each row of x read once and stored into the token's k slots through entry_row) rather than
         gathered slot by slot."""
-        return _ext.ext.sm90_plan(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_l1=cfg.hidden_size,
-                                  k_l2=cfg.intermediate_size, num_experts=cfg.num_experts,
+        return _ext.ext.sm90_plan(tokens_per_expert=-(-t * cfg.top_k // cfg.num_experts), k_gemm1=cfg.hidden_size,
+                                  k_gemm2=cfg.intermediate_size, num_experts=cfg.num_experts,
                                   w4a16=cfg.act_mode == "w4a16", gather_input=False, tokens=t,
                                   slots_quantize_alike=CudaSm90Backend._slots_quantize_alike(prepared, cfg),
                                   token_order_from=TOKEN_ORDER_FROM).token_order
