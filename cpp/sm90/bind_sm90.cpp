@@ -168,9 +168,6 @@ void register_sm90(nb::module_& m) {
         if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
           throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
         a.num_experts = int(w_data.shape(0));
-        if (bool(expert_offsets) == bool(slot_experts))
-          throw std::invalid_argument("grouped_gemm: give expert_offsets (grouped rows of moe_align) or slot_experts "
-                                      "(one token's expert ids, row j = slot j), not both");
         if (expert_offsets) {
           a.expert_offsets = ptr<const int32_t>(*expert_offsets, "expert_offsets", 4);
           if (numel(*expert_offsets) != a.num_experts + 1)
@@ -213,38 +210,27 @@ void register_sm90(nb::module_& m) {
         a.max_total_rows = max_total_rows;
         a.kernel = plan.kernel;
         a.tokens_per_pass = plan.tokens_per_pass;
-        if (entry_row_out && !slot_experts)
-          throw std::invalid_argument("grouped_gemm: entry_row_out is written with slot_experts only");
         if (slot_experts) {  // one token, no align kernel: slot j is row j (GroupedGemmArgs::slot_experts)
           const int bits = slot_experts->dtype().bits;
           if (slot_experts->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
             throw std::invalid_argument("grouped_gemm: slot_experts must be int32 or int64, got " +
                                         dtype_name(slot_experts->dtype()));
-          const bool l1 = epilogue == sm90::Epilogue::kSiluMul;
-          if (plan.kernel != sm90::GemmKernel::kStream || plan.tokens_per_pass != 8 || a.K % 64 != 0 ||
-              active_experts || num_active ||
-              (l1 ? !a.out_operand || bool(act_rows) == bool(h_quant_scale) : bool(act_rows)))
-            throw std::invalid_argument("grouped_gemm: slot_experts runs on the one-tile streaming kernel with "
-                                        "K % 64 == 0: the silu_mul GEMM into out_operand, either gathering act "
-                                        "through act_rows or reading staged rows with h_quant_scale, or the store "
-                                        "GEMM of staged rows");
-          const int64_t slots = grid_experts;
-          const int64_t rows_out = int64_t((l1 ? *out_operand : *out).shape(0));
-          if (numel(*slot_experts) < slots || max_total_rows < slots || rows_out < slots ||
-              (act_rows ? numel(*act_rows) : int64_t(act.shape(0))) < slots)
-            throw std::invalid_argument("grouped_gemm: with slot_experts every grid slot j reads slot_experts[j] and "
-                                        "activation row j and writes output row j: each needs grid_experts = " +
-                                        std::to_string(slots) + " entries or rows (and max_total_rows as many)");
           a.slot_experts = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
           a.slot_experts_int64 = bits == 64;
-          if (entry_row_out) {
-            if (!l1 || numel(*entry_row_out) < slots)
-              throw std::invalid_argument("grouped_gemm: entry_row_out is written by the silu_mul GEMM and needs "
-                                          "grid_experts entries");
-            a.entry_row_out = ptr<int32_t>(*entry_row_out, "entry_row_out", 4);
-          }
         }
+        a.entry_row_out = opt_ptr<int32_t>(entry_row_out, "entry_row_out", 4);
         if (const char* err = sm90::grouped_gemm_args_error(a)) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
+        if (slot_experts) {  // the rules hold: the silu_mul GEMM writes out_operand, the store GEMM out
+          const int64_t slots = grid_experts;
+          const int64_t rows_out = int64_t((epilogue == sm90::Epilogue::kSiluMul ? *out_operand : *out).shape(0));
+          if (numel(*slot_experts) < slots || max_total_rows < slots || rows_out < slots ||
+              (act_rows ? numel(*act_rows) : int64_t(act.shape(0))) < slots ||
+              (entry_row_out && numel(*entry_row_out) < slots))
+            throw std::invalid_argument("grouped_gemm: with slot_experts every grid slot j reads slot_experts[j] and "
+                                        "activation row j and writes output row j (and entry_row_out[j]): each needs "
+                                        "grid_experts = " + std::to_string(slots) +
+                                        " entries or rows (and max_total_rows as many)");
+        }
         check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(),

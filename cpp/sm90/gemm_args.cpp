@@ -11,7 +11,9 @@ const char* grouped_gemm_args_error(const GroupedGemmArgs& a) {
   if (a.K <= 0 || a.K % 16 != 0) return "K must be a positive multiple of 16";
   if (a.N <= 0) return "N (weight rows) must be positive";
   if (!a.act || !a.w_data || !a.w_scale || !a.w_global_scale) return "act, w_data, w_scale and w_global_scale are needed";
-  if (!a.expert_offsets && !a.slot_experts) return "give expert_offsets or slot_experts";
+  if (bool(a.expert_offsets) == bool(a.slot_experts))
+    return "give expert_offsets (grouped rows of moe_align) or slot_experts (one token's expert ids, row j = slot j), "
+           "not both";
   if (a.grid_experts <= 0 || a.grid_experts > 65535) return "grid_experts must be in [1, 65535]";
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   if (silu_mul && a.N % 32 != 0) return "the silu_mul epilogue needs N = 2 I with I a multiple of 16";
@@ -34,6 +36,8 @@ const char* grouped_gemm_args_error(const GroupedGemmArgs& a) {
       if (a.slot_experts) {
         if (nt != 1 || a.K % 64 != 0)
           return "slot_experts runs on the one-tile streaming kernel (8 tokens per pass) with K % 64 == 0";
+        if (a.active_experts || a.num_active)
+          return "slot_experts: every grid slot is a slot (no active_experts or num_active)";
         if (!silu_mul && a.act_rows) return "slot_experts: the store GEMM reads staged rows (no act_rows)";
         if (silu_mul && !a.out_operand) return "slot_experts: the silu_mul GEMM writes h into out_operand";
         if (silu_mul && bool(a.act_rows) == bool(a.h_quant_gs))

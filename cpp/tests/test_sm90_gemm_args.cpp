@@ -91,7 +91,13 @@ int main() {
   broken("K 0", [](GroupedGemmArgs& a) { a.K = 0; }, "K must be");
   broken("N 0", [](GroupedGemmArgs& a) { a.N = 0; }, "N (weight rows)");
   broken("no act", [](GroupedGemmArgs& a) { a.act = nullptr; }, "act, w_data");
-  broken("no rows", [](GroupedGemmArgs& a) { a.expert_offsets = nullptr; }, "expert_offsets or slot_experts");
+  broken("no rows", [](GroupedGemmArgs& a) { a.expert_offsets = nullptr; }, "expert_offsets (grouped rows");
+  broken("offsets and slots", [](GroupedGemmArgs& a) { a.expert_offsets = fake<const int32_t>(0x20000); }, "not both",
+         one_token_gemm1);
+  broken("slots with active experts", [](GroupedGemmArgs& a) { a.active_experts = fake<const int32_t>(0xB0000); },
+         "no active_experts or num_active", one_token_gemm1);
+  broken("slots with num_active", [](GroupedGemmArgs& a) { a.num_active = fake<const int32_t>(0xC0000); },
+         "no active_experts or num_active", one_token_gemm1);
   broken("grid 0", [](GroupedGemmArgs& a) { a.grid_experts = 0; }, "grid_experts");
   broken("grid 65536", [](GroupedGemmArgs& a) { a.grid_experts = 65536; }, "grid_experts");
   broken("silu_mul N", [](GroupedGemmArgs& a) { a.N = 1000; }, "I a multiple of 16");
