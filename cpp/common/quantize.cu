@@ -9,6 +9,7 @@
 #include "megamoe/common_kernels.h"
 #include "megamoe/nvfp4_device.cuh"
 #include "megamoe/sf_layout.hpp"
+#include "megamoe/sm90_operand_order.cuh"
 #include "offset_search.cuh"
 
 namespace megamoe {
@@ -52,7 +53,6 @@ __device__ __forceinline__ void load_block(const typename Elem<T>::type* p, bool
 }
 
 constexpr int kMaxThreads = 128;
-constexpr int kLaneOrderQuads = kMaxThreads / 4;
 
 struct RowPlace {
   int64_t dst_row;
@@ -80,25 +80,14 @@ __device__ __forceinline__ int row_expert(const QuantizeArgs& a, int64_t r) {
   return e >= 0 && e < a.row_experts_bound ? int(e) : -1;
 }
 
-// Shared memory of a CTA for lane_order_chunks(): 32 words per quad of threads.
-struct LaneOrderStage {
-  uint32_t words[kLaneOrderQuads][32];
-};
-
-// The quad's stage and its bank rotation: quad m of a warp at 4 * pi(m), pi = 0 4 1 5 2 6 3 7, so that the 8
-// quads' stores of one pair fall on distinct banks and the two quads of each 16-byte read phase on distinct chunks.
-__device__ __forceinline__ uint32_t* lane_order_stage(LaneOrderStage& st, int& rot) {
-  const int m = (threadIdx.x & 31) >> 2;
-  rot = 4 * ((m >> 1) + 4 * (m & 1));
-  return st.words[threadIdx.x >> 2];
-}
+using LaneStage = LaneOrderStage<kMaxThreads>;
 
 // Quantizes block kb of a placed row; docs/SPEC.md §1 in the reference's fp32 operation order. The lane-order
-// decode (a.dequant_lane_order) is stored in whole 16-byte chunks through `st` (lane_order_chunks): it needs
+// decode (a.dequant_lane_order) is stored in whole 16-byte chunks through `st` (store_operand_rows): it needs
 // kb & 3 == threadIdx.x & 3 and the 4 threads of the quad calling together (both kernels below: blockDim.x is a
 // multiple of 32, blocks_per_row of 4, so a quad's blocks are valid or not together).
 __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const float (&x)[16], float gs, int64_t dst_row,
-                                               int64_t kb, LaneOrderStage& st) {
+                                               int64_t kb, LaneStage& st) {
   const int64_t blocks_per_row = a.cols / 16;
   uint8_t scale_byte;
   float scale, r[16];  // E2M1 values
@@ -118,28 +107,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeArgs& a, const floa
   if (a.dequant) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) r[i] = __fmul_rn(r[i], scale);  // exact, +0 stays +0
-    if (a.dequant_lane_order) {
-      const int tig = int(threadIdx.x & 3);
-      int rot;
-      uint32_t* stage = lane_order_stage(st, rot);
-      uint4 chunk[2];
-      lane_order_chunks(r, stage, rot, tig, 0xFu << (threadIdx.x & 28), chunk);
-      if (a.scatter_rows) {
-        for (int j = 0; j < a.scatter_k; ++j) {
-          const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
-          if (d >= 0) store_lane_order_chunks(a.dequant + int64_t(d) * a.cols, kb, tig, chunk);
-        }
-      } else {
-        store_lane_order_chunks(a.dequant + dst_row * a.cols, kb, tig, chunk);
-      }
-    } else if (a.scatter_rows) {
-      for (int j = 0; j < a.scatter_k; ++j) {
-        const int32_t d = __ldg(a.scatter_rows + dst_row * a.scatter_k + j);
-        if (d >= 0) store_operand_block(r, a.dequant + int64_t(d) * a.cols, kb, false);
-      }
-    } else {
-      store_operand_block(r, a.dequant + dst_row * a.cols, kb, false);
-    }
+    store_operand_rows(r, a.dequant, a.cols, dst_row, kb, a.dequant_lane_order, a.scatter_rows, a.scatter_k, st);
   }
 }
 
@@ -159,7 +127,7 @@ int row_threads(int64_t blocks_per_row, int per) {
 template <ElemType T, int kPer>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
-  __shared__ LaneOrderStage st;
+  __shared__ LaneStage st;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
   const int row_ex = a.row_experts ? row_expert(a, r) : 0;
@@ -192,7 +160,7 @@ template <ElemType T>
 __global__ void __launch_bounds__(kMaxThreads) quantize_nvfp4_rowwise_kernel(QuantizeArgs a, bool vec) {
   using E = typename Elem<T>::type;
   __shared__ float warp_max[kMaxThreads / 32];
-  __shared__ LaneOrderStage st;
+  __shared__ LaneStage st;
   const int64_t r = blockIdx.x;
   if (!row_valid(a, r)) return;
   const int64_t blocks_per_row = a.cols / 16;

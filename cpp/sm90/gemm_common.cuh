@@ -46,6 +46,7 @@
 #include <cstdint>
 
 #include "megamoe/nvfp4_device.cuh"
+#include "megamoe/sm90_operand_order.cuh"
 #include "megamoe/sm90_kernels.h"
 
 namespace megamoe::sm90 {

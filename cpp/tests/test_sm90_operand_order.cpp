@@ -45,7 +45,7 @@ int main() {
   for (int p = 0; p < 64; ++p)
     expect(megamoe::lane_order_position(p) == lane(p), "lane_order_position", p, megamoe::lane_order_position(p),
            lane(p));
-  // The quantizer's quad transposition (nvfp4_device.cuh, lane_order_chunks): word i of lane tig's block at unit
+  // The quantizer's quad transposition (sm90_operand_order.cuh, lane_order_chunks): word i of lane tig's block at unit
   // 4 i + tig of the 64-block, which is lane_order_unit(8 tig + i).
   for (int tig = 0; tig < 4; ++tig)
     for (int i = 0; i < 8; ++i)

@@ -39,7 +39,7 @@ enum class GlobalScaleMode : int {
 //   dequant     bf16 [*, cols]: e2m1(code) * float(scale) (exact, global scale left out),
 //               stored with each 8-element group in the order 0,4,1,5,2,6,3,7 (the operand
 //               order of the sm90 GEMMs), or with dequant_lane_order in the lane order of the
-//               sm90 wgmma GEMMs (megamoe/nvfp4_device.cuh; cols % 64 == 0)
+//               sm90 wgmma GEMMs (megamoe/sm90_operand_order.hpp; cols % 64 == 0)
 struct QuantizeArgs {
   const void* src = nullptr;
   ElemType src_type = ElemType::kBFloat16;

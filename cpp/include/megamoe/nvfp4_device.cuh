@@ -1,5 +1,5 @@
 // Device helpers for the NVFP4 number format (docs/SPEC.md §1), shared by the quantizer and the
-// GEMM epilogues. Every function here reproduces megamoe/nvfp4.py bit for bit: plain
+// GEMM epilogues (the sm90 operand and lane orders they write: megamoe/sm90_operand_order.cuh). Every function here reproduces megamoe/nvfp4.py bit for bit: plain
 // IEEE fp32 operations in the reference's order, no fast-math.
 #pragma once
 #include <cuda_bf16.h>
@@ -7,8 +7,6 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
-
-#include "megamoe/sm90_operand_order.hpp"
 
 namespace megamoe {
 
@@ -93,63 +91,6 @@ __device__ __forceinline__ float nvfp4_quotient(const Nvfp4Block& b, float x) {
 __device__ __forceinline__ float nvfp4_dequantized(const Nvfp4Block& b, float x) {
   const float r = b.denom == 0.f ? 0.f : e2m1_round(nvfp4_quotient(b, x));
   return __fmul_rn(r, b.scale);
-}
-
-// operand_order, lane_order_position (the sm90 GEMMs' activation orders): megamoe/sm90_operand_order.hpp
-
-// The 8 operand-order bf16 pairs of a block of 16 values (E2M1 values already multiplied by their e4m3 scale: exact).
-__device__ __forceinline__ void operand_pairs(const float (&v)[16], uint32_t (&w)[8]) {
-#pragma unroll
-  for (int g = 0; g < 2; ++g) {
-#pragma unroll
-    for (int p = 0; p < 8; p += 2) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(v[g * 8 + operand_order(p)], v[g * 8 + operand_order(p + 1)]);
-      w[g * 4 + p / 2] = *reinterpret_cast<uint32_t*>(&b);
-    }
-  }
-}
-
-// Block kb (16 E2M1 values v, already multiplied by their e4m3 scale: exact) of a bf16 operand row in
-// operand order, 2 x 16 bytes, or in lane order (its 8 pairs at their lane-order places).
-__device__ __forceinline__ void store_operand_block(const float (&v)[16], uint16_t* row, int64_t kb, bool lane_order) {
-  uint32_t w[8];
-  operand_pairs(v, w);
-  if (lane_order) {
-    uint16_t* blk = row + (kb >> 2) * 64;
-    const int p0 = int(kb & 3) * 16;  // operand position of the first pair within the 64-block
-#pragma unroll
-    for (int i = 0; i < 8; ++i) *reinterpret_cast<uint32_t*>(blk + lane_order_position(p0 + 2 * i)) = w[i];
-  } else {
-    uint4* dst = reinterpret_cast<uint4*>(row + kb * 16);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  }
-}
-
-// Lane order in whole 16-byte chunks: the 4 lanes of a quad (lanes 4m..4m+3, `quad_mask` their bits) hold the
-// blocks kb = 4b..4b+3 of one 64-element block, lane & 3 == kb & 3 (v: each lane's 16 values, as for
-// store_operand_block). In lane order the 16-byte chunk c of the 64-block holds pair c of each of the 4 blocks, so
-// the quad transposes its operand_pairs through `stage` (32 words of shared memory of its own, 16-byte aligned; word
-// p stored at (p + rot) % 32, rot a multiple of 4 that spreads the quads of a warp over the banks) and each lane
-// returns chunks tig and tig + 4 (store_lane_order_chunks): two 16-byte stores per lane instead of eight 4-byte
-// ones. All 4 lanes call it; the first __syncwarp also orders any earlier reads of `stage` by the quad before it is
-// overwritten.
-__device__ __forceinline__ void lane_order_chunks(const float (&v)[16], uint32_t* stage, int rot, int tig,
-                                                  unsigned quad_mask, uint4 (&chunk)[2]) {
-  uint32_t w[8];
-  operand_pairs(v, w);
-  __syncwarp(quad_mask);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) stage[(4 * i + tig + rot) & 31] = w[i];  // lane_order_unit(8 tig + i) = 4 i + tig
-  __syncwarp(quad_mask);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) chunk[h] = *reinterpret_cast<const uint4*>(stage + ((4 * (tig + 4 * h) + rot) & 31));
-}
-
-// Stores lane tig's chunks of lane_order_chunks() into the bf16 operand row `row` (block kb's 64-block).
-__device__ __forceinline__ void store_lane_order_chunks(uint16_t* row, int64_t kb, int tig, const uint4 (&chunk)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) *reinterpret_cast<uint4*>(row + (kb >> 2) * 64 + (tig + 4 * h) * 8) = chunk[h];
 }
 
 __device__ __forceinline__ float block_amax(const float (&x)[16]) {

@@ -13,6 +13,8 @@
 // the partners of those elements, so the operand-order unit u = 8 t + v (a unit: the bf16 pair at operand positions
 // 2u, 2u + 1; t < 4, v < 8) is stored at unit 4 v + t: operand position p at lane_order_position(p) (the CuTe layout
 // (2,8,4):(1,8,2) of p).
+//
+// The device code that stores rows in these orders: megamoe/sm90_operand_order.cuh.
 #pragma once
 #include <cstdint>
 
