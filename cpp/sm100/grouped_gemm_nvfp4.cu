@@ -18,14 +18,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include <cub/block/block_scan.cuh>
@@ -312,11 +313,35 @@ std::vector<int64_t> flatten_stride(Stride const& stride) {
   return out;
 }
 
+// A CuTe integer tuple as CuTe prints it ("_4" for a static 4, "(a,b)" for a tuple), written
+// without iostreams: the plan runs in a process whose CUDA context and C++ locale are set up by
+// torch, where formatting a number through an ostream of this library crashed (SIGSEGV in
+// num_put, seen on an H100 once the context existed).
+template <class T>
+void append_int_tuple(std::string& s, T const& t) {
+  if constexpr (cute::is_tuple<T>::value) {
+    s += '(';
+    int i = 0;
+    cute::for_each(t, [&](auto const& e) {
+      if (i++) s += ',';
+      append_int_tuple(s, e);
+    });
+    s += ')';
+  } else if constexpr (cute::is_static<T>::value) {
+    s += '_';
+    s += std::to_string(int64_t(T::value));
+  } else {
+    s += std::to_string(int64_t(t));
+  }
+}
+
 template <class Layout>
 std::string layout_string(Layout const& layout) {
-  std::ostringstream os;
-  os << layout;
-  return os.str();
+  std::string s;
+  append_int_tuple(s, shape(layout));
+  s += ':';
+  append_int_tuple(s, stride(layout));
+  return s;
 }
 
 template <class Layout>
@@ -649,10 +674,10 @@ void moe_gemm_run(MoeGemmGeometry const& geo, MoeGemmDevicePointers const& ptrs,
   }
   auto check_aligned = [](void const* p, char const* name, uintptr_t alignment) {
     if (p == nullptr || reinterpret_cast<uintptr_t>(p) % alignment != 0) {
-      std::ostringstream os;
-      os << "sm100 moe_gemm: " << name << " = " << p << " must be a non-null " << alignment
-         << "-byte aligned device pointer";
-      throw std::invalid_argument(os.str());
+      char address[32];
+      std::snprintf(address, sizeof(address), "%p", p);
+      throw std::invalid_argument(std::string("sm100 moe_gemm: ") + name + " = " + address + " must be a non-null " +
+                                  std::to_string(uint64_t(alignment)) + "-byte aligned device pointer");
     }
   };
   // TMA: 16-byte aligned operand and output bases (every group offset keeps that, see
