@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROW_BLOCK", "matmul_rows"]
+__all__ = ["ROW_BLOCK", "matmul_rows", "matmul"]
 
 #: Rows per GEMM call.
 ROW_BLOCK = 64
@@ -36,3 +36,9 @@ def matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for i in range(0, x.shape[0], ROW_BLOCK):
         torch.matmul(x[i:i + ROW_BLOCK], wt, out=out[i:i + ROW_BLOCK])
     return out[:t]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+    """``x @ w.T``: through :func:`matmul_rows` when ``invariant`` (the default), else one GEMM over
+    all rows (faster for many rows on a GPU; a row's bits may then depend on its batch)."""
+    return matmul_rows(x, w) if invariant else x @ w.T

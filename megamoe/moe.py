@@ -10,7 +10,7 @@ import torch
 from megamoe import checkpoint, nvfp4, reference
 from megamoe.backends import Backend, get_backend
 from megamoe.presets import MoEConfig, get_preset
-from megamoe.invariant import matmul_rows
+from megamoe.invariant import matmul
 from megamoe.routing import hash_expert_ids, route
 from megamoe.weights import MoEWeights
 
@@ -23,7 +23,14 @@ class MoELayer:
     ``forward`` computes, per token, ``sum_j w_j * expert_{e_j}(x)`` (+ the shared expert),
     with the routed experts on the chosen backend and routing / shared expert identical
     for every backend.
+
+    ``batch_invariant`` (default True): the router's and the shared expert's float32 GEMMs run
+    in fixed 64-row blocks, so their results for a row do not depend on the rest of its batch
+    (docs/SPEC.md §3.5). Set it False on a layer to run them as one GEMM each: faster for many
+    rows on a GPU (bench/invariance_cost.py), but a row's bits may then depend on its batch.
     """
+
+    batch_invariant: bool = True
 
     def __init__(self, weights: MoEWeights, config: MoEConfig, backend: str | Backend = "auto",
                  device: str | torch.device | None = None) -> None:
@@ -81,14 +88,15 @@ class MoELayer:
         A hash-routed layer takes its experts from ``tid2eid[input_ids]`` (``input_ids`` int
         ``[T]`` required, else :class:`megamoe.routing.InputIdsRequired`) and their weights
         from the scores. The router GEMM is float32 and batch-invariant
-        (:func:`megamoe.invariant.matmul_rows`); ties go to the lowest expert id.
+        (:func:`megamoe.invariant.matmul_rows`, unless :attr:`batch_invariant` is off); ties go to
+        the lowest expert id.
         """
         cfg = self.config
         expert_ids = hash_expert_ids(self.weights.tid2eid, input_ids) if cfg.hash_routing else None
         if router_logits is None:
             if self.weights.router_weight is None:
                 raise ValueError("this layer has no router weight: pass topk_ids/topk_weights or router_logits")
-            router_logits = matmul_rows(hidden_states.float(), self._float32("router_weight"))
+            router_logits = matmul(hidden_states.float(), self._float32("router_weight"), self.batch_invariant)
         if router_logits.shape[-1] != cfg.num_experts or router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         return route(router_logits, cfg.top_k, cfg.scoring, self.weights.router_bias, cfg.n_group,
@@ -194,13 +202,14 @@ class MoELayer:
         if quantize_activations and isinstance(w.shared_gate_up, nvfp4.NVFP4Tensor):
             # a shared expert stored in NVFP4 runs like a routed one (docs/SPEC.md §3.4)
             out = reference.expert_mlp(x.float(), self._float32("shared_gate_up"), self._float32("shared_down"),
-                                       self.config, w.shared_gate_up_input_scale, w.shared_down_input_scale)
+                                       self.config, w.shared_gate_up_input_scale, w.shared_down_input_scale,
+                                       invariant=self.batch_invariant)
         else:
             out = reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
-                                      self.config.swiglu_limit)
+                                      self.config.swiglu_limit, invariant=self.batch_invariant)
         if self.config.shared_expert_gate:
             # Qwen2-MoE: scaled per token by sigmoid(x · g), the [1, H] gate in float32
-            out = out * torch.sigmoid(matmul_rows(x.float(), self._float32("shared_expert_gate")))
+            out = out * torch.sigmoid(matmul(x.float(), self._float32("shared_expert_gate"), self.batch_invariant))
         return out
 
     def reference_bf16(self, hidden_states: torch.Tensor, topk_ids=None, topk_weights=None,

@@ -12,8 +12,8 @@ The NVFP4 format's own math (quantize, dequantize, scale-factor layout) is
   weighted contributions, expert by expert in ascending id order;
 * :func:`dense_mlp`: the shared expert (dense, unquantized).
 
-Every GEMM here is :func:`megamoe.invariant.matmul_rows`, so a row's result does not depend on
-the other rows of its batch (docs/SPEC.md §3.5).
+Every GEMM here goes through :func:`megamoe.invariant.matmul_rows` (unless ``invariant=False``), so a
+row's result does not depend on the other rows of its batch (docs/SPEC.md §3.5).
 
 The torch backend (:mod:`megamoe.backends.torch_ref`) runs :func:`routed_experts` with
 quantized activations; :meth:`megamoe.moe.MoELayer.reference_bf16` runs it on decoded
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe import nvfp4
-from megamoe.invariant import matmul_rows
+from megamoe.invariant import matmul
 
 __all__ = ["row_global_scales", "activation_to_gemm_input", "swiglu", "expert_mlp", "valid_slots",
            "routed_experts", "dense_mlp"]
@@ -66,7 +66,8 @@ def swiglu(gu: torch.Tensor, intermediate: int, limit: float | None) -> torch.Te
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: torch.Tensor | None = None,
-               in2: torch.Tensor | None = None, quantize_activations: bool = True) -> torch.Tensor:
+               in2: torch.Tensor | None = None, quantize_activations: bool = True,
+               invariant: bool = True) -> torch.Tensor:
     """One expert on its rows: ``[n, H]`` -> ``[n, H]`` in the dtype of the decoded weights.
 
     ``w13`` ``[2I, H]`` (gate rows, then up rows) and ``w2`` ``[H, I]`` are the expert's decoded
@@ -76,10 +77,10 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: t
     """
     dtype = w13.dtype
     a1 = activation_to_gemm_input(x, cfg, in1, dtype) if quantize_activations else x.to(dtype)
-    hmid = swiglu(matmul_rows(a1, w13), w2.shape[1], cfg.swiglu_limit)
+    hmid = swiglu(matmul(a1, w13, invariant), w2.shape[1], cfg.swiglu_limit)
     # the second activation is quantized from float32, as a kernel's epilogue holds it
     a2 = activation_to_gemm_input(hmid.float(), cfg, in2, dtype) if quantize_activations else hmid
-    return matmul_rows(a2, w2)
+    return matmul(a2, w2, invariant)
 
 
 def valid_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -129,8 +130,9 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return out
 
 
-def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None) -> torch.Tensor:
+def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None,
+              invariant: bool = True) -> torch.Tensor:
     """The shared expert: ``swiglu(x @ gate_up.T) @ down.T`` in the dtype of the weights
     (``gate_up`` ``[2Is, H]``, ``down`` ``[H, Is]``)."""
-    gu = matmul_rows(x.to(gate_up.dtype), gate_up)
-    return matmul_rows(swiglu(gu, down.shape[1], limit), down)
+    gu = matmul(x.to(gate_up.dtype), gate_up, invariant)
+    return matmul(swiglu(gu, down.shape[1], limit), down, invariant)

@@ -265,9 +265,13 @@ def build_layer(settings, group=None) -> ExpertParallelMoE | TensorParallelMoE:
     cls = TensorParallelMoE if getattr(settings, "tp", 1) > 1 else ExpertParallelMoE
     backend = resolve_backend(settings.backend)
     if settings.checkpoint:
-        return cls.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device, group=group,
-                                   layer=settings.layer)
-    return cls.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device, group=group)
+        layer = cls.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device, group=group,
+                                    layer=settings.layer)
+    else:
+        layer = cls.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device,
+                                group=group)
+    layer.batch_invariant = getattr(settings, "batch_invariant", True)
+    return layer
 
 
 def tp_mismatch(tp: int, world: int) -> str | None:

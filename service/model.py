@@ -86,9 +86,12 @@ def load_layer(settings: ServiceSettings):
 
     backend = resolve_backend(settings.backend)
     if settings.checkpoint:
-        return MoELayer.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device,
-                                        layer=settings.layer)
-    return MoELayer.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device)
+        layer = MoELayer.from_checkpoint(settings.checkpoint, backend=backend, device=settings.device,
+                                         layer=settings.layer)
+    else:
+        layer = MoELayer.from_preset(settings.preset, seed=settings.seed, backend=backend, device=settings.device)
+    layer.batch_invariant = settings.batch_invariant
+    return layer
 
 
 def default_model_name(settings: ServiceSettings) -> str:
@@ -123,6 +126,11 @@ class ServedModel:
         #: the layer's forward takes token ids (``input_ids``); a hash-routed layer needs them to route
         self.takes_input_ids = "input_ids" in params
         self.needs_input_ids = self.takes_input_ids and bool(getattr(layer, "needs_input_ids", False))
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the layer's float GEMMs outside the kernels run batch-invariant (docs/SPEC.md §3.5)."""
+        return bool(getattr(self.layer, "batch_invariant", True))
 
     @property
     def has_router(self) -> bool:
@@ -175,6 +183,7 @@ class ServedModel:
                 "top_k": top_k,
                 "has_router": self.has_router,
                 "hash_routing": self.needs_input_ids,
+                "batch_invariant": self.batch_invariant,
                 "max_tokens_per_request": self.max_tokens_per_request,
                 "torch_threads": self.torch_threads,
             },
@@ -219,6 +228,7 @@ class ServedModel:
                 "accepted_float_datatypes": ",".join(FLOAT_TYPES), "accepted_int_datatypes": ",".join(INT_TYPES),
                 "routing": "topk_ids + topk_weights if given, else router_logits if given, else the layer's router",
                 "hash_routing": self.needs_input_ids,
+                "batch_invariant": self.batch_invariant,
             }.items()},
         }
 

@@ -55,6 +55,11 @@ class ServiceSettings(BaseSettings):
         description="kernel backend: auto, torch, cuda-sm90, cuda-sm100, or 'package.module:attr' (a Backend subclass or factory)",
     )
     device: str | None = Field(None, description="torch device for the weights; unset: the backend's")
+    batch_invariant: bool = Field(
+        True, description="a request's answer does not depend on the rest of its batch: the router's and the shared "
+        "expert's float32 GEMMs run in fixed 64-row blocks (docs/SPEC.md §3.5). Off: one GEMM each, faster for large "
+        "batches on a GPU (bench/invariance_cost.py), and a row's bits may then depend on its batch-mates",
+    )
     torch_threads: int = Field(
         0, ge=0,
         description="torch intra-op CPU threads (0: torch's choice, one per core). On a CPU shared with other "

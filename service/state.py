@@ -229,6 +229,7 @@ class ServiceState:
 
             backend = _DeviceThreadBackend(layer.backend, self) if yielding else layer.backend
             report = health.run_checks(level=level, backend=backend)
+        report["batch_invariant"] = self.model.batch_invariant
         self.metrics.record_selftest(level, report, started)
         if report.get("status") == "pass":
             self.selftest_error = None

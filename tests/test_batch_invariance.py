@@ -90,3 +90,34 @@ def test_matmul_rows_is_blocked_and_exact(gen):
     assert matmul_rows(x[:0], w).shape == (0, 40)
     with pytest.raises(TypeError):
         matmul_rows(x.double(), w)
+
+
+def test_batch_invariance_can_be_turned_off_per_layer(gen):
+    """The opt-out (docs/SPEC.md §3.5): with ``batch_invariant`` off the router is one GEMM over all
+    rows, bit for bit ``x @ W.T``; on (the default) it is the 64-row blocks."""
+    layer = MoELayer.from_preset("small", backend="torch")
+    assert layer.batch_invariant
+    x = torch.randn(200, 1024, generator=gen)
+    w = layer._float32("router_weight")
+    captured = {}
+    import megamoe.moe as moe_module
+
+    real_route = moe_module.route
+
+    def spy(logits, *a, **kw):
+        captured["logits"] = logits
+        return real_route(logits, *a, **kw)
+
+    moe_module.route = spy
+    try:
+        layer.route(x)
+        assert torch.equal(captured["logits"], matmul_rows(x, w))
+        layer.batch_invariant = False
+        layer.route(x)
+        assert torch.equal(captured["logits"], x @ w.T)
+        y_fast = layer(x)
+        layer.batch_invariant = True
+        # the two modes differ only by float32 rounding
+        torch.testing.assert_close(y_fast, layer(x), rtol=1e-3, atol=1e-3)
+    finally:
+        moe_module.route = real_route

@@ -64,3 +64,20 @@ def test_hash_layer_served_from_the_folder_with_input_ids(server):
     status, body = _post(server, {"inputs": [hidden, dict(token_ids, data=((ids + 1) % 256).tolist())]})
     assert status == 200
     assert not torch.equal(torch.tensor(body["outputs"][0]["data"], dtype=torch.float64).view(x.shape), out)
+
+
+def test_batch_invariant_mode_in_metadata_config_and_health(tmp_path):
+    """The model metadata, the model configuration and the kernel-health report say whether
+    answers are batch-invariant: on by default, off with --no-batch-invariant."""
+    for args, expected in (([], True), (["--no-batch-invariant"], False)):
+        srv = ServerProcess(tmp_path / f"server{len(args)}.log", args=["--backend", "torch", *args])
+        try:
+            srv.wait_for("/v2/health/ready")
+            status, meta = srv.get("/v2/models/tiny")
+            assert status == 200 and meta["parameters"]["batch_invariant"] is expected, meta["parameters"]
+            status, config = srv.get("/v2/models/tiny/config")
+            assert status == 200 and config["parameters"]["batch_invariant"]["string_value"] == str(expected)
+            status, report = srv.get("/v1/health/kernels")
+            assert status == 200 and report["batch_invariant"] is expected
+        finally:
+            srv.stop()
