@@ -166,32 +166,37 @@ def write_checkpoints(d: Path, seed: int) -> Path:
 def launch(world: int, workdir: Path, cfg, gen: torch.Generator, dist_backend: str = "gloo",
            backend: str = "torch") -> tuple[dict, list[dict]]:
     """Write the cases, spawn ``world`` ranks once, return (cases, per-rank results)."""
-    import torch.multiprocessing as mp
-
     import dist_ep_worker
 
     cases = _cases(world, cfg, gen)
     torch.save(cases, workdir / f"cases_w{world}.pt")
     torch.save(_front_batches(cfg, gen), workdir / f"front_w{world}.pt")
+    return cases, spawn_ranks(dist_ep_worker.run, world, workdir, "rank", dist_backend, backend)
+
+
+def spawn_ranks(worker_run, world: int, workdir: Path, stem: str, dist_backend: str, backend: str) -> list[dict]:
+    """``world`` processes of ``worker_run`` (one group); each writes ``workdir/{stem}{r}.pt``. Returns
+    the per-rank results, or fails with every rank's traceback."""
+    import torch.multiprocessing as mp
+
     for r in range(world):
-        (workdir / f"rank{r}.pt").unlink(missing_ok=True)
+        (workdir / f"{stem}{r}.pt").unlink(missing_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                      ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(var, off)  # NVLink multicast stays off (device README)
+        os.environ.setdefault(var, off)  # NVLink multicast stays off
     try:
-        mp.spawn(dist_ep_worker.run, args=(world, _free_port(), str(workdir), dist_backend, backend),
-                 nprocs=world, join=True)
+        mp.spawn(worker_run, args=(world, _free_port(), str(workdir), dist_backend, backend), nprocs=world, join=True)
     except Exception as exc:
         errors = []
         for r in range(world):
-            f = workdir / f"rank{r}.pt"
+            f = workdir / f"{stem}{r}.pt"
             if f.exists():
                 res = torch.load(f, weights_only=False)
                 if res.get("error"):
                     errors.append(f"rank {r}:\n{res['error']}")
         raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
-    return cases, [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(workdir / f"{stem}{r}.pt", weights_only=False) for r in range(world)]
 
 
 def single_process_outputs(single, per_rank: list[dict], overrides: dict | None = None) -> list[torch.Tensor]:
@@ -276,33 +281,13 @@ def tp_cases(cfg, gen: torch.Generator, vocab: int) -> dict:
 def launch_tp(world: int, workdir: Path, cfg, gen: torch.Generator, dist_backend: str = "gloo",
               backend: str = "torch") -> tuple[dict, list[dict]]:
     """Write the TP cases, spawn ``world`` ranks once (tests/dist_tp_worker.py), return (cases, results)."""
-    import torch.multiprocessing as mp
-
     import dist_tp_worker
     from megamoe.checkpoint import SYNTHETIC_VOCAB
 
     cases = tp_cases(cfg, gen, SYNTHETIC_VOCAB)
     torch.save(cases, workdir / f"tp_cases_w{world}.pt")
     torch.save(_front_batches(cfg, gen), workdir / f"tp_front_w{world}.pt")
-    for r in range(world):
-        (workdir / f"tp_rank{r}.pt").unlink(missing_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(var, off)  # NVLink multicast stays off
-    try:
-        mp.spawn(dist_tp_worker.run, args=(world, _free_port(), str(workdir), dist_backend, backend),
-                 nprocs=world, join=True)
-    except Exception as exc:
-        errors = []
-        for r in range(world):
-            f = workdir / f"tp_rank{r}.pt"
-            if f.exists():
-                res = torch.load(f, weights_only=False)
-                if res.get("error"):
-                    errors.append(f"rank {r}:\n{res['error']}")
-        raise AssertionError(f"worker processes failed: {exc}\n" + "\n".join(errors)) from None
-    return cases, [torch.load(workdir / f"tp_rank{r}.pt", weights_only=False) for r in range(world)]
+    return cases, spawn_ranks(dist_tp_worker.run, world, workdir, "tp_rank", dist_backend, backend)
 
 
 def tp_single_output(single, case: dict, overrides: dict | None = None, reference: bool = False) -> torch.Tensor:

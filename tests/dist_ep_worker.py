@@ -88,6 +88,14 @@ def _cpu(v):
 
 def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "gloo", backend: str = "torch") -> None:
     """One rank. ``dist_backend`` gloo (CPU) or nccl (GPU ``rank``); ``backend`` the local MoE backend."""
+    run_rank(rank, world, port, workdir, dist_backend, backend, _run, f"{workdir}/rank{rank}.pt")
+
+
+def run_rank(rank: int, world: int, port: int, workdir: str, dist_backend: str, backend: str, body,
+             out_path: str) -> None:
+    """Join the group on 127.0.0.1:``port``, run ``body(rank, world, workdir, result, backend, device)``
+    and save ``result`` (on the CPU) to ``out_path``; on an exception the traceback is saved there
+    for the parent to show, then raised."""
     torch.set_num_threads(1)
     kw, device = {}, None
     if dist_backend == "nccl":
@@ -98,13 +106,13 @@ def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "glo
                             timeout=datetime.timedelta(seconds=120), **kw)
     result: dict = {"rank": rank, "world": world}
     try:
-        _run(rank, world, workdir, result, backend, device)
+        body(rank, world, workdir, result, backend, device)
         result = _cpu(result)
     except Exception:  # the parent shows the traceback instead of a bare exit code
         result["error"] = traceback.format_exc()
-        torch.save(result, f"{workdir}/rank{rank}.pt")
+        torch.save(_cpu(result), out_path)
         raise
-    torch.save(result, f"{workdir}/rank{rank}.pt")
+    torch.save(result, out_path)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,35 +12,16 @@ Not a test module (no ``test_`` prefix).
 """
 from __future__ import annotations
 
-import datetime
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from dist_ep_worker import RecordingSafeOpen, _cpu
+from dist_ep_worker import RecordingSafeOpen, run_rank
 
 
 def run(rank: int, world: int, port: int, workdir: str, dist_backend: str = "gloo", backend: str = "torch") -> None:
-    torch.set_num_threads(1)
-    kw, device = {}, None
-    if dist_backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        kw["device_id"] = device
-    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120), **kw)
-    result: dict = {"rank": rank, "world": world}
-    try:
-        _run(rank, world, workdir, result, backend, device)
-        result = _cpu(result)
-    except Exception:  # the parent shows the traceback instead of a bare exit code
-        result["error"] = traceback.format_exc()
-        torch.save(_cpu(result), f"{workdir}/tp_rank{rank}.pt")
-        raise
-    torch.save(result, f"{workdir}/tp_rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    run_rank(rank, world, port, workdir, dist_backend, backend, _run, f"{workdir}/tp_rank{rank}.pt")
 
 
 def _run(rank: int, world: int, workdir: str, result: dict, backend: str, device) -> None:
