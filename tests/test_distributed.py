@@ -618,27 +618,34 @@ def test_load_shard_of_real_checkpoints(fixture):
             assert rep.expert_bytes_read * world == rep.expert_bytes_in_file, rep.summary()
 
 
-def test_load_shard_of_hf_dense_fused_experts(tmp_path):
-    """transformers' fused float experts (experts.gate_up_proj [E, 2I, H]), quantized at load:
-    each rank reads and quantizes its experts' rows only, equal to the full load's slice."""
+def _write_float_fused_qwen3(folder) -> None:
+    """A Qwen3-MoE layer (E 4, k 2, H 64, I 32) whose experts transformers' way are fused bf16 tensors
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj), with its config.json."""
     import json
 
     from safetensors.torch import save_file
 
     from megamoe import nvfp4
-    from megamoe.checkpoint import load, synthetic_weights
-    from megamoe.distributed import load_shard
+    from megamoe.checkpoint import synthetic_weights
     from megamoe.presets import MoEConfig
 
-    cfg = MoEConfig(64, 32, 4, 2)
-    w = synthetic_weights(cfg, seed=SEED % 1000)
+    w = synthetic_weights(MoEConfig(64, 32, 4, 2), seed=SEED % 1000)
     p = "model.layers.0.mlp."
     save_file({p + "experts.gate_up_proj": nvfp4.dequantize(w.w13).to(torch.bfloat16),
                p + "experts.down_proj": nvfp4.dequantize(w.w2).to(torch.bfloat16),
-               p + "gate.weight": w.router_weight}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
-                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                                      "norm_topk_prob": True}))
+               p + "gate.weight": w.router_weight}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
+                                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                    "norm_topk_prob": True}))
+
+
+def test_load_shard_of_hf_dense_fused_experts(tmp_path):
+    """transformers' fused float experts (experts.gate_up_proj [E, 2I, H]), quantized at load:
+    each rank reads and quantizes its experts' rows only, equal to the full load's slice."""
+    from megamoe.checkpoint import load
+    from megamoe.distributed import load_shard
+
+    _write_float_fused_qwen3(tmp_path)
     full = load(tmp_path)
     for rank in range(2):
         shard = load_shard(tmp_path, rank, 2)
@@ -888,24 +895,10 @@ def test_tp_slice_weights_cuts_whole_blocks():
 def test_tp_refuses_float_experts(tmp_path):
     """Float expert weights are quantized at load with a global scale of the whole tensor, which a
     rank's slice cannot reproduce: refused, naming the tensor."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from megamoe import nvfp4
-    from megamoe.checkpoint import CheckpointError, synthetic_weights
+    from megamoe.checkpoint import CheckpointError
     from megamoe.distributed import load_tp_shard
-    from megamoe.presets import MoEConfig
 
-    cfg = MoEConfig(64, 32, 4, 2)
-    w = synthetic_weights(cfg, seed=SEED % 1000)
-    p = "model.layers.0.mlp."
-    save_file({p + "experts.gate_up_proj": nvfp4.dequantize(w.w13).to(torch.bfloat16),
-               p + "experts.down_proj": nvfp4.dequantize(w.w2).to(torch.bfloat16),
-               p + "gate.weight": w.router_weight}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4,
-                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                                      "norm_topk_prob": True}))
+    _write_float_fused_qwen3(tmp_path)
     with pytest.raises(CheckpointError, match="experts.gate_up_proj.*NVFP4"):
         load_tp_shard(tmp_path, 0, 2)
 
