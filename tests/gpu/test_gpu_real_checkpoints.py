@@ -43,6 +43,20 @@ def _is_ct_w4a4(d: Path) -> bool:
     return s["producer"] == "llmcompressor" and s["spec"]["scheme"] == "NVFP4"
 
 
+def _float32_forward_agrees(gpu, loaded, x, y_ref, **kw) -> None:
+    """The cuda-sm90 layer on float32 input against the tool's float32 forward ``y_ref``: finite,
+    cosine >= 0.99999, output norm within 0.1%; and against the torch backend on the same weights."""
+    y32 = gpu(x.float(), **kw)
+    torch.cuda.synchronize()
+    y32 = y32.float().cpu()
+    assert torch.isfinite(y32).all()
+    assert cosine(y32, y_ref) >= 0.99999, cosine(y32, y_ref)
+    rel = abs(float(y32.double().norm() / y_ref.double().norm()) - 1)
+    assert rel < 1e-3, rel
+    cpu = MoELayer(loaded.weights, loaded.config, backend="torch", device="cuda")
+    assert cosine(y32, cpu(x.float(), **kw).float().cpu()) >= 0.99999
+
+
 @pytest.mark.parametrize("d,layer", CASES)
 def test_sm90_on_real_checkpoints(d, layer):
     be = backend_or_skip("cuda-sm90")
@@ -85,15 +99,7 @@ def test_sm90_on_real_deepseek_v4_checkpoints(d, layer):
     x, ids_in, y_ref = ref["x"].cuda(), ref["input_ids"].cuda(), ref["y_fp32"]
     _, ids = gpu.route(x.float(), input_ids=ids_in)
     assert torch.equal(ids.long().sort(-1).values.cpu(), ref["topk_ids_fp32"].long().sort(-1).values)
-    y32 = gpu(x.float(), input_ids=ids_in)
-    torch.cuda.synchronize()
-    y32 = y32.float().cpu()
-    assert torch.isfinite(y32).all()
-    assert cosine(y32, y_ref) >= 0.99999, cosine(y32, y_ref)
-    rel = abs(float(y32.double().norm() / y_ref.double().norm()) - 1)
-    assert rel < 1e-3, rel
-    cpu = MoELayer(loaded.weights, loaded.config, backend="torch", device="cuda")
-    assert cosine(y32, cpu(x.float(), input_ids=ids_in).float().cpu()) >= 0.99999
+    _float32_forward_agrees(gpu, loaded, x, y_ref, input_ids=ids_in)
     # the clamp is computed: the same layer without it is measurably off
     noclamp = MoELayer(loaded.weights, loaded.config.with_(swiglu_limit=None), backend=be)(x.float(), input_ids=ids_in)
     assert cosine(noclamp.float().cpu(), y_ref) < 0.9999
@@ -121,14 +127,6 @@ def test_sm90_on_real_family_checkpoints(d, layer):
     x, y_ref = ref["x"].cuda(), ref["y_fp32"]
     _, ids = gpu.route(x)
     assert torch.equal(ids.long().sort(-1).values.cpu(), ref["topk_ids"].long().sort(-1).values)
-    y32 = gpu(x.float())
-    torch.cuda.synchronize()
-    y32 = y32.float().cpu()
-    assert torch.isfinite(y32).all()
-    assert cosine(y32, y_ref) >= 0.99999, cosine(y32, y_ref)
-    rel = abs(float(y32.double().norm() / y_ref.double().norm()) - 1)
-    assert rel < 1e-3, rel
-    cpu = MoELayer(loaded.weights, loaded.config, backend="torch", device="cuda")
-    assert cosine(y32, cpu(x.float()).float().cpu()) >= 0.99999
+    _float32_forward_agrees(gpu, loaded, x, y_ref)
     yb = gpu(x).float().cpu()  # bf16 in and out: as close to the tool's bf16 forward as its own float32 one
     assert cosine(yb, ref["y"]) >= cosine(ref["y"], y_ref) - 3e-4
