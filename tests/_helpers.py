@@ -9,6 +9,7 @@ Import as ``from _helpers import ...`` (tests/ is on sys.path through tests/conf
 * ``capture_graph``: capture a callable in a CUDA graph (after a warm-up on the capture stream).
 * ``routed_inputs``: random x on the GPU routed by the layer's router from random logits.
 * ``random_inputs``: random host hidden states (a few large rows) and routing for a layer.
+* ``poison_empty``: make ``torch.empty`` return NaN-filled float buffers (padding that must never be read).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from megamoe.health import random_nvfp4 as _health_random_nvfp4
 from megamoe.health import random_scales as _health_random_scales
 
 __all__ = ["SEED", "cosine", "rel_err", "random_scales", "random_nvfp4", "backend_or_skip", "capture_graph",
-           "routed_inputs", "random_inputs"]
+           "routed_inputs", "random_inputs", "poison_empty"]
 
 # Fresh random data each run, but reproducible when a test fails: the seed is printed.
 SEED = int(os.environ.get("MEGAMOE_TEST_SEED", torch.seed() % 2**31))
@@ -108,3 +109,17 @@ def random_inputs(layer, tokens: int, seed: int, dtype=torch.float32):
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(tokens)]).int()
     weights = torch.rand(tokens, cfg.top_k, generator=gen) + 0.05
     return hidden.to(dtype), ids, weights / weights.sum(-1, keepdim=True)
+
+
+def poison_empty(monkeypatch) -> None:
+    """``torch.empty`` returns NaN-filled float buffers (until the monkeypatch is undone): a kernel
+    or glue that reads an unwritten row or padding shows NaN."""
+    orig = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        t = orig(*size, dtype=dtype, device=device, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from _helpers import cosine, random_nvfp4
+from _helpers import cosine, poison_empty, random_nvfp4
 from megamoe import _ext, nvfp4
 from megamoe.presets import PRESETS
 
@@ -811,19 +811,6 @@ def test_moe_forward_with_no_tokens_returns_empty(emulated):
     assert out.shape == (0, h) and out.dtype == torch.float32
 
 
-def _poisoned_empty(monkeypatch):
-    """torch.empty that returns NaN-filled floats: buffers whose padding must never be read."""
-    orig = torch.empty
-
-    def empty(*size, dtype=None, device=None, **kw):
-        t = orig(*size, dtype=dtype, device=device, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 @pytest.mark.parametrize("over", [{}, {"hidden_size": 1040, "intermediate_size": 464, "num_experts": 6},
                                   {"dynamic_act_scale": True, "top_k": 3}])
 def test_moe_forward_compact_rows_and_padded_scale_factors(emulated, monkeypatch, over):
@@ -860,7 +847,7 @@ def test_moe_forward_compact_rows_and_padded_scale_factors(emulated, monkeypatch
     monkeypatch.setattr(be_cls, "_grouped_gemm", spy)
     monkeypatch.setattr(be_cls, "quantize", spy_q)
     monkeypatch.setattr(be_cls, "_swizzle_rows", spy_swz)
-    _poisoned_empty(monkeypatch)
+    poison_empty(monkeypatch)
     out = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
     monkeypatch.undo()
     assert torch.equal(out, clean)

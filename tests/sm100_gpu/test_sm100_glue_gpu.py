@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import cosine, random_nvfp4
+from _helpers import cosine, poison_empty, random_nvfp4
 from megamoe import _ext, nvfp4
 
 pytestmark = pytest.mark.gpu
@@ -132,14 +132,7 @@ def test_poisoned_buffers_and_masked_ids(glue, monkeypatch):
     masked = torch.where(mask, torch.full_like(ids, -1), ids)
     clean = glue.moe_forward(layer._prepared, cfg, x, masked, w)
     orig = torch.empty
-
-    def empty(*size, dtype=None, device=None, **kw):
-        t = orig(*size, dtype=dtype, device=device, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_empty(monkeypatch)
     nan_w = torch.where(mask, torch.full((), float("nan"), device="cuda"), w)
     poisoned = glue.moe_forward(layer._prepared, cfg, x, masked, nan_w)
     monkeypatch.setattr(torch, "empty", orig)
