@@ -325,18 +325,23 @@ def test_v3_prefill_past_2_31(be):
     assert cosine(out, ref) >= 0.9999 and cosine(out[-2048:], ref[-2048:]) >= 0.9999
 
 
+def _tiny_experts_case(be, hidden: int, inter: int, e: int = 160):
+    """A layer of ``e`` experts and ``e`` tokens routed so that every expert gets 1 or 2 of them
+    (token t: experts t and 7t + 3 mod e), with random bf16 rows and weights."""
+    layer = _layer_for(be, "tiny", hidden_size=hidden, intermediate_size=inter, num_experts=e, top_k=2)
+    ids = torch.stack([torch.arange(e), (torch.arange(e) * 7 + 3) % e], dim=1).to(torch.int32).to(be.device)
+    x = torch.randn(e, hidden, device=be.device).to(torch.bfloat16)
+    w = torch.rand(e, 2, device=be.device) + 0.1
+    return layer, layer.config, x, ids, w
+
+
 def test_many_small_experts_each_compared(be):
     """docs/FIELD_BUGS.md row 24: CUTLASS's grouped kernel replaces its tensor maps per group
     inside the kernel; 160 experts with 1-2 tokens each and per-expert global scales, every token
     (so every expert) compared with the torch backend."""
     from megamoe.backends.torch_ref import TorchBackend
 
-    e = 160
-    layer = _layer_for(be, "tiny", hidden_size=1040, intermediate_size=208, num_experts=e, top_k=2)
-    cfg = layer.config
-    ids = torch.stack([torch.arange(e), (torch.arange(e) * 7 + 3) % e], dim=1).to(torch.int32).to(be.device)
-    x = torch.randn(e, cfg.hidden_size, device=be.device).to(torch.bfloat16)
-    w = torch.rand(e, 2, device=be.device) + 0.1
+    layer, cfg, x, ids, w = _tiny_experts_case(be, 1040, 208)
     out = be.moe_forward(layer._prepared, cfg, x, ids, w)
     ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
     per_token = torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=1)
@@ -396,12 +401,7 @@ def test_stress_moe_forward_160_experts_bit_exact(be):
     1,000 times: identical bits every time, and the first result close to the torch backend."""
     from megamoe.backends.torch_ref import TorchBackend
 
-    e = 160
-    layer = _layer_for(be, "tiny", hidden_size=1024, intermediate_size=256, num_experts=e, top_k=2)
-    cfg = layer.config
-    ids = torch.stack([torch.arange(e), (torch.arange(e) * 7 + 3) % e], dim=1).to(torch.int32).to(be.device)
-    x = torch.randn(e, cfg.hidden_size, device=be.device).to(torch.bfloat16)
-    w = torch.rand(e, 2, device=be.device) + 0.1
+    layer, cfg, x, ids, w = _tiny_experts_case(be, 1024, 256)
     first = be.moe_forward(layer._prepared, cfg, x, ids, w)
     ref = TorchBackend(device=be.device).moe_forward(layer.weights, cfg, x, ids, w)
     assert cosine(first, ref) >= 0.9999
