@@ -24,12 +24,19 @@ written) and the bf16 matmul rate (8192^3 torch.matmul). Weight floor = NVFP4 by
 experts the routing uses / copy bandwidth; compute floor = expert FLOPs / bf16 rate; roofline =
 the larger of the two, and ``roofline_frac_<mode>`` = roofline / measured time.
 
-``--profile``: per-kernel device times from ``torch.profiler`` (eager forwards): the grouped-GEMM
-kernels' own time and rate (``*_gemm_us``, ``*_gemm_tflops``, ``*_gemm_weight_GBps``) next to
-torch's ``_grouped_mm`` kernels, and everything else (align, staging, combine) as ``*_other_us`` (the sum of
-those kernels' own durations, which with programmatic dependent launch include the time they wait for the GEMM
-before them), ``*_other_exposed_us`` (the time a non-GEMM kernel runs while no GEMM kernel does) and every kernel's
-time in ``*_kernels_us``.
+Rates beside each time (bench/README.md defines them): ``*_weight_GBps`` = NVFP4 bytes (codes + E4M3 block
+scales; torch: bf16) of the experts the routing touches / time, ``*_tflops`` = expert FLOPs 2*T*k*(H*2I + I*H) / time.
+
+``--profile``: per-kernel device times from ``torch.profiler`` (eager forwards of the first routing set): each GEMM
+kernel's duration and rates (``*_gemm1_us``, ``*_gemm1_weight_GBps``, ``*_gemm1_tflops``, the same for gemm2: its
+weight bytes and FLOPs / its duration), the GEMM kernels together (``*_gemm_us``, ``*_gemm_tflops``,
+``*_gemm_weight_GBps``), for ours and torch's ``_grouped_mm`` alike; everything else (align, staging, combine,
+quantizers) as ``*_other_us`` (the sum of those kernels' own durations, which with programmatic dependent launch
+include the time they wait for the GEMM before them), ``*_other_exposed_us`` (the time a non-GEMM kernel runs while
+no GEMM kernel does) and ``*_other_share`` (that time / ``*_busy_us``, the forward's kernel time: the union of its
+kernels' intervals); every kernel's time in ``*_kernels_us``.
+
+The printed table has one line per preset x path x T; the JSON record holds every field.
 """
 from __future__ import annotations
 
@@ -41,7 +48,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -277,6 +283,164 @@ def split_profile(kernels: dict[str, float]) -> tuple[float, float, str]:
     return sum(gemm.values()), sum(kernels.values()) - sum(gemm.values()), ",".join(names)
 
 
+# ----------------------------------------------------------------------------- bytes, FLOPs and rates
+GEMMS = ("gemm1", "gemm2")  # the forward's two grouped GEMMs: gate/up (w13, SiLU*up epilogue), then down (w2)
+
+
+def expert_weight_bytes(cfg: MoEConfig, dtype: str = "nvfp4") -> dict[str, int]:
+    """Bytes one expert's weights occupy, per GEMM: ``nvfp4`` = packed E2M1 codes (half a byte per weight) plus the
+    E4M3 block scales (one byte per 16 weights), the per-expert float32 global scales left out (a few bytes);
+    ``bf16`` = two bytes per weight. gemm1 reads w13 [2I, H], gemm2 reads w2 [H, I]."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if dtype == "nvfp4":
+        per = lambda n: n // 2 + n // 16  # noqa: E731
+    elif dtype == "bf16":
+        per = lambda n: 2 * n  # noqa: E731
+    else:
+        raise ValueError(f"expert_weight_bytes: dtype {dtype!r}, expected 'nvfp4' or 'bf16'")
+    return {"gemm1": per(2 * i * h), "gemm2": per(h * i)}
+
+
+def gemm_flops(cfg: MoEConfig, t: int) -> dict[str, float]:
+    """Expert FLOPs of each GEMM for t tokens (2 per multiply-add, every one of the t * k routed rows):
+    gemm1 2*t*k*H*2I, gemm2 2*t*k*I*H; their sum is ``CudaSm90Backend.expert_flops``."""
+    rows = t * cfg.top_k
+    return {"gemm1": 2.0 * rows * cfg.hidden_size * 2 * cfg.intermediate_size,
+            "gemm2": 2.0 * rows * cfg.intermediate_size * cfg.hidden_size}
+
+
+def experts_touched(topk_ids: torch.Tensor, num_experts: int) -> int:
+    """How many distinct experts in [0, num_experts) the routing sends a row to (ids outside, dropped slots, don't
+    count)."""
+    ids = topk_ids.reshape(-1).long()
+    ids = ids[(ids >= 0) & (ids < num_experts)]
+    return int(torch.unique(ids).numel())
+
+
+def rates(nbytes: float, flops: float, seconds: float) -> tuple[float, float]:
+    """(GB/s, TFLOP/s) of moving ``nbytes`` and doing ``flops`` in ``seconds``."""
+    if not seconds > 0:
+        raise ValueError(f"rates: time {seconds!r} s, expected > 0")
+    return nbytes / seconds / 1e9, flops / seconds / 1e12
+
+
+def shape_row(preset: str, cfg: MoEConfig, t: int, tp: int, routing_ids: list[torch.Tensor], copy_bw: float,
+              bf16_rate: float) -> dict:
+    """A record row's fields that follow from the shapes and the routing alone: the experts touched (mean over the
+    rotated sets ``routing_ids``, and those of the first set, which the profiled forwards run), the weight bytes they
+    hold (NVFP4 and bf16), the expert FLOPs (all and per GEMM) and the floors at the measured copy bandwidth
+    (bytes read + written per second) and bf16 matmul rate (FLOP/s)."""
+    nvfp4_b, bf16_b = expert_weight_bytes(cfg), expert_weight_bytes(cfg, "bf16")
+    used = statistics.mean(experts_touched(ids, cfg.num_experts) for ids in routing_ids)
+    used0 = experts_touched(routing_ids[0], cfg.num_experts)
+    fl = gemm_flops(cfg, t)
+    wbytes, flops = used * sum(nvfp4_b.values()), sum(fl.values())
+    row = {"preset": preset, "tp": tp, "I": cfg.intermediate_size, "T": t, "experts_used": used,
+           "nvfp4_weight_bytes": wbytes, "bf16_weight_bytes": used * sum(bf16_b.values()),
+           "flops": flops, "gemm1_flops": fl["gemm1"], "gemm2_flops": fl["gemm2"],
+           "floor_weight_us": wbytes / copy_bw * 1e6, "floor_compute_us": flops / bf16_rate * 1e6,
+           "profile_experts_used": used0}
+    for g in GEMMS:
+        row[f"profile_{g}_weight_bytes"] = used0 * nvfp4_b[g]
+        row[f"profile_{g}_bf16_weight_bytes"] = used0 * bf16_b[g]
+    return row
+
+
+def timed_fields(row: dict, path: str, times: list[float], queued: list[float], copy_bw: float) -> dict:
+    """The fields of one timed path (``sm90_<mode>`` or ``torch_bf16``) from its per-replay times in seconds (onto an
+    idle GPU, and queued behind device work): the median and 10th percentile in microseconds, the weight-streaming
+    rate (the row's NVFP4 bytes, torch: bf16 bytes / median) and the TFLOP/s; for ours also the share of the copy
+    bandwidth and ``roofline_frac_<mode>`` (the larger floor / median)."""
+    med = statistics.median(times)
+    nbytes = row["bf16_weight_bytes" if path == "torch_bf16" else "nvfp4_weight_bytes"]
+    out = {f"{path}_us": med * 1e6, f"{path}_p10_us": sorted(times)[len(times) // 10] * 1e6,
+           f"{path}_queued_us": statistics.median(queued) * 1e6}
+    out[f"{path}_weight_GBps"], out[f"{path}_tflops"] = rates(nbytes, row["flops"], med)
+    if path.startswith("sm90_"):
+        out[f"{path}_pct_copy_bw"] = 100 * nbytes / med / copy_bw
+        out[f"roofline_frac_{path[5:]}"] = max(row["floor_weight_us"], row["floor_compute_us"]) / (med * 1e6)
+    return out
+
+
+def profile_record(row: dict, path: str, per_call: dict[str, float],
+                   spans: list[tuple[str, float, float]], reps: int) -> dict:
+    """The fields of one profiled path (:func:`profile_kernels`' output over ``reps`` forwards of the row's first
+    routing set): the GEMM kernels' and the other kernels' summed durations, every kernel's by name, the GEMM
+    kernels together as rates, and :func:`profile_fields` (per GEMM, the non-GEMM share)."""
+    bf16 = path == "torch_bf16"
+    nbytes = {g: row[f"profile_{g}_bf16_weight_bytes" if bf16 else f"profile_{g}_weight_bytes"] for g in GEMMS}
+    fl = {g: row[f"{g}_flops"] for g in GEMMS}
+    g_us, o_us, names = split_profile(per_call)
+    out = {f"{path}_gemm_us": g_us, f"{path}_other_us": o_us, f"{path}_kernels_us": kernel_table(per_call),
+           f"{path}_gemm_kernels": names}
+    if g_us > 0:
+        out[f"{path}_gemm_weight_GBps"], out[f"{path}_gemm_tflops"] = \
+            rates(sum(nbytes.values()), sum(fl.values()), g_us * 1e-6)
+    out.update(profile_fields(path, spans, reps, nbytes, fl))
+    return out
+
+
+def kernel_launches(spans: list[tuple[str, float, float]], reps: int) -> tuple[list[dict], float]:
+    """The GEMM launches of one forward, from ``reps`` identical forwards' kernel intervals (name, start, end in
+    microseconds): for the p-th GEMM kernel of a forward (in launch order, i.e. by start: one stream), its short
+    name, its mean duration ``us`` (start to end, so with programmatic dependent launch it holds the wait for the
+    kernel before it) and its mean ``exclusive_us`` (from the later of its start and the end of every kernel
+    launched before it, to its end: the time the forward spends on it alone). Also the busy time per forward (the
+    union of all kernels' intervals / reps; the exclusive times of all kernels add up to it).
+    ValueError when the GEMM kernels are not a whole number per forward."""
+    if reps < 1:
+        raise ValueError(f"kernel_launches: reps {reps}, expected >= 1")
+    reach = float("-inf")
+    gemm = []
+    for name, start, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        exclusive = max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        if is_gemm_kernel(name):
+            gemm.append((short_kernel_name(name), end - start, exclusive))
+    if not gemm or len(gemm) % reps:
+        raise ValueError(f"{len(gemm)} GEMM kernels in {reps} forwards: not a whole number per forward")
+    per = len(gemm) // reps
+    launches = []
+    for p in range(per):
+        mine = gemm[p::per]
+        launches.append({"kernel": ",".join(sorted({n for n, _, _ in mine})),
+                         "us": sum(d for _, d, _ in mine) / reps, "exclusive_us": sum(x for _, _, x in mine) / reps})
+    return launches, union_length([(a, b) for _, a, b in spans]) / reps
+
+
+def profile_fields(prefix: str, spans: list[tuple[str, float, float]], reps: int, gemm_bytes: dict[str, float],
+                   flops: dict[str, float]) -> dict:
+    """The record's per-GEMM and non-GEMM figures of one profiled path (``prefix``: ``sm90_w4a16``,
+    ``torch_bf16``...) from its kernel intervals over ``reps`` forwards, the weight bytes each GEMM reads and the
+    FLOPs it does: ``<prefix>_<gemm>_{kernel,us,exclusive_us,weight_GBps,tflops}`` for gemm1 and gemm2 (rates from
+    ``us``), ``<prefix>_busy_us`` (the union of the forward's kernel intervals), ``<prefix>_other_exposed_us`` (the
+    part of it when no GEMM kernel runs) and ``<prefix>_other_share`` (their ratio). A forward with other than two
+    GEMM launches gets ``<prefix>_gemm_split_error`` in place of the per-GEMM fields."""
+    out: dict = {}
+    exposed = exposed_other_us(spans, reps)
+    try:
+        launches, busy = kernel_launches(spans, reps)
+    except ValueError as exc:
+        launches, busy = None, union_length([(a, b) for _, a, b in spans]) / reps
+        out[f"{prefix}_gemm_split_error"] = str(exc)
+    out[f"{prefix}_busy_us"] = busy
+    out[f"{prefix}_other_exposed_us"] = exposed
+    out[f"{prefix}_other_share"] = exposed / busy if busy > 0 else float("nan")
+    if launches is None:
+        return out
+    if len(launches) != len(GEMMS):
+        out[f"{prefix}_gemm_split_error"] = (f"{len(launches)} GEMM kernels per forward "
+                                             f"({', '.join(x['kernel'] for x in launches)}), expected gemm1 and gemm2")
+        return out
+    for g, launch in zip(GEMMS, launches):
+        out[f"{prefix}_{g}_kernel"] = launch["kernel"]
+        out[f"{prefix}_{g}_us"] = launch["us"]
+        out[f"{prefix}_{g}_exclusive_us"] = launch["exclusive_us"]
+        gbps, tflops = rates(gemm_bytes[g], flops[g], launch["us"] * 1e-6)
+        out[f"{prefix}_{g}_weight_GBps"], out[f"{prefix}_{g}_tflops"] = gbps, tflops
+    return out
+
+
 def versions() -> dict:
     v = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
          "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
@@ -329,7 +493,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     from megamoe.backends import get_backend
-    from megamoe.backends.cuda_sm90 import CudaSm90Backend
 
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -338,26 +501,24 @@ def main(argv=None) -> int:
     copy_bw = measure_copy_bw()
     bf16_rate = measure_bf16_rate()
     print(f"floors: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {bf16_rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(TABLE_HEADER, flush=True)
 
     results = []
     for preset in args.presets:
         base = args.configs[preset]
         weights = random_weights(base, gen)
         prepared = be.prepare_weights(weights)
-        per_expert_nvfp4 = (weights.w13.nbytes() + weights.w2.nbytes()) // base.num_experts
+        per_expert_nvfp4 = sum(expert_weight_bytes(base).values())
+        if per_expert_nvfp4 * base.num_experts != weights.w13.nbytes() + weights.w2.nbytes():
+            raise RuntimeError(f"{preset}: the weights hold {weights.w13.nbytes() + weights.w2.nbytes()} bytes, "
+                               f"expected {per_expert_nvfp4} per expert x {base.num_experts}")
         tw13 = tw2 = None
         if not args.no_torch:
             tw13, tw2 = bf16_weights(base, gen)
         for t in args.tokens:
             sets = [random_routing(t, base, gen) for _ in range(ROTATE)]
-            used = statistics.mean(int(torch.unique(s[1]).numel()) for s in sets)
-            wbytes = used * per_expert_nvfp4
-            flops = CudaSm90Backend.expert_flops(base, t)
+            row = shape_row(preset, base, t, args.tp, [s[1] for s in sets], copy_bw, bf16_rate)
             reps = 30 if args.quick else (200 if t <= 128 else (50 if t <= 2048 else 20))
-            row = {"preset": preset, "tp": args.tp, "I": base.intermediate_size, "T": t, "experts_used": used,
-                   "nvfp4_weight_bytes": wbytes, "flops": flops,
-                   "floor_weight_us": wbytes / copy_bw * 1e6,
-                   "floor_compute_us": flops / bf16_rate * 1e6}
             bufs = [s.clone() for s in sets[0]]
             for mode in args.modes:
                 cfg = base.with_(act_mode=mode)
@@ -366,14 +527,7 @@ def main(argv=None) -> int:
                     row[f"sm90_{mode}_plan"] = plan_summary(be.plan(**pa))
                     times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
                                                bufs, reps, queued=True)
-                    med = statistics.median(times)
-                    row[f"sm90_{mode}_us"] = med * 1e6
-                    row[f"sm90_{mode}_p10_us"] = sorted(times)[len(times) // 10] * 1e6
-                    row[f"sm90_{mode}_weight_GBps"] = wbytes / med / 1e9
-                    row[f"sm90_{mode}_pct_copy_bw"] = 100 * wbytes / med / copy_bw
-                    row[f"sm90_{mode}_tflops"] = flops / med / 1e12
-                    row[f"roofline_frac_{mode}"] = max(row["floor_weight_us"], row["floor_compute_us"]) / (med * 1e6)
-                    row[f"sm90_{mode}_queued_us"] = statistics.median(queued) * 1e6
+                    row.update(timed_fields(row, f"sm90_{mode}", times, queued, copy_bw))
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
                     row[f"sm90_{mode}_error"] = repr(exc)
             if args.profile:
@@ -382,13 +536,7 @@ def main(argv=None) -> int:
                     x0, ids0, w0 = sets[0]
                     try:
                         per_call, spans = profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0))
-                        g_us, o_us, names = split_profile(per_call)
-                        row[f"sm90_{mode}_gemm_us"], row[f"sm90_{mode}_other_us"] = g_us, o_us
-                        row[f"sm90_{mode}_other_exposed_us"] = exposed_other_us(spans, PROFILE_REPS)
-                        row[f"sm90_{mode}_kernels_us"] = kernel_table(per_call)
-                        row[f"sm90_{mode}_gemm_kernels"] = names
-                        row[f"sm90_{mode}_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
-                        row[f"sm90_{mode}_gemm_weight_GBps"] = wbytes / (g_us * 1e-6) / 1e9
+                        row.update(profile_record(row, f"sm90_{mode}", per_call, spans, PROFILE_REPS))
                     except Exception as exc:  # noqa: BLE001
                         row[f"sm90_{mode}_profile_error"] = repr(exc)
             if args.variants:
@@ -418,24 +566,18 @@ def main(argv=None) -> int:
                 try:
                     times, queued = time_graph(lambda: torch_grouped_moe(bufs[0], bufs[1], bufs[2], tw13, tw2, base), sets,
                                                bufs, reps, queued=True)
-                    med = statistics.median(times)
-                    row["torch_bf16_us"] = med * 1e6
-                    row["torch_bf16_queued_us"] = statistics.median(queued) * 1e6
-                    row["torch_bf16_tflops"] = flops / med / 1e12
-                    row["torch_bf16_weight_GBps"] = used * 3 * base.hidden_size * base.intermediate_size * 2 / med / 1e9
+                    row.update(timed_fields(row, "torch_bf16", times, queued, copy_bw))
                     if args.profile:
                         x0, ids0, w0 = sets[0]
-                        per_call, _ = profile_kernels(lambda: torch_grouped_moe(x0, ids0, w0, tw13, tw2, base))
-                        g_us, o_us, _ = split_profile(per_call)
-                        row["torch_bf16_gemm_us"], row["torch_bf16_other_us"] = g_us, o_us
-                        row["torch_bf16_gemm_tflops"] = flops / (g_us * 1e-6) / 1e12
+                        per_call, spans = profile_kernels(lambda: torch_grouped_moe(x0, ids0, w0, tw13, tw2, base))
+                        row.update(profile_record(row, "torch_bf16", per_call, spans, PROFILE_REPS))
                     for mode in args.modes:
                         if f"sm90_{mode}_us" in row:
                             row[f"speedup_{mode}_vs_torch"] = row["torch_bf16_us"] / row[f"sm90_{mode}_us"]
                 except Exception as exc:  # noqa: BLE001
                     row["torch_bf16_error"] = repr(exc)
             results.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            print("\n".join(row_lines(row, args.modes)), flush=True)
             write_report(args, argv, copy_bw, bf16_rate, results)  # after every row: a killed run keeps its rows
         del weights, prepared, tw13, tw2
         be._workspaces.clear()
@@ -501,46 +643,74 @@ def make_plot(report, path, modes):
 
 
 def print_table(report, modes):
-    hdr = f"{'preset':9} {'T':>5} " + " ".join(f"{m + '_us':>10} {'%roof':>5} {'TF/s':>6}" for m in modes) + \
-          f" {'torch_us':>10} " + " ".join(f"{'x_' + m:>8}" for m in modes) + f" {'floor_us':>9}"
-    print(hdr)
+    print("\n".join(table_lines(report, modes)))
+
+
+TABLE_LEGEND = (
+    "us: median forward (CUDA graph, onto an idle GPU); queued: behind device work; %roof: roofline / us",
+    "GB/s, TF/s: weight bytes of the experts touched (NVFP4; torch: bf16), expert FLOPs, / us",
+    "g1, g2 (--profile): each GEMM kernel's weight bytes, FLOPs / its duration; other% (--profile): share of the",
+    "forward's kernel time when no GEMM kernel runs; xtorch: torch us / us. Definitions: bench/README.md")
+TABLE_HEADER = (f"{'preset':9} {'T':>5} {'path':6} {'us':>9} {'queued':>9} {'%roof':>5} {'GB/s':>6} {'TF/s':>6} "
+                f"{'g1GB/s':>6} {'g1TF/s':>6} {'g2GB/s':>6} {'g2TF/s':>6} {'other%':>6} {'xtorch':>6}  plan")
+
+
+def _cell(v, width: int, fmt: str) -> str:
+    return f"{v:>{width}{fmt}}" if isinstance(v, (int, float)) and v == v else f"{'-':>{width}}"
+
+
+def row_lines(r: dict, modes) -> list[str]:
+    """The table's lines of one record row: one per mode that ran, and one for torch bf16 when it ran."""
+    lines = []
+    for path in [f"sm90_{m}" for m in modes] + ["torch_bf16"]:
+        if path == "torch_bf16" and not any(k.startswith("torch_bf16_") for k in r):
+            continue
+        mode = path[5:] if path.startswith("sm90_") else None
+        us = r.get(f"{path}_us")
+        share = r.get(f"{path}_other_share")
+        cells = [f"{r['preset']:9} {r['T']:>5} {mode or 'torch':6}",
+                 _cell(us, 9, ".1f") if us is not None else f"{'err':>9}",
+                 _cell(r.get(f"{path}_queued_us"), 9, ".1f"),
+                 _cell(100 * r[f"roofline_frac_{mode}"] if f"roofline_frac_{mode}" in r else None, 5, ".0f"),
+                 _cell(r.get(f"{path}_weight_GBps"), 6, ".0f"), _cell(r.get(f"{path}_tflops"), 6, ".1f"),
+                 _cell(r.get(f"{path}_gemm1_weight_GBps"), 6, ".0f"), _cell(r.get(f"{path}_gemm1_tflops"), 6, ".1f"),
+                 _cell(r.get(f"{path}_gemm2_weight_GBps"), 6, ".0f"), _cell(r.get(f"{path}_gemm2_tflops"), 6, ".1f"),
+                 _cell(100 * share if share is not None else None, 6, ".1f"),
+                 _cell(r.get(f"speedup_{mode}_vs_torch"), 6, ".2f")]
+        lines.append(" ".join(cells) + f"  {r.get(f'{path}_plan', '-')}")
+    return lines
+
+
+def error_lines(report) -> list[str]:
+    """One line per error a row records (a path that failed, a profile that could not be split), shortened."""
+    out = []
     for r in report["results"]:
-        cells = [f"{r['preset']:9} {r['T']:>5} "]
-        for m in modes:
-            us = r.get(f"sm90_{m}_us")
-            cells.append(f"{us:>10.1f} {100 * r[f'roofline_frac_{m}']:>5.0f} {r[f'sm90_{m}_tflops']:>6.1f}" if us
-                         else f"{'err':>10} {'':>5} {'':>6}")
-        tu = r.get("torch_bf16_us")
-        cells.append(f" {tu:>10.1f} " if tu else f" {'-':>10} ")
-        for m in modes:
-            sp = r.get(f"speedup_{m}_vs_torch")
-            cells.append(f"{sp:>8.2f}" if sp else f"{'-':>8}")
-        cells.append(f" {max(r['floor_weight_us'], r['floor_compute_us']):>9.1f}")
-        print(" ".join(cells))
-    if any("sm90_w4a16_queued_us" in r for r in report["results"]):
-        print("queued behind device work (the graph's device time alone, us): " + " ".join(modes) + " torch")
-        for r in report["results"]:
-            print(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r.get(f'sm90_{m}_queued_us', float('nan')):>10.1f}" for m in modes)
-                  + f" {r.get('torch_bf16_queued_us', float('nan')):>10.1f}")
-    if any("sm90_w4a16_gemm_us" in r for r in report["results"]):
-        print("GEMM kernels' own time (torch.profiler, W4A16): ours us / TF/s / weight GB/s, other kernels us "
-              "(their durations; exposed) | torch _grouped_mm us / TF/s, other us")
-        for r in report["results"]:
-            if "sm90_w4a16_gemm_us" in r:
-                print(f"{r['preset']:9} {r['T']:>5} {r['sm90_w4a16_gemm_us']:>9.1f} {r['sm90_w4a16_gemm_tflops']:>6.1f} "
-                      f"{r['sm90_w4a16_gemm_weight_GBps']:>7.0f} {r['sm90_w4a16_other_us']:>8.1f} "
-                      f"{r.get('sm90_w4a16_other_exposed_us', float('nan')):>7.1f} | "
-                      f"{r.get('torch_bf16_gemm_us', float('nan')):>9.1f} {r.get('torch_bf16_gemm_tflops', float('nan')):>6.1f} "
-                      f"{r.get('torch_bf16_other_us', float('nan')):>8.1f}  {r.get('sm90_w4a16_gemm_kernels', '')}")
+        for k, v in r.items():
+            if k.endswith("_error"):
+                out.append(f"{r['preset']} T={r['T']} {k}: {str(v)[:160]}")
+    return out
+
+
+def table_lines(report, modes) -> list[str]:
+    """The printed summary: one line per preset x path x T (bench/README.md defines the columns), the errors, and
+    with --variants the forced kernels' times."""
+    lines = [*TABLE_LEGEND, TABLE_HEADER]
+    for r in report["results"]:
+        lines += row_lines(r, modes)
+    errors = error_lines(report)
+    if errors:
+        lines += ["errors:"] + ["  " + e for e in errors]
     keys = sorted({k for r in report["results"] for k in r
                    if k.startswith("sm90_w4a16_") and k.endswith("_us") and k[11:-3].startswith(VARIANT_KERNELS)
                    and not k.endswith(("gemm_us", "other_us", "p10_us"))})
     if keys:
-        print("variants (W4A16 us): " + " ".join(k[11:-3] for k in keys))
+        lines.append("variants (W4A16 us): " + " ".join(k[11:-3] for k in keys))
         for r in report["results"]:
             if any(k in r for k in keys):
-                print(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}" for k in keys)
-                      + f"  auto {r.get('sm90_w4a16_us', float('nan')):.1f}")
+                lines.append(f"{r['preset']:9} {r['T']:>5} " + " ".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}"
+                                                                        for k in keys)
+                             + f"  auto {r.get('sm90_w4a16_us', float('nan')):.1f}")
+    return lines
 
 
 if __name__ == "__main__":

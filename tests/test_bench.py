@@ -103,3 +103,201 @@ def test_sm90_plan_at_the_tp8_shapes(bench):
             kinds[(t, mode)] = bench.plan_summary(plan)
             assert plan.kernel == same.kernel, (t, mode, bench.plan_summary(plan), bench.plan_summary(same))
     assert kinds[(1, "w4a16")].startswith("stream") and kinds[(8192, "w4a4")].startswith("wgmma128"), kinds
+
+
+# ---------------------------------------------------------------- the rates beside each time (bytes, FLOPs, shares)
+
+def _tiny():
+    from megamoe.presets import get_preset
+
+    cfg = get_preset("tiny")
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k) == (256, 128, 8, 2)
+    return cfg
+
+
+def test_weight_bytes_per_gemm_by_hand(bench):
+    """One expert's bytes per GEMM: NVFP4 = half a byte per weight + one E4M3 scale per 16 weights; bf16 = 2 bytes.
+    tiny (H 256, I 128): gemm1 reads w13 [256, 256] = 65536 weights, gemm2 w2 [256, 128] = 32768."""
+    import torch
+
+    cfg = _tiny()
+    assert bench.expert_weight_bytes(cfg) == {"gemm1": 32768 + 4096, "gemm2": 16384 + 2048}
+    assert bench.expert_weight_bytes(cfg, "bf16") == {"gemm1": 131072, "gemm2": 65536}
+    # the same bytes as the benchmark's weights hold (data + scales), all 8 experts
+    w = bench.random_weights(cfg, torch.Generator().manual_seed(0), device="cpu")
+    assert (w.w13.nbytes(), w.w2.nbytes()) == (8 * 36864, 8 * 18432)
+    # V4-Flash (H 4096, I 2048): 6 experts = the 84,934,656 bytes the T = 1 rows of bench/results record
+    v4 = bench.bench_config("v4-flash")
+    assert bench.expert_weight_bytes(v4) == {"gemm1": 9437184, "gemm2": 4718592}
+    assert 6 * sum(bench.expert_weight_bytes(v4).values()) == 84934656
+    with pytest.raises(ValueError, match="fp8"):
+        bench.expert_weight_bytes(cfg, "fp8")
+
+
+def test_gemm_flops_by_hand(bench):
+    """2 FLOPs per multiply-add over the t*k routed rows: gemm1 2*t*k*H*2I, gemm2 2*t*k*I*H."""
+    from megamoe.backends.cuda_sm90 import CudaSm90Backend
+
+    cfg = _tiny()
+    fl = bench.gemm_flops(cfg, 4)
+    assert fl == {"gemm1": 2 * 8 * 256 * 256, "gemm2": 2 * 8 * 128 * 256}
+    assert fl["gemm1"] == 1048576 and fl["gemm2"] == 524288
+    assert sum(fl.values()) == CudaSm90Backend.expert_flops(cfg, 4)
+
+
+def test_experts_touched(bench):
+    import torch
+
+    ids = torch.tensor([[0, 3], [3, 5], [0, -1], [8, 5]], dtype=torch.int32)  # -1: a dropped slot, 8: outside
+    assert bench.experts_touched(ids, 8) == 3
+    assert bench.experts_touched(torch.arange(16).reshape(8, 2), 8) == 8
+
+
+def test_rates_from_given_times(bench):
+    assert bench.rates(1.5e9, 3e12, 0.5) == pytest.approx((3.0, 6.0))
+    assert bench.rates(84934656, 301989888.0, 50.96e-6) == pytest.approx((1666.69, 5.9260), rel=1e-5)
+    with pytest.raises(ValueError, match="expected > 0"):
+        bench.rates(1.0, 1.0, 0.0)
+
+
+G1 = "void megamoe::sm90::wg_gemm_kernel<128, 128, true, true>(megamoe::sm90::GemmArgs)"
+G2 = "void megamoe::sm90::wg_gemm_kernel<128, 128, true, false>(megamoe::sm90::GemmArgs)"
+ALIGN = "void megamoe::sm90::(anonymous namespace)::moe_align_kernel<int>(int const*)"
+COMBINE = "void megamoe::sm90::(anonymous namespace)::combine_kernel<__nv_bfloat16, __nv_bfloat16>(float const*)"
+
+
+def _two_forwards(g1=G1, g2=G2):
+    # forward 1: align 0-2, gemm1 2-10, gemm2 launched early (PDL) 9-20, combine launched early 19-23;
+    # forward 2, 100 us later: align 100-102, gemm1 102-112, gemm2 111-120, combine 119-123. Given out of order.
+    spans = [(ALIGN, 0.0, 2.0), (g1, 2.0, 10.0), (g2, 9.0, 20.0), (COMBINE, 19.0, 23.0),
+             (ALIGN, 100.0, 102.0), (g1, 102.0, 112.0), (g2, 111.0, 120.0), (COMBINE, 119.0, 123.0)]
+    return spans[::-1]
+
+
+def test_kernel_launches_per_gemm(bench):
+    launches, busy = bench.kernel_launches(_two_forwards(), reps=2)
+    assert [x["kernel"] for x in launches] == ["wg_gemm_kernel<128, 128, true, true>",
+                                               "wg_gemm_kernel<128, 128, true, false>"]
+    # durations (8 + 10) / 2 and (11 + 9) / 2; exclusive: gemm2 from gemm1's end, (10 + 8) / 2
+    assert launches[0]["us"] == pytest.approx(9.0) and launches[0]["exclusive_us"] == pytest.approx(9.0)
+    assert launches[1]["us"] == pytest.approx(10.0) and launches[1]["exclusive_us"] == pytest.approx(9.0)
+    assert busy == pytest.approx(23.0)
+    with pytest.raises(ValueError, match="not a whole number"):
+        bench.kernel_launches(_two_forwards()[:-2], reps=2)  # forward 1 lost its gemm2... (3 GEMMs in 2 forwards)
+    with pytest.raises(ValueError, match="0 GEMM kernels"):
+        bench.kernel_launches([(ALIGN, 0.0, 1.0)], reps=1)
+
+
+def test_profile_fields_rates_and_share(bench):
+    cfg = _tiny()
+    nbytes = {g: 3 * b for g, b in bench.expert_weight_bytes(cfg).items()}  # 110592, 55296
+    out = bench.profile_fields("sm90_w4a4", _two_forwards(), 2, nbytes, bench.gemm_flops(cfg, 4))
+    assert out["sm90_w4a4_gemm1_us"] == pytest.approx(9.0) and out["sm90_w4a4_gemm2_us"] == pytest.approx(10.0)
+    assert out["sm90_w4a4_gemm2_exclusive_us"] == pytest.approx(9.0)
+    assert out["sm90_w4a4_gemm1_weight_GBps"] == pytest.approx(110592 / 9e-6 / 1e9)  # 12.288
+    assert out["sm90_w4a4_gemm1_weight_GBps"] == pytest.approx(12.288)
+    assert out["sm90_w4a4_gemm1_tflops"] == pytest.approx(1048576 / 9e-6 / 1e12)
+    assert out["sm90_w4a4_gemm2_weight_GBps"] == pytest.approx(5.5296)
+    assert out["sm90_w4a4_gemm2_tflops"] == pytest.approx(0.0524288)
+    assert out["sm90_w4a4_busy_us"] == pytest.approx(23.0)
+    assert out["sm90_w4a4_other_exposed_us"] == pytest.approx(5.0)  # 0-2 and 20-23 per forward
+    assert out["sm90_w4a4_other_share"] == pytest.approx(5.0 / 23.0)
+    assert "sm90_w4a4_gemm_split_error" not in out
+
+
+def test_profile_fields_without_two_gemms_keeps_the_share(bench):
+    """Three GEMM launches per forward: no per-GEMM attribution (an error field says why), the share still there."""
+    cfg = _tiny()
+    spans = [(ALIGN, 0.0, 2.0), (G1, 2.0, 10.0), (G2, 10.0, 14.0), (G2, 14.0, 20.0), (COMBINE, 20.0, 23.0)]
+    out = bench.profile_fields("torch_bf16", spans, 1, bench.expert_weight_bytes(cfg), bench.gemm_flops(cfg, 4))
+    assert "3 GEMM kernels per forward" in out["torch_bf16_gemm_split_error"]
+    assert not any(k.startswith("torch_bf16_gemm1") for k in out)
+    assert out["torch_bf16_other_share"] == pytest.approx(5.0 / 23.0)
+
+
+def _record(bench):
+    """A record row of tiny at T = 4 as main() builds it, from given routing and times (nothing timed)."""
+    import torch
+
+    cfg = _tiny()
+    set0 = torch.tensor([[0, 3], [3, 5], [0, 1], [5, 3]], dtype=torch.int32)  # experts 0 1 3 5
+    set1 = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)  # all 8
+    row = bench.shape_row("tiny", cfg, 4, 1, [set0, set1], copy_bw=1e12, bf16_rate=1e12)
+    row["sm90_w4a16_plan"] = "wgmma64/64/64"
+    row.update(bench.timed_fields(row, "sm90_w4a16", [2e-6, 4e-6, 3e-6], [2.5e-6], copy_bw=1e12))
+    per_call = {G1: 9.0, G2: 10.0, ALIGN: 2.0, COMBINE: 4.0}
+    row.update(bench.profile_record(row, "sm90_w4a16", per_call, _two_forwards(), 2))
+    tg = "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape>>(x)"
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(x)"
+    tspans = [(fill, 0.0, 4.0), (tg, 4.0, 14.0), (tg, 14.0, 24.0), (fill, 24.0, 30.0)]
+    row.update(bench.timed_fields(row, "torch_bf16", [6e-6], [5e-6], copy_bw=1e12))
+    row.update(bench.profile_record(row, "torch_bf16", {tg: 20.0, fill: 10.0}, tspans, 1))
+    row["speedup_w4a16_vs_torch"] = row["torch_bf16_us"] / row["sm90_w4a16_us"]
+    return row
+
+
+def test_record_holds_the_rates(bench):
+    r = _record(bench)
+    # shapes and routing: 6 experts on average (4 and 8), 4 in the profiled first set
+    assert r["experts_used"] == 6 and r["profile_experts_used"] == 4
+    assert r["nvfp4_weight_bytes"] == 6 * 55296 and r["bf16_weight_bytes"] == 6 * 196608
+    assert (r["flops"], r["gemm1_flops"], r["gemm2_flops"]) == (1572864, 1048576, 524288)
+    assert (r["profile_gemm1_weight_bytes"], r["profile_gemm2_weight_bytes"]) == (4 * 36864, 4 * 18432)
+    assert r["floor_weight_us"] == pytest.approx(0.331776) and r["floor_compute_us"] == pytest.approx(1.572864)
+    # the forward: median 3 us, p10 2 us
+    assert r["sm90_w4a16_us"] == pytest.approx(3.0) and r["sm90_w4a16_p10_us"] == pytest.approx(2.0)
+    assert r["sm90_w4a16_queued_us"] == pytest.approx(2.5)
+    assert r["sm90_w4a16_weight_GBps"] == pytest.approx(110.592) and r["sm90_w4a16_tflops"] == pytest.approx(0.524288)
+    assert r["sm90_w4a16_pct_copy_bw"] == pytest.approx(11.0592)
+    assert r["roofline_frac_w4a16"] == pytest.approx(1.572864 / 3.0)
+    # per GEMM, the profiled set's bytes over each kernel's duration
+    assert r["sm90_w4a16_gemm1_weight_GBps"] == pytest.approx(16.384)
+    assert r["sm90_w4a16_gemm2_weight_GBps"] == pytest.approx(7.3728)
+    assert r["sm90_w4a16_gemm1_tflops"] == pytest.approx(1048576 / 9e-6 / 1e12)
+    assert r["sm90_w4a16_gemm_us"] == pytest.approx(19.0) and r["sm90_w4a16_other_us"] == pytest.approx(6.0)
+    assert r["sm90_w4a16_gemm_weight_GBps"] == pytest.approx(221184 / 19e-6 / 1e9)
+    assert r["sm90_w4a16_other_share"] == pytest.approx(5.0 / 23.0)
+    assert r["sm90_w4a16_gemm_kernels"] == "wg_gemm_kernel<128, 128, true, false>,wg_gemm_kernel<128, 128, true, true>"
+    # torch bf16: its own (bf16) bytes, no roofline fraction
+    assert r["torch_bf16_weight_GBps"] == pytest.approx(196.608) and r["torch_bf16_tflops"] == pytest.approx(0.262144)
+    assert "roofline_frac_torch_bf16" not in r and "torch_bf16_pct_copy_bw" not in r
+    assert r["torch_bf16_gemm1_weight_GBps"] == pytest.approx(4 * 131072 / 10e-6 / 1e9)
+    assert r["torch_bf16_gemm2_tflops"] == pytest.approx(524288 / 10e-6 / 1e12)
+    assert r["torch_bf16_other_share"] == pytest.approx(10.0 / 30.0)
+    import json
+
+    json.dumps(r)  # the record stays JSON
+
+
+def test_table_prints_one_line_per_preset_path_and_t(bench):
+    r = _record(bench)
+    lines = bench.table_lines({"results": [r]}, ["w4a16"])
+    header = next(ln for ln in lines if ln.startswith("preset"))
+    body = [ln for ln in lines if ln.startswith("tiny")]
+    assert len(body) == 2  # w4a16 and torch
+    cols = header.split()
+    ours = dict(zip(cols, body[0].split()))
+    torch_ = dict(zip(cols, body[1].split()))
+    assert ours["path"] == "w4a16" and ours["T"] == "4" and ours["us"] == "3.0" and ours["queued"] == "2.5"
+    assert ours["%roof"] == "52" and ours["GB/s"] == "111" and ours["TF/s"] == "0.5"
+    assert ours["g1GB/s"] == "16" and ours["g2GB/s"] == "7" and ours["other%"] == "21.7"
+    assert ours["xtorch"] == "2.00" and ours["plan"] == "wgmma64/64/64"
+    assert torch_["path"] == "torch" and torch_["us"] == "6.0" and torch_["%roof"] == "-" and torch_["GB/s"] == "197"
+    assert torch_["g1GB/s"] == "52" and torch_["other%"] == "33.3" and torch_["xtorch"] == "-"
+    assert all(len(ln) <= 120 for ln in lines), [len(ln) for ln in lines]
+
+
+def test_table_marks_errors_and_missing_profile(bench):
+    r = _record(bench)
+    other = {k: v for k, v in r.items() if not k.startswith(("sm90_w4a16_gemm", "sm90_w4a16_other", "torch_bf16", "speedup"))}
+    other["T"] = 8
+    other["sm90_w4a4_error"] = "RuntimeError('no kernel for this shape')"
+    lines = bench.table_lines({"results": [r, other]}, ["w4a16", "w4a4"])
+    body = [ln for ln in lines if ln.startswith("tiny")]
+    # T = 4: w4a16, w4a4 (never ran: err), torch; T = 8: w4a16, w4a4 (err), no torch line
+    assert [ln.split()[2] for ln in body] == ["w4a16", "w4a4", "torch", "w4a16", "w4a4"]
+    cols = next(ln for ln in lines if ln.startswith("preset")).split()
+    no_profile = dict(zip(cols, body[3].split()))
+    assert no_profile["us"] == "3.0" and no_profile["g1GB/s"] == "-" and no_profile["other%"] == "-"
+    assert body[4].split()[3] == "err"
+    assert any("T=8 sm90_w4a4_error: RuntimeError('no kernel for this shape')" in ln for ln in lines)
