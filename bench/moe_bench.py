@@ -501,7 +501,8 @@ def main(argv=None) -> int:
     copy_bw = measure_copy_bw()
     bf16_rate = measure_bf16_rate()
     print(f"floors: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {bf16_rate / 1e12:.0f} TFLOP/s", flush=True)
-    print(TABLE_HEADER, flush=True)
+    # the rows as they are measured ("row" in place of "preset": the table at the end is the one that starts with it)
+    print(TABLE_HEADER.replace("preset", "row   ", 1), flush=True)
 
     results = []
     for preset in args.presets:
@@ -605,7 +606,9 @@ def write_report(args, argv, copy_bw, bf16_rate, results) -> dict:
                   f"{ROTATE} routing/activation sets rotated between replays; *_us: each replay launched onto an idle "
                   "GPU, *_queued_us: queued behind a device-side spin (the graph's device time alone), the two "
                   "alternately; weight floor = NVFP4 bytes of used "
-                  "experts / copy bandwidth; torch baseline = bf16 torch._grouped_mm on bf16 weights, same routing",
+                  "experts / copy bandwidth; torch baseline = bf16 torch._grouped_mm on bf16 weights, same routing; "
+                  "*_weight_GBps, *_tflops, *_gemm1_*, *_gemm2_*, *_other_share: bench/README.md, 'Rates beside each "
+                  "time'",
         "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -289,7 +289,8 @@ def test_table_prints_one_line_per_preset_path_and_t(bench):
 
 def test_table_marks_errors_and_missing_profile(bench):
     r = _record(bench)
-    other = {k: v for k, v in r.items() if not k.startswith(("sm90_w4a16_gemm", "sm90_w4a16_other", "torch_bf16", "speedup"))}
+    dropped = ("sm90_w4a16_gemm", "sm90_w4a16_other", "torch_bf16", "speedup")
+    other = {k: v for k, v in r.items() if not k.startswith(dropped)}
     other["T"] = 8
     other["sm90_w4a4_error"] = "RuntimeError('no kernel for this shape')"
     lines = bench.table_lines({"results": [r, other]}, ["w4a16", "w4a4"])
@@ -301,3 +302,75 @@ def test_table_marks_errors_and_missing_profile(bench):
     assert no_profile["us"] == "3.0" and no_profile["g1GB/s"] == "-" and no_profile["other%"] == "-"
     assert body[4].split()[3] == "err"
     assert any("T=8 sm90_w4a4_error: RuntimeError('no kernel for this shape')" in ln for ln in lines)
+
+
+def test_main_writes_the_rates_into_the_record(bench, monkeypatch, tmp_path, capsys):
+    """main() end to end on the host with every GPU step replaced by given numbers (floors, replay times, profiler
+    intervals; nothing is timed): each row of the JSON holds the forward's and each GEMM's rates and the non-GEMM
+    share for both modes and torch, and the output has one table that starts with "preset"."""
+    import json
+
+    import torch
+
+    import megamoe.backends as backends
+
+    cpu_gen = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda device=None: cpu_gen())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test device")
+    monkeypatch.setattr(bench, "versions", lambda: {})
+    monkeypatch.setattr(bench, "measure_copy_bw", lambda: 4e12)
+    monkeypatch.setattr(bench, "measure_bf16_rate", lambda: 8e14)
+    make_weights = bench.random_weights
+    monkeypatch.setattr(bench, "random_weights", lambda cfg, gen: make_weights(cfg, gen, device="cpu"))
+    monkeypatch.setattr(bench, "bf16_weights", lambda cfg, gen: (torch.zeros(1), torch.zeros(1)))
+
+    def routing(t, cfg, gen):
+        ids = torch.rand((t, cfg.num_experts), generator=gen).topk(cfg.top_k, dim=1).indices.to(torch.int32)
+        return torch.zeros(t, cfg.hidden_size), ids, torch.ones(t, cfg.top_k)
+
+    monkeypatch.setattr(bench, "random_routing", routing)
+    monkeypatch.setattr(bench, "time_graph", lambda fn, sets, bufs, reps, warmup=3, queued=False:
+                        ([3e-6, 2e-6, 4e-6], [2.5e-6]) if queued else [3e-6, 2e-6, 4e-6])
+
+    def profile(fn, reps=bench.PROFILE_REPS):  # every forward as the first of _two_forwards: gemm1 8 us, gemm2 11
+        one = [(ALIGN, 0.0, 2.0), (G1, 2.0, 10.0), (G2, 9.0, 20.0), (COMBINE, 19.0, 23.0)]
+        spans = [(n, a + 100.0 * r, b + 100.0 * r) for r in range(reps) for n, a, b in one]
+        return {G1: 8.0, G2: 11.0, ALIGN: 2.0, COMBINE: 4.0}, spans
+
+    monkeypatch.setattr(bench, "profile_kernels", profile)
+
+    class Plan:
+        kernel, token_tile, tokens_per_pass = "Sm90GemmKernel.wgmma64", 64, 0
+
+    class Backend:
+        kernel, tokens_per_pass, _workspaces = "auto", 0, {}
+
+        def prepare_weights(self, w):
+            return w
+
+        def plan(self, **kw):
+            return Plan()
+
+    monkeypatch.setattr(backends, "get_backend", lambda name: Backend())
+    out = tmp_path / "moe.json"
+    assert bench.main(["--presets", "tiny", "--tokens", "4", "--profile", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    cfg = _tiny()
+    used0 = row["profile_experts_used"]
+    assert 1 <= used0 <= 8 and row["profile_gemm1_weight_bytes"] == used0 * 36864
+    for path in ("sm90_w4a16", "sm90_w4a4", "torch_bf16"):
+        assert row[f"{path}_us"] == pytest.approx(3.0)
+        assert row[f"{path}_tflops"] == pytest.approx(sum(bench.gemm_flops(cfg, 4).values()) / 3e-6 / 1e12)
+        assert row[f"{path}_gemm1_us"] == pytest.approx(8.0) and row[f"{path}_gemm2_us"] == pytest.approx(11.0)
+        assert row[f"{path}_gemm2_exclusive_us"] == pytest.approx(10.0)
+        assert row[f"{path}_gemm2_tflops"] == pytest.approx(524288 / 11e-6 / 1e12)
+        assert row[f"{path}_other_share"] == pytest.approx(5.0 / 23.0)
+    assert row["sm90_w4a16_weight_GBps"] == pytest.approx(row["experts_used"] * 55296 / 3e-6 / 1e9)
+    assert row["torch_bf16_weight_GBps"] == pytest.approx(row["experts_used"] * 196608 / 3e-6 / 1e9)
+    assert row["sm90_w4a4_gemm1_weight_GBps"] == pytest.approx(used0 * 36864 / 8e-6 / 1e9)
+    assert row["torch_bf16_gemm1_weight_GBps"] == pytest.approx(used0 * 131072 / 8e-6 / 1e9)
+    assert not any(k.endswith("_error") for k in row), [k for k in row if k.endswith("_error")]
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("preset") for ln in printed) == 1
+    final = printed[printed.index(next(ln for ln in printed if ln.startswith("preset"))):]
+    assert [ln.split()[2] for ln in final[1:]] == ["w4a16", "w4a4", "torch"]
