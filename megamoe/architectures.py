@@ -40,6 +40,8 @@ class ArchitectureRouting:
     gate/up tensor in this architecture's own (Hugging Face) layout; ``requires`` names the
     router tensors the layer cannot be computed without (``"correction_bias"``, ``"tid2eid"``);
     ``notes`` are differences from the architecture's reference code that the caller should know.
+    ``requires`` may also name ``"router_logit_bias"`` (the router's own bias, added to the
+    logits) and ``"expert_biases"`` (both expert GEMMs' biases), gpt-oss's.
     """
 
     model_type: str
@@ -251,14 +253,40 @@ def _llama4(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     return _llama4_text(tc, layer, "text_config.", "llama4")
 
 
+def _gpt_oss(hf: dict, layer: int | None = None) -> ArchitectureRouting:
+    # transformers' GptOssTopKRouter and GptOssExperts: logits = x W^T + b (the router's bias),
+    # the top-k of the logits, weights softmax over the k chosen logits (no scaling, no groups,
+    # no shared expert). Experts fused and transposed (gate_up_proj [E, H, 2I], gate and up
+    # columns INTERLEAVED), with biases on both GEMMs: gate_up = x W13 + b13, gate clamped at
+    # 7, up to [-7, 7], h = (up + 1) * gate * sigmoid(1.702 * gate), y = h W2 + b2. The limit
+    # and alpha are fixed in GptOssExperts (hidden_act is not read); OpenAI's own config.json
+    # states swiglu_limit=7.0.
+    r = _Rule(hf, "gpt_oss")
+    lim = hf.get("swiglu_limit")
+    if lim is not None and float(lim) != 7.0:
+        raise UnknownArchitecture(f"config.json swiglu_limit={lim!r}: transformers' gpt_oss experts clamp at 7.0 "
+                                  f"whatever config.json says; a checkpoint stating another limit is ambiguous")
+    r.fix("scoring", "softmax_topk", "gpt_oss: softmax over the top-k logits (the router's bias added to the logits)")
+    r.fix("renormalize", True, "gpt_oss: the softmax over the chosen logits sums to 1")
+    r.fields.update(routed_scaling_factor=1.0, n_group=None, topk_group=None, n_shared_experts=0)
+    r.one_key("num_experts", ("num_local_experts", "num_experts"))
+    r.take("num_experts", ("num_local_experts", "num_experts"), 128)
+    r.take("top_k", "num_experts_per_tok", 4)
+    r.take("intermediate_size", "intermediate_size", 2880)
+    r.fix("swiglu_limit", 7.0, "gpt_oss experts clamp gate at 7 and up to [-7, 7]"
+          + (" (config.json swiglu_limit)" if lim is not None else ""))
+    r.fix("swiglu_alpha", 1.702, "gpt_oss experts: gate * sigmoid(1.702 * gate)")
+    r.fix("swiglu_up_shift", 1.0, "gpt_oss experts: (up + 1) * ...")
+    return r.done("interleaved", ["the router bias (router.bias) and both expert biases are required",
+                                  "router logits: transformers computes them in the model dtype, megamoe in float32 "
+                                  "(a near-tie may pick a different expert)"],
+                  ("router_logit_bias", "expert_biases"))
+
+
 #: model_type -> why megamoe refuses it (every other unknown model_type is refused too, but
-#: these are known MoE families whose expert math megamoe does not compute yet)
-UNSUPPORTED = {
-    "gpt_oss": "gpt-oss experts need per-expert biases on both GEMMs (gate_up_proj_bias, down_proj_bias), "
-               "interleaved gate/up rows and the clamped activation (gate clamped at 7, up to [-7, 7], "
-               "(up + 1) * gate * sigmoid(1.702 * gate)) inside the expert GEMMs, and a router with a bias "
-               "(softmax over the top-k logits); megamoe's experts compute none of these",
-}
+#: these are known MoE families whose expert math megamoe does not compute yet). Empty: every
+#: family of docs/SPEC.md §3.4.1 is computed.
+UNSUPPORTED: dict[str, str] = {}
 
 
 def _deepseek_v4_kind(hf: dict, layer: int | None) -> tuple[str, str]:
@@ -360,7 +388,7 @@ def _qwen3_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
 #: newcomer adds an architecture here. Each rule is checked against the transformers router
 #: of that architecture on recorded inputs (tests/fixtures/real/routing_*.safetensors).
 ARCHITECTURES = {"deepseek_v3": _deepseek_v3, "deepseek_v4": _deepseek_v4, "glm4_moe": _glm4_moe,
-                 "kimi_k25": _kimi_k25, "llama4": _llama4, "llama4_text": _llama4_text, "minimax_m2": _minimax_m2,
+                 "gpt_oss": _gpt_oss, "kimi_k25": _kimi_k25, "llama4": _llama4, "llama4_text": _llama4_text, "minimax_m2": _minimax_m2,
                  "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 

@@ -273,7 +273,8 @@ def _local_config(cfg: MoEConfig, experts_per_rank: int) -> MoEConfig:
 
 
 def _expert_part(w: MoEWeights) -> MoEWeights:
-    return MoEWeights(w13=w.w13, w2=w.w2, w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale)
+    return MoEWeights(w13=w.w13, w2=w.w2, w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale,
+                      b13=w.b13, b2=w.b2)
 
 
 def shard_weights(weights: MoEWeights, rank: int, world_size: int) -> tuple[MoEWeights, int]:
@@ -567,6 +568,9 @@ def tp_slice_weights(weights: MoEWeights, rank: int, world_size: int) -> MoEWeig
     expert's gate and up rows and down columns ``[r*I/W, (r+1)*I/W)`` with their block scales,
     the global and input scales whole; the shared expert sliced alike (its own width); router,
     correction bias and hash table whole. Every other field is kept as it is."""
+    if weights.b13 is not None or weights.b2 is not None:
+        raise ValueError("tensor parallelism does not slice expert biases (b13, b2; gpt-oss) yet; serve this layer "
+                         "whole (one process) or with expert parallelism instead")
     i = weights.w2.data.shape[-1] * 2
     start, end = intermediate_range(i, world_size, rank)
     kw = {"w13": _slice_gate_up(weights.w13, start, end, 1), "w2": _slice_down(weights.w2, start, end)}
@@ -800,6 +804,7 @@ TP_UNSUPPORTED = {
     "qwen2_moe": "Qwen2-MoE's singular shared_expert and its sigmoid shared_expert_gate",
     "llama4": "Llama 4's singular shared_expert, its transposed fused experts and the router weight on the input",
     "llama4_text": "Llama 4's singular shared_expert, its transposed fused experts and the router weight on the input",
+    "gpt_oss": "gpt-oss's expert biases (gate_up_proj_bias, down_proj_bias) and its transposed fused experts",
 }
 
 
@@ -832,8 +837,10 @@ def load_tp_shard(path, rank: int, world_size: int, *, device="cpu", **load_kw) 
         shapes_only = _ShapesOnly(ck, prefix, cache)
         first = checkpoint.load_open(shapes_only, experts=(0, 1), prefix=prefix, input_scales="per-expert", **load_kw)
         cfg, rep = first.config, first.report
-        if cfg.shared_expert_gate or cfg.router_weight_on_input:
-            what = "a gated shared expert" if cfg.shared_expert_gate else "the router weight applied on the input"
+        if cfg.shared_expert_gate or cfg.router_weight_on_input or first.weights.b13 is not None \
+                or first.weights.b2 is not None:
+            what = ("a gated shared expert" if cfg.shared_expert_gate else "the router weight applied on the input"
+                    if cfg.router_weight_on_input else "expert biases")
             raise checkpoint.CheckpointError(f"{path}: tensor parallelism does not slice {what} yet; serve this "
                                              f"layer whole (one process) instead")
         if rep.quantized_at_load:

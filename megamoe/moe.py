@@ -44,6 +44,7 @@ class MoELayer:
         self.backend = get_backend(backend, device=device)
         self.device = self.backend.device
         # A backend that re-lays out the routed experts makes its own device copy of them; the layer's
+        self._check_expert_math(weights, config)
         # NVFP4 copy of those experts (read only by the reference paths) then stays in host memory, so
         # the device holds each weight once.
         host_routed = self.backend.copies_routed_weights and self.device.type != "cpu"
@@ -55,6 +56,17 @@ class MoELayer:
 
     def _routed_weights(self) -> MoEWeights:
         """What the backend prepares (the routed experts; the layer runs the rest itself)."""
+    def _check_expert_math(self, weights: MoEWeights, config: MoEConfig) -> None:
+        """The backend computes the layer's expert biases (``b13``, ``b2``) and activation variant
+        (``swiglu_alpha``, ``swiglu_up_shift``; gpt-oss), or the layer is refused: a backend that
+        does not declare ``expert_bias_and_activation`` would compute another layer."""
+        needs = [n for n, on in (("b13", weights.b13 is not None), ("b2", weights.b2 is not None),
+                                 (f"swiglu_alpha={config.swiglu_alpha}", config.swiglu_alpha != 1.0),
+                                 (f"swiglu_up_shift={config.swiglu_up_shift}", config.swiglu_up_shift != 0.0)) if on]
+        if needs and not getattr(self.backend, "expert_bias_and_activation", False):
+            raise NotImplementedError(f"backend {self.backend.name!r} does not compute expert biases or the gpt-oss "
+                                      f"activation ({', '.join(needs)}); use the torch or cuda-sm100 backend")
+
         return self.weights
 
     # ------------------------------------------------------------------ builders
@@ -118,6 +130,9 @@ class MoELayer:
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"hidden_states dtype {x.dtype}: expected bfloat16, float16 or float32")
         t = x.shape[0]
+        Logits computed here include the weights' ``router_logit_bias`` (gpt-oss); given
+        ``router_logits`` are used as they are.
+
         if (topk_ids is None) != (topk_weights is None):
             raise ValueError("topk_ids and topk_weights must be given together")
         if topk_ids is not None:
@@ -130,6 +145,8 @@ class MoELayer:
                 raise ValueError(f"topk_ids out of range [0, {cfg.num_experts}): "
                                  f"min {int(topk_ids.min())}, max {int(topk_ids.max())}")
         if router_logits is not None and tuple(router_logits.shape) != (t, cfg.num_experts):
+            if self.weights.router_logit_bias is not None:  # gpt-oss: the router's own bias
+                router_logits = router_logits + self.weights.router_logit_bias.float()
             raise ValueError(f"router_logits must be [{t}, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         if input_ids is not None and (not torch.is_tensor(input_ids) or tuple(input_ids.shape) != (t,)):
             shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
@@ -206,7 +223,8 @@ class MoELayer:
                                        invariant=self.batch_invariant)
         else:
             out = reference.dense_mlp(x, self._float32("shared_gate_up"), self._float32("shared_down"),
-                                      self.config.swiglu_limit, invariant=self.batch_invariant)
+                                      self.config.swiglu_limit, invariant=self.batch_invariant,
+                                      alpha=self.config.swiglu_alpha, up_shift=self.config.swiglu_up_shift)
         if self.config.shared_expert_gate:
             # Qwen2-MoE: scaled per token by sigmoid(x · g), the [1, H] gate in float32
             out = out * torch.sigmoid(matmul(x.float(), self._float32("shared_expert_gate"), self.batch_invariant))
@@ -225,7 +243,8 @@ class MoELayer:
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:  # (the experts may sit in host memory)
             return reference.expert_mlp(rows, nvfp4.dequantize(w.w13[e].to(self.device)),
-                                        nvfp4.dequantize(w.w2[e].to(self.device)), cfg, quantize_activations=False)
+                                        nvfp4.dequantize(w.w2[e].to(self.device)), cfg, quantize_activations=False,
+                                        b13=None if w.b13 is None else w.b13[e], b2=None if w.b2 is None else w.b2[e])
 
         out = self._routed(x, topk_ids, topk_weights,
                            lambda c, rows, ids, wt: reference.routed_experts(rows, ids, wt, c.num_experts, expert))

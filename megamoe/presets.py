@@ -1,6 +1,7 @@
 """The reference MoE shapes of docs/SPEC.md §3."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 
@@ -10,7 +11,9 @@ class MoEConfig:
 
     Attributes:
         hidden_size: H.  intermediate_size: I (per expert).  num_experts: E.  top_k: k.
-        scoring: "softmax", "sigmoid" or "sqrtsoftplus" (``sqrt(softplus(logits))``) router scores.
+        scoring: "softmax", "sigmoid" or "sqrtsoftplus" (``sqrt(softplus(logits))``) router scores,
+            or "softmax_topk" (gpt-oss: the top-k of the logits, weighted by the softmax over the k
+            chosen logits; normalised by definition, so ``renormalize`` must stay True).
         hash_routing: the experts are ``tid2eid[input_ids]`` (a frozen token-id table, DeepSeek-V4's
             ``hash_moe`` layers) instead of the top-k of the scores; the scores still give the weights.
         n_group / topk_group: group-limited routing (None: off).
@@ -19,7 +22,10 @@ class MoEConfig:
         act_mode: "w4a4" (activations quantized to NVFP4) or "w4a16" (bf16 activations).
         dynamic_act_scale: compute each activation row's global scale from the row
             (amax/2688) instead of the static per-expert input scales.
-        swiglu_limit: optional clamp of gate (max) and up (±limit) before SiLU·up.
+        swiglu_limit: optional clamp of gate (max) and up (±limit) before the activation.
+        swiglu_alpha / swiglu_up_shift: the experts' activation is
+            ``h = (up + swiglu_up_shift) * gate * sigmoid(swiglu_alpha * gate)`` (after the clamp);
+            the defaults 1.0 / 0.0 give SwiGLU, ``silu(gate) * up``; gpt-oss: 1.702 / 1.0.
         shared_expert_gate: the shared expert's output is scaled per token by
             ``sigmoid(x · g)`` (``g`` = the weights' ``shared_expert_gate``, ``[1, H]``; Qwen2-MoE).
         router_weight_on_input: each chosen expert runs on its row multiplied by the router
@@ -44,6 +50,8 @@ class MoEConfig:
     swiglu_limit: float | None = None
     shared_expert_gate: bool = False
     router_weight_on_input: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_up_shift: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size"):
@@ -54,8 +62,20 @@ class MoEConfig:
             raise ValueError(f"need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
         if self.act_mode not in ("w4a4", "w4a16"):
             raise ValueError(f"act_mode={self.act_mode!r}: expected 'w4a4' or 'w4a16'")
-        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-            raise ValueError(f"scoring={self.scoring!r}: expected 'softmax', 'sigmoid' or 'sqrtsoftplus'")
+        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus", "softmax_topk"):
+            raise ValueError(f"scoring={self.scoring!r}: expected 'softmax', 'sigmoid', 'sqrtsoftplus' or "
+                             f"'softmax_topk'")
+        if self.scoring == "softmax_topk":
+            if self.hash_routing or (self.n_group and self.n_group > 1):
+                raise ValueError("scoring='softmax_topk' takes the top-k of the logits: hash_routing and n_group "
+                                 "do not apply")
+            if not self.renormalize:
+                raise ValueError("scoring='softmax_topk' weighs the chosen experts by the softmax over their "
+                                 "logits, which sums to 1: renormalize=False does not apply")
+        if not (math.isfinite(self.swiglu_alpha) and self.swiglu_alpha > 0):
+            raise ValueError(f"swiglu_alpha={self.swiglu_alpha}: expected a finite value > 0")
+        if not math.isfinite(self.swiglu_up_shift):
+            raise ValueError(f"swiglu_up_shift={self.swiglu_up_shift}: expected a finite value")
         if self.hash_routing and self.n_group and self.n_group > 1:
             raise ValueError("hash_routing chooses the experts from a table: n_group does not apply")
         if self.shared_expert_gate and not self.n_shared_experts:

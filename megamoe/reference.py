@@ -3,11 +3,12 @@
 The NVFP4 format's own math (quantize, dequantize, scale-factor layout) is
 :mod:`megamoe.nvfp4`; this module composes it into the MoE layer:
 
-* :func:`swiglu`: ``silu(gate) * up`` with the optional clamp;
+* :func:`swiglu`: ``silu(gate) * up`` with the optional clamp, or its gpt-oss variant
+  ``(up + shift) * gate * sigmoid(alpha * gate)``;
 * :func:`activation_to_gemm_input`: what an expert GEMM sees of an activation
   (w4a4: NVFP4 quantize with the static per-expert scale or per-row dynamic scales,
   then exact decode; w4a16: rounded to bfloat16);
-* :func:`expert_mlp`: one expert on its rows (GEMM, SwiGLU, GEMM);
+* :func:`expert_mlp`: one expert on its rows (GEMM, + bias, activation, GEMM, + bias);
 * :func:`routed_experts`: the loop over experts that sums each token's top-k
   weighted contributions, expert by expert in ascending id order;
 * :func:`dense_mlp`: the shared expert (dense, unquantized).
@@ -55,32 +56,46 @@ def activation_to_gemm_input(x: torch.Tensor, cfg, static_scale: torch.Tensor | 
     return nvfp4.dequantize(nvfp4.quantize(x, gs), dtype)
 
 
-def swiglu(gu: torch.Tensor, intermediate: int, limit: float | None) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gu = [gate | up]`` (``intermediate`` columns each); with ``limit``,
-    gate is clamped to at most ``limit`` and up to ``[-limit, limit]`` first."""
+def swiglu(gu: torch.Tensor, intermediate: int, limit: float | None, alpha: float = 1.0,
+           up_shift: float = 0.0) -> torch.Tensor:
+    """The experts' activation of ``gu = [gate | up]`` (``intermediate`` columns each):
+    ``(up + up_shift) * gate * sigmoid(alpha * gate)``, which for ``alpha = 1``, ``up_shift = 0``
+    is SwiGLU, ``silu(gate) * up`` (computed as exactly that). With ``limit``, gate is clamped
+    to at most ``limit`` and up to ``[-limit, limit]`` first (before the shift). gpt-oss:
+    limit 7, alpha 1.702, up_shift 1."""
     gate, up = gu[:, :intermediate], gu[:, intermediate:]
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)
-    return F.silu(gate) * up
+    glu = F.silu(gate) if alpha == 1.0 else gate * torch.sigmoid(gate * alpha)
+    return (up + up_shift if up_shift else up) * glu
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg, in1: torch.Tensor | None = None,
                in2: torch.Tensor | None = None, quantize_activations: bool = True,
-               invariant: bool = True) -> torch.Tensor:
+               invariant: bool = True, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on its rows: ``[n, H]`` -> ``[n, H]`` in the dtype of the decoded weights.
 
     ``w13`` ``[2I, H]`` (gate rows, then up rows) and ``w2`` ``[H, I]`` are the expert's decoded
     weights (a routed expert, or a shared expert stored in NVFP4: I is ``w2``'s); ``in1`` /
-    ``in2`` its static input scales (None: dynamic). With ``quantize_activations`` False the
+    ``in2`` its static input scales (None: dynamic); ``b13`` ``[2I]`` / ``b2`` ``[H]`` its
+    biases (gpt-oss), added to the first GEMM's output before the activation and to the
+    second's output. The activation is :func:`swiglu` with the config's ``swiglu_limit``,
+    ``swiglu_alpha`` and ``swiglu_up_shift``. With ``quantize_activations`` False the
     activations enter the GEMMs unchanged (the bf16 yardstick).
     """
     dtype = w13.dtype
     a1 = activation_to_gemm_input(x, cfg, in1, dtype) if quantize_activations else x.to(dtype)
-    hmid = swiglu(matmul(a1, w13, invariant), w2.shape[1], cfg.swiglu_limit)
+    gu = matmul(a1, w13, invariant)
+    if b13 is not None:
+        gu = gu + b13.to(gu.dtype)
+    hmid = swiglu(gu, w2.shape[1], cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.0),
+                  getattr(cfg, "swiglu_up_shift", 0.0))
     # the second activation is quantized from float32, as a kernel's epilogue holds it
     a2 = activation_to_gemm_input(hmid.float(), cfg, in2, dtype) if quantize_activations else hmid
-    return matmul(a2, w2, invariant)
+    y = matmul(a2, w2, invariant)
+    return y if b2 is None else y + b2.to(y.dtype)
 
 
 def valid_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -131,8 +146,8 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def dense_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None,
-              invariant: bool = True) -> torch.Tensor:
+              invariant: bool = True, alpha: float = 1.0, up_shift: float = 0.0) -> torch.Tensor:
     """The shared expert: ``swiglu(x @ gate_up.T) @ down.T`` in the dtype of the weights
-    (``gate_up`` ``[2Is, H]``, ``down`` ``[H, Is]``)."""
+    (``gate_up`` ``[2Is, H]``, ``down`` ``[H, Is]``; the activation as :func:`swiglu`)."""
     gu = matmul(x.to(gate_up.dtype), gate_up, invariant)
-    return matmul(swiglu(gu, down.shape[1], limit), down, invariant)
+    return matmul(swiglu(gu, down.shape[1], limit, alpha, up_shift), down, invariant)

@@ -1,4 +1,4 @@
-"""Expert routing (docs/SPEC.md §3): softmax top-k; sigmoid or sqrt(softplus) scores with a
+"""Expert routing (docs/SPEC.md §3): softmax top-k; the softmax over the top-k logits (gpt-oss); sigmoid or sqrt(softplus) scores with a
 correction bias and optional group-limited top-k (DeepSeek-V3 / V4 style); hash routing, where a
 frozen token-id table chooses the experts (DeepSeek-V4 ``hash_moe`` layers). The routing each
 supported architecture (Hugging Face ``model_type``) implies is :mod:`megamoe.architectures`'s
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["route", "hash_expert_ids", "topk_lowest_id", "SCORINGS", "InputIdsRequired",
+__all__ = ["route", "hash_expert_ids", "topk_lowest_id", "SCORINGS", "TOPK_SCORINGS", "InputIdsRequired",
            "architecture_routing", "ArchitectureRouting", "UnknownArchitecture", "ARCHITECTURES", "UNSUPPORTED"]
 
 #: The router score functions: logits (float32) -> scores.
@@ -21,6 +21,11 @@ SCORINGS = {
     "sigmoid": torch.sigmoid,
     "sqrtsoftplus": lambda logits: torch.sqrt(F.softplus(logits)),
 }
+
+#: Scorings that weigh the chosen experts from their logits alone (not a score of every expert):
+#: ``softmax_topk`` (gpt-oss) selects the top-k of the logits and weighs them by the softmax over
+#: the k chosen logits, which sums to 1 by definition.
+TOPK_SCORINGS = ("softmax_topk",)
 
 
 class InputIdsRequired(ValueError):
@@ -74,7 +79,10 @@ def route(
     Args:
         router_logits: ``[T, E]`` any float dtype (computed in float32).
         top_k: experts per token.
-        scoring: ``"softmax"``, ``"sigmoid"`` or ``"sqrtsoftplus"`` (``sqrt(softplus(logits))``).
+        scoring: ``"softmax"``, ``"sigmoid"`` or ``"sqrtsoftplus"`` (``sqrt(softplus(logits))``), or
+            ``"softmax_topk"``: the top-k of the logits, weighted by ``softmax`` over the k chosen
+            logits (gpt-oss; no correction bias, groups or ``expert_ids``; the weights already sum
+            to 1 and are not divided again).
         correction_bias: ``[E]``, added to the scores for *selection only*.
         n_group, topk_group: group-limited routing: experts split into ``n_group`` equal
             groups, a group's score is the sum of its two best (biased) scores, only the
@@ -94,9 +102,11 @@ def route(
     t, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k={top_k} must be in [1, {e}]")
+    if scoring in TOPK_SCORINGS:
+        return _softmax_topk(router_logits, top_k, correction_bias, n_group, expert_ids, routed_scaling_factor)
     fn = SCORINGS.get(scoring)
     if fn is None:
-        raise ValueError(f"unknown scoring {scoring!r} (expected one of {', '.join(SCORINGS)})")
+        raise ValueError(f"unknown scoring {scoring!r} (expected one of {', '.join((*SCORINGS, *TOPK_SCORINGS))})")
     scores = fn(router_logits.float())
     if expert_ids is not None:
         if tuple(expert_ids.shape) != (t, top_k):
@@ -123,6 +133,19 @@ def route(
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(torch.int32)
+
+
+def _softmax_topk(router_logits, top_k, correction_bias, n_group, expert_ids, routed_scaling_factor):
+    """gpt-oss's router after its logits: the top-k of the float32 logits (ties: lowest id),
+    weights ``softmax`` over the k chosen logits, times ``routed_scaling_factor``."""
+    if correction_bias is not None or (n_group and n_group > 1) or expert_ids is not None:
+        what = ("a correction bias" if correction_bias is not None else
+                "expert groups" if expert_ids is None else "expert_ids (hash routing)")
+        raise ValueError(f"scoring='softmax_topk' selects the top-k of the logits: {what} does not apply")
+    logits = router_logits.float()
+    ids = topk_lowest_id(logits, top_k)
+    weights = torch.softmax(logits.gather(1, ids), dim=-1) * routed_scaling_factor
     return weights.float(), ids.to(torch.int32)
 
 

@@ -36,6 +36,13 @@ class MoEWeights:
             (DeepSeek-V4 ``hash_moe``), or None.
         shared_expert_gate: ``[1, H]`` the shared expert's gate (its output is scaled per token
             by ``sigmoid(x · g)``, Qwen2-MoE), or None.
+        b13: float32 ``[E, 2I]`` the experts' gate/up bias (gate's I values, then up's, in the row
+            order of ``w13``), added to the first GEMM's output before the activation (gpt-oss),
+            or None.
+        b2: float32 ``[E, H]`` the experts' down bias, added to each expert's output before its
+            routing weight (gpt-oss), or None.
+        router_logit_bias: float32 ``[E]`` added to the router logits (gpt-oss's router bias; it
+            changes the selection and the weights, unlike ``router_bias``), or None.
     """
 
     w13: nvfp4.NVFP4Tensor
@@ -50,10 +57,17 @@ class MoEWeights:
     shared_down_input_scale: torch.Tensor | None = None
     tid2eid: torch.Tensor | None = None
     shared_expert_gate: torch.Tensor | None = None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    router_logit_bias: torch.Tensor | None = None
+
+    #: the per-expert fields (sliced by :meth:`expert_slice`, on ``routed_device`` in :meth:`to`)
+    ROUTED = ("w13", "w2", "w13_input_scale", "w2_input_scale", "b13", "b2")
 
     def to(self, device, routed_device=None) -> "MoEWeights":
         """Every tensor on ``device``; the routed experts (``w13``, ``w2``) on ``routed_device``
-        when given. Tensors already there are kept, not copied."""
+        when given (their biases ``b13``, ``b2`` stay on ``device``, beside the backend's own
+        copy of the experts). Tensors already there are kept, not copied."""
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -86,7 +100,8 @@ class MoEWeights:
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
             shared_gate_up_input_scale=self.shared_gate_up_input_scale,
             shared_down_input_scale=self.shared_down_input_scale, tid2eid=self.tid2eid,
-            shared_expert_gate=self.shared_expert_gate,
+            shared_expert_gate=self.shared_expert_gate, b13=part(self.b13), b2=part(self.b2),
+            router_logit_bias=self.router_logit_bias,
         )
 
     def validate(self, cfg: MoEConfig, num_local_experts: int | None = None) -> None:
@@ -129,6 +144,15 @@ class MoEWeights:
                                  f"max {int(self.tid2eid.max())}")
         elif self.tid2eid is not None:
             raise ValueError("gate.tid2eid: present, but the config does not route by token id (hash_routing=False)")
+        if self.b13 is not None:
+            want["w13_bias"] = (self.b13, (e, 2 * i), torch.float32)
+        if self.b2 is not None:
+            want["w2_bias"] = (self.b2, (e, h), torch.float32)
+        if self.router_logit_bias is not None:
+            if self.router_weight is None:
+                raise ValueError("router.bias: present without the router weight (the bias is added to the "
+                                 "logits the router weight computes)")
+            want["router.bias"] = (self.router_logit_bias, (e_all,), torch.float32)
         if getattr(cfg, "shared_expert_gate", False):
             want["shared_expert_gate.weight"] = (self.shared_expert_gate, (1, h), None)
         elif self.shared_expert_gate is not None:

@@ -2,7 +2,7 @@
 """Make NVFP4 MoE checkpoints with the real producers, and record the producers' own forward.
 
 Each fixture is a tiny randomly initialised Hugging Face MoE model (``DeepseekV3``, ``Glm4Moe``,
-``DeepseekV4``, ``Kimi_K25``, ``MiniMaxM2``, ``Qwen2Moe``, ``Llama4`` text)
+``DeepseekV4``, ``Kimi_K25``, ``MiniMaxM2``, ``Qwen2Moe``, ``Llama4`` text, ``GptOss``)
 (built from a config: nothing is downloaded), quantized on the CPU by the tool itself, and
 written by the tool's own exporter:
 
@@ -27,8 +27,9 @@ checkpoints are saved with the mapping its ``load_quantizable_moe`` registers (D
 upstream names); its DeepSeek-V4 venv needs transformers 5.17.
 
 Kimi-K2.5 (``kimi_k25``: DeepSeek-V3 in the multimodal wrapper), MiniMax-M2, Qwen2-MoE (a
-sigmoid-gated singular ``shared_expert``) and Llama 4 (``llama4_text``: the router weight on the
-expert's input) fixtures are built the same way; their reference holds no activation bytes.
+sigmoid-gated singular ``shared_expert``), Llama 4 (``llama4_text``: the router weight on the
+expert's input) and gpt-oss (``gpt_oss``: expert and router biases, interleaved gate/up, the
+clamped activation) fixtures are built the same way; their reference holds no activation bytes.
 
 The two producers pin different ``transformers`` versions, so each runs in its own venv:
 
@@ -124,10 +125,20 @@ FIXTURES = {
                               seed=92, experts=8, top_k=1),
     "llmc_llama4_nvfp4a16": dict(arch="llama4_text", producer="llmcompressor", scheme="NVFP4A16", shared="bf16",
                                  seed=93, experts=6, top_k=1),
+    # gpt-oss (transformers gpt_oss): router with a bias, softmax over the top-k logits; experts
+    # with biases on both GEMMs, gate/up interleaved, the clamped activation (limit 7, alpha
+    # 1.702, up + 1). ModelOpt keeps the experts fused and transposed, llmcompressor splits them
+    # per expert (with .bias tensors)
+    "modelopt_gpt_oss_nvfp4": dict(arch="gpt_oss", producer="modelopt", scheme="NVFP4", shared="none",
+                                   seed=101, experts=8, top_k=2),
+    "llmc_gpt_oss_nvfp4": dict(arch="gpt_oss", producer="llmcompressor", scheme="NVFP4", shared="none",
+                               seed=102, experts=8, top_k=3),
+    "llmc_gpt_oss_nvfp4a16": dict(arch="gpt_oss", producer="llmcompressor", scheme="NVFP4A16", shared="none",
+                                  seed=103, experts=6, top_k=2),
 }
 
 #: families whose fixtures record no activation bytes (the tests compare forwards and routing)
-NO_ACT_BYTES = ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text")
+NO_ACT_BYTES = ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text", "gpt_oss")
 
 HIDDEN = 128
 MOE_INTER = 64
@@ -149,6 +160,8 @@ def build_model(spec: dict):
         return build_model_qwen2_moe(spec)
     if arch == "llama4_text":
         return build_model_llama4(spec)
+    if arch == "gpt_oss":
+        return build_model_gpt_oss(spec)
     return build_model_v3(spec)  # deepseek_v3 or glm4_moe
 
 
@@ -276,6 +289,38 @@ def build_model_llama4(spec: dict):
             moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=g) * 0.15)
             _spread_experts(moe.experts.gate_up_proj, moe.experts.down_proj, g, e, MOE_INTER, transposed=True)
             _spread_mlp(moe.shared_expert, g)
+    return model.eval(), cfg
+
+
+def build_model_gpt_oss(spec: dict):
+    """A tiny random gpt-oss, every layer MoE: experts fused and transposed (``gate_up_proj``
+    [E, H, 2I], gate and up columns interleaved), gate and up columns scaled per expert
+    (0.5x-8x) so that some pre-activations pass the clamp at 7 (gate above, up on both
+    sides); every bias spread (router, gate/up, down), so that each one matters."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(spec["seed"])
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MOE_INTER, num_hidden_layers=LAYERS,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=spec["experts"],
+                       num_experts_per_tok=spec["top_k"], sliding_window=16,
+                       layer_types=["sliding_attention", "full_attention"][:LAYERS], max_position_embeddings=128,
+                       tie_word_embeddings=False)
+    cfg.architectures = ["GptOssForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(spec["seed"] + 1000)
+    e = spec["experts"]
+    with torch.no_grad():
+        for mlp in moe_blocks(model):
+            mlp.router.weight.copy_(torch.randn(mlp.router.weight.shape, generator=g) * 0.15)
+            mlp.router.bias.copy_(torch.randn(e, generator=g) * 0.5)
+            ex = mlp.experts
+            gu = ex.gate_up_proj  # [E, H, 2I]: gate columns 0, 2, 4, ..., up columns 1, 3, 5, ...
+            gu.copy_(torch.randn(gu.shape, generator=g) * HIDDEN ** -0.5)
+            gu[:, :, 0::2] *= (0.5 * 16 ** torch.rand(e, generator=g)).view(e, 1, 1)
+            gu[:, :, 1::2] *= (0.5 * 16 ** torch.rand(e, generator=g)).view(e, 1, 1)
+            ex.gate_up_proj_bias.copy_(torch.randn(ex.gate_up_proj_bias.shape, generator=g) * 1.5)
+            ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) * MOE_INTER ** -0.5)
+            ex.down_proj_bias.copy_(torch.randn(ex.down_proj_bias.shape, generator=g) * 0.5)
     return model.eval(), cfg
 
 
@@ -408,6 +453,8 @@ def _run_gate(mlp, x, input_ids):
     """``(router_logits, topk_weights, topk_ids)`` of the block's router, as the block uses them."""
     if getattr(mlp, "is_hash", False):
         return mlp.gate(x, input_ids)
+    if getattr(getattr(mlp, "router", None), "bias", None) is not None:
+        return mlp.router(x)  # gpt-oss: logits (+ the router bias), softmax over the top-k logits
     if hasattr(mlp, "router"):  # Llama 4: top-k of the logits, sigmoid of the chosen ones
         scores, logits = mlp.router(x)
         ids = torch.topk(logits, mlp.top_k, dim=1).indices
@@ -441,8 +488,9 @@ def _run_block(mlp, x, input_ids):
 def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None, input_ids=None) -> None:
     """The HF router's choice and the (fake-quantized) MoE block's output on ``x``; with
     ``mlp32`` (the same calibrated block in float32) also its float32 forward ``y_fp32``.
-    With ``input_ids`` (DeepSeek-V4) the token ids too, and the float32 block's router choice
-    (``*_fp32``: transformers computes V4's router logits in the model's dtype)."""
+    With ``input_ids`` (DeepSeek-V4) the token ids too; for DeepSeek-V4 and gpt-oss the float32
+    block's router choice (``*_fp32``: transformers computes their router logits in the model's
+    dtype, so the bf16 model's choice may differ on a near-tie)."""
     with torch.no_grad():
         logits, tw, ti = _run_gate(mlp, x, input_ids)
         y = _run_block(mlp, x, input_ids)
@@ -458,7 +506,7 @@ def record_layer(mlp, x: torch.Tensor, out: dict, key: str, mlp32=None, input_id
     if mlp32 is not None:
         with torch.no_grad():
             out[f"{key}.y_fp32"] = _run_block(mlp32, x.float(), input_ids).contiguous()
-            if input_ids is not None:
+            if input_ids is not None or getattr(getattr(mlp, "router", None), "bias", None) is not None:
                 logits32, tw32, ti32 = _run_gate(mlp32, x.float(), input_ids)
                 out[f"{key}.router_logits_fp32"] = logits32.float().contiguous()
                 out[f"{key}.topk_ids_fp32"] = ti32.to(torch.int32).contiguous()
@@ -753,6 +801,9 @@ ROUTERS = {
     "routing_llama4_text": ("llama4_text", dict(num_local_experts=8, num_experts_per_tok=1)),
     "routing_llama4": ("llama4", dict(text_config=dict(hidden_size=HIDDEN, num_local_experts=8,
                                                        num_experts_per_tok=2))),
+    # gpt-oss: the router's bias added to the logits, softmax over the top-k logits; in float32
+    # (transformers computes the logits and the softmax in the model's dtype)
+    "routing_gpt_oss": ("gpt_oss", dict(num_local_experts=10, num_experts_per_tok=4)),
 }
 
 
@@ -774,7 +825,7 @@ def run_routing(out_root: Path) -> list[Path]:
         else:
             cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, **kw)
         rcfg = getattr(cfg, "text_config", cfg)
-        dtype = torch.float32 if model_type == "deepseek_v4" else torch.bfloat16
+        dtype = torch.float32 if model_type in ("deepseek_v4", "gpt_oss") else torch.bfloat16
         if model_type in ("deepseek_v3", "kimi_k25"):
             from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
         elif model_type == "glm4_moe":
@@ -791,6 +842,8 @@ def run_routing(out_root: Path) -> list[Path]:
             from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter as R
         elif model_type in ("llama4", "llama4_text"):
             from transformers.models.llama4.modeling_llama4 import Llama4Router as R
+        elif model_type == "gpt_oss":
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter as R
         else:
             from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as R
         router = R(rcfg)
@@ -801,6 +854,8 @@ def run_routing(out_root: Path) -> list[Path]:
             router.weight.copy_(torch.randn(router.weight.shape) * 0.1)
             if hasattr(router, "e_score_correction_bias"):
                 router.e_score_correction_bias.copy_(torch.randn(router.e_score_correction_bias.shape) * 0.05)
+            if model_type == "gpt_oss":  # the router's own bias, spread: it moves choices and weights
+                router.bias.copy_(torch.randn(router.bias.shape) * 0.5)
             if hasattr(router, "tid2eid"):  # distinct experts per token id
                 e = router.weight.shape[0]
                 router.tid2eid.copy_(torch.stack([torch.randperm(e)[:router.top_k] for _ in range(cfg.vocab_size)]))

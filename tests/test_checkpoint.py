@@ -677,8 +677,8 @@ def _add_tensors(folder, extra: dict):
 
 
 @pytest.mark.parametrize("extra,why", [
-    ("model.layers.0.mlp.experts.0.gate_proj.bias",          # gpt-oss-like expert bias
-     ": a tensor of the MoE layer .* does not read.*biases .* gpt-oss"),
+    ("model.layers.0.mlp.shared_experts.gate_proj.bias",     # a bias the loader has no place for
+     ": a tensor of the MoE layer .* does not read.*not these: .*shared_experts.gate_proj.bias"),
     ("model.layers.0.mlp.foo.weight", ": a tensor of the MoE layer .* does not read"),
     # names the loader reads in other families: beside this layer's own, refused all the same
     ("model.layers.0.mlp.router.weight", "gate.weight and .*router.weight: both present"),  # Llama 4's name
@@ -851,25 +851,29 @@ def test_deepseek_v4_router_tensors_must_match_the_layer_kind(tmp_path):
         C.load(folder)
 
 
-@pytest.mark.parametrize("with_config", [False, True])
-def test_gpt_oss_is_refused_naming_what_is_unsupported_and_what_would_be_dropped(tmp_path, with_config):
-    """gpt-oss (config.json model_type gpt_oss) is refused with or without config=: the message
-    names the expert math megamoe does not compute and the layer's tensors it would drop."""
+@pytest.mark.parametrize("what", ["experts", "router"])
+def test_biases_an_architecture_has_no_place_for_fail_the_load_and_config_uses_them(tmp_path, what):
+    """Expert biases (every expert's gate, up and down) or a router bias in a deepseek_v3 layer: the
+    architecture computes without them, so the load fails naming one; with config= the layer
+    is computed with them (never dropped)."""
     folder, _ = _v3_folder(tmp_path)
     e = V3_TINY.num_experts
-    extra = {f"model.layers.0.mlp.experts.{i}.{p}.bias": torch.zeros(n, dtype=torch.bfloat16)
-             for i in range(e) for p, n in (("gate_proj", 32), ("up_proj", 32), ("down_proj", 64))}
-    extra["model.layers.0.mlp.router.bias"] = torch.zeros(e, dtype=torch.bfloat16)
+    if what == "experts":
+        extra = {f"model.layers.0.mlp.experts.{i}.{p}.bias": torch.full((n,), 0.5, dtype=torch.bfloat16)
+                 for i in range(e) for p, n in (("gate_proj", 32), ("up_proj", 32), ("down_proj", 64))}
+        name = "model.layers.0.mlp.experts.0.gate_proj.bias: present but not used: deepseek_v3 experts have no biases"
+    else:
+        extra = {"model.layers.0.mlp.router.bias": torch.full((e,), 0.5, dtype=torch.bfloat16)}
+        name = "model.layers.0.mlp.router.bias: present but not used: deepseek_v3 routing adds no bias"
     _add_tensors(folder, extra)
-    hf = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt_oss"}))
-    kw = {"config": V3_TINY} if with_config else {}
-    with pytest.raises(C.CheckpointError) as info:
-        C.load(folder, **kw)
-    msg = str(info.value)
-    assert "model_type 'gpt_oss' is not supported" in msg
-    for word in ("biases", "interleaved gate/up", "clamped activation", "router with a bias",
-                 "model.layers.0.mlp.experts.{N}.gate_proj.bias", "model.layers.0.mlp.experts.{N}.down_proj.bias",
-                 "model.layers.0.mlp.router.bias"):
-        assert word in msg, word
-    assert ("config= does not change" in msg) == with_config
+    with pytest.raises(C.CheckpointError, match=re.escape(name)):
+        C.load(folder)
+    got = C.load(folder, config=V3_TINY)
+    if what == "experts":
+        assert torch.equal(got.weights.b13, torch.full((e, 64), 0.5))
+        assert torch.equal(got.weights.b2, torch.full((e, 64), 0.5))
+        assert got.weights.router_logit_bias is None
+    else:
+        assert torch.equal(got.weights.router_logit_bias, torch.full((e,), 0.5))
+        assert got.weights.b13 is None and got.weights.b2 is None
+    assert all(n in got.report.tensors for n in extra)

@@ -540,7 +540,7 @@ def test_info_names_the_architecture_the_rule_and_every_tensor_read(capsys):
 
 
 # ------------------------------------------------------------------------------------------
-# Kimi-K2.5, MiniMax-M2, Qwen2-MoE, Llama 4: each family from both tools, from the folder alone
+# Kimi-K2.5, MiniMax-M2, Qwen2-MoE, Llama 4, gpt-oss: each family from both tools, from the folder alone
 # ------------------------------------------------------------------------------------------
 
 #: family -> the layer prefix each tool writes (N = the layer number)
@@ -553,6 +553,8 @@ FAMILY_PREFIX = {
     ("qwen2_moe", "llmcompressor"): "model.layers.{}.mlp.",
     ("llama4_text", "nvidia-modelopt"): "model.layers.{}.feed_forward.",
     ("llama4_text", "llmcompressor"): "model.layers.{}.feed_forward.",
+    ("gpt_oss", "nvidia-modelopt"): "model.layers.{}.mlp.",
+    ("gpt_oss", "llmcompressor"): "model.layers.{}.mlp.",
 }
 FAMILY_CKPTS = [d for d in ALL if _arch(d) in {a for a, _ in FAMILY_PREFIX}]
 FAMILY_CASES = [pytest.param(d, layer, id=f"{d.name}-layer{layer}") for d in FAMILY_CKPTS for layer in (0, 1)]
@@ -560,7 +562,7 @@ FAMILY_CASES = [pytest.param(d, layer, id=f"{d.name}-layer{layer}") for d in FAM
 
 def test_every_family_has_fixtures_from_both_tools():
     have = {(_arch(d), _spec(d)["producer"], _spec(d)["spec"]["scheme"]) for d in FAMILY_CKPTS}
-    for arch in ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text"):
+    for arch in ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text", "gpt_oss"):
         assert {(arch, "nvidia-modelopt", "NVFP4"), (arch, "llmcompressor", "NVFP4"),
                 (arch, "llmcompressor", "NVFP4A16")} <= have, arch
 
@@ -606,6 +608,21 @@ def test_family_loads_from_the_folder_alone(d, layer):
             ("softmax", s["norm_topk_prob"], 1.0, 1, True)
         assert c.shared_intermediate_size == 96  # shared_expert_intermediate_size, its own width
         assert r.read_as[f"{r.prefix}shared_expert_gate.weight"].startswith("shared expert gate")
+    elif arch == "gpt_oss":
+        assert (c.scoring, c.renormalize, c.routed_scaling_factor, c.n_shared_experts, c.n_group) == \
+            ("softmax_topk", True, 1.0, 0, None)
+        assert (c.swiglu_limit, c.swiglu_alpha, c.swiglu_up_shift) == (7.0, 1.702, 1.0)
+        w = loaded.weights
+        e = c.num_experts
+        assert w.b13.shape == (e, 128) and w.b2.shape == (e, 128) and w.router_logit_bias.shape == (e,)
+        assert w.b13.dtype == w.b2.dtype == w.router_logit_bias.dtype == torch.float32
+        assert r.read_as[f"{r.prefix}router.bias"].startswith("router bias (added to the logits")
+        if spec["producer"] == "nvidia-modelopt":  # fused, transposed, gate/up interleaved
+            assert r.layout.startswith("modelopt fused transposed") and r.w13_layout == "interleaved"
+            assert "the gate/up biases reordered with the rows" in r.summary()
+            assert r.read_as[f"{r.prefix}experts.gate_up_proj_bias"].startswith("experts' gate/up biases")
+        else:
+            assert r.read_as[f"{r.prefix}experts.0.up_proj.bias"].startswith("expert 0 up bias")
     else:
         assert (c.scoring, c.renormalize, c.routed_scaling_factor, c.n_shared_experts, c.router_weight_on_input) == \
             ("sigmoid", False, 1.0, 1, True)
@@ -620,8 +637,13 @@ def test_family_router_choice_equals_the_models(d, layer):
     router (transformers' module of the family) on every token; the weights too."""
     loaded, ref, m = _family(d, layer)
     x = ref["x"]
-    torch.testing.assert_close(x.float() @ loaded.weights.router_weight.float().T, ref["router_logits"].float(),
-                               rtol=2e-2, atol=2e-2)  # (the model's logits are bf16)
+    logits = x.float() @ loaded.weights.router_weight.float().T
+    if loaded.weights.router_logit_bias is not None:  # gpt-oss: the router's bias
+        logits = logits + loaded.weights.router_logit_bias
+    torch.testing.assert_close(logits, ref["router_logits"].float(), rtol=2e-2, atol=2e-2)  # (bf16 logits)
+    if "topk_ids_fp32" in ref:  # gpt-oss: transformers routes in the model's dtype; the float32 model's choice
+        torch.testing.assert_close(logits, ref["router_logits_fp32"], rtol=1e-5, atol=1e-5)
+        ref = {**ref, "topk_ids": ref["topk_ids_fp32"], "topk_weights": ref["topk_weights_fp32"]}
     w, ids = m.route(x)
     got, want = ids.long().sort(-1), ref["topk_ids"].long().sort(-1)
     assert torch.equal(got.values, want.values)  # every token
@@ -682,11 +704,18 @@ def test_family_the_check_can_fail(d, layer):
                                        "shared_down": None, "shared_gate_up_input_scale": None,
                                        "shared_down_input_scale": None}),
                        shared_expert_gate=False, n_shared_experts=0, shared_intermediate_size=None))
+    elif arch == "gpt_oss":  # each bias, the clamp, the activation's alpha and shift, the row order
+        for field in ("b13", "b2", "router_logit_bias"):
+            assert off(run(C.MoEWeights(**{**w.__dict__, field: None}))), field
+        assert off(run(swiglu_limit=None)) and off(run(swiglu_alpha=1.0)) and off(run(swiglu_up_shift=0.0))
+        if _spec(d)["producer"] == "nvidia-modelopt":  # the interleaved gate/up columns read as halves
+            assert off(MoELayer(C.load(d, layer=layer, w13_layout="gate-up").weights, c, backend="torch")(x))
     else:  # the router weight applied to the output instead of the input
         assert off(run(router_weight_on_input=False))
 
 
-@pytest.mark.parametrize("d", [d for d in FAMILY_CKPTS if _arch(d) in ("qwen2_moe", "llama4_text", "minimax_m2")],
+@pytest.mark.parametrize("d", [d for d in FAMILY_CKPTS if _arch(d) in ("qwen2_moe", "llama4_text", "minimax_m2",
+                                                                        "gpt_oss")],
                          ids=lambda d: d.name)
 def test_family_config_path_drops_nothing(d):
     """With config= (the architecture not read from config.json) a tensor the config would not

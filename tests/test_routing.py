@@ -104,7 +104,7 @@ def test_rule_matches_the_transformers_router(path):
         # the same multiset, and the megamoe choice is the lowest ids among the tied ones.
         from megamoe.routing import SCORINGS
 
-        sel = SCORINGS[fl["scoring"]](t["router_logits"].float())
+        sel = SCORINGS.get(fl["scoring"], lambda v: v)(t["router_logits"].float())  # softmax_topk: the logits
         if t.get("e_score_correction_bias") is not None:
             sel = sel + t["e_score_correction_bias"].float()
         rows = differ.nonzero().flatten()
@@ -127,11 +127,12 @@ def test_rule_matches_the_transformers_router(path):
         torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
     # the fields that matter here do matter: another scoring picks other experts (top-k) or
     # weighs them otherwise (hash), and without its scaling factor the weights differ
-    other = {"sigmoid": "softmax", "softmax": "sigmoid", "sqrtsoftplus": "sigmoid"}[fl["scoring"]]
+    other = {"sigmoid": "softmax", "softmax": "sigmoid", "sqrtsoftplus": "sigmoid",
+             "softmax_topk": "sigmoid"}[fl["scoring"]]
     w2, ids2 = route(t["router_logits"], fl["top_k"], other, *args[2:], expert_ids=expert_ids)
     if expert_ids is not None:
         assert torch.equal(ids2, ids) and not torch.allclose(w2, w, rtol=1e-3, atol=1e-4)
-    elif fl.get("router_weight_on_input"):
+    elif fl.get("router_weight_on_input") or fl["scoring"] == "softmax_topk":
         # Llama 4: the top-k of the logits, whatever the (monotone) score; the weights differ
         assert not torch.allclose(w2, w, rtol=1e-3, atol=1e-4)
     elif fl["scoring"] != "softmax":
@@ -157,7 +158,7 @@ def test_deepseek_v3_rule_and_defaults():
     ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"model_type": "deepseek_v3", "topk_method": "greedy"}, "topk_method='greedy'"),
     ({"model_type": "mixtral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "gpt_oss"}, r"model_type='gpt_oss': not supported: .*biases.*clamped activation"),
+    ({"model_type": "gpt_oss", "swiglu_limit": 10.0}, r"swiglu_limit=10.0: transformers' gpt_oss experts clamp"),
     ({"model_type": "kimi_k25"}, "without a text_config"),
     ({"model_type": "kimi_k25", "text_config": {"model_type": "qwen3_moe"}}, "text_config.model_type='qwen3_moe'"),
     ({"model_type": "kimi_k25", "text_config": {"scoring_func": "softmax"}}, "text_config.scoring_func='softmax'"),

@@ -140,7 +140,8 @@ class PreparedSm100:
 
     w13_data ``[E, 2I, K1/2]`` u8, w13_sf ``[E, 2, round_up(I,128) * K1/16 (padded to 4)]`` u8,
     w13_gs ``[E * 2]`` f32 (gate, up per expert); w2_data ``[E, H, K2/2]``, w2_sf
-    ``[E, 1, ...]``, w2_gs ``[E]``. K1 = H and K2 = I, each rounded up to 32.
+    ``[E, 1, ...]``, w2_gs ``[E]``. K1 = H and K2 = I, each rounded up to 32. ``b13`` / ``b2``:
+    the experts' biases (float32 ``[E, 2I]`` / ``[E, H]``, or None), added by the host glue.
     """
 
     weights: object  # the MoEWeights on the device (W4A16 fallback)
@@ -156,6 +157,8 @@ class PreparedSm100:
     w2_gs: torch.Tensor
     w13_input_scale: torch.Tensor | None
     w2_input_scale: torch.Tensor | None
+    b13: torch.Tensor | None = None  # float32 [E, 2I] gate/up bias (gpt-oss), added before the activation
+    b2: torch.Tensor | None = None   # float32 [E, H] down bias, added before the routing weight
 
 
 def emulate_grouped_gemm(plan: dict, a_data: torch.Tensor, a_sf: torch.Tensor, b_data: torch.Tensor,
@@ -385,6 +388,8 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
     """
 
     name = "cuda-sm100"
+    #: the host glue adds the experts' biases and runs the activation (swiglu_alpha, swiglu_up_shift)
+    expert_bias_and_activation = True
 
     def __init__(self, device: str | torch.device | None = None, executor: str = "cutlass",
                  sm_count: int | None = None, tile_n: int | None = None) -> None:
@@ -594,7 +599,9 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
             weights=w, hidden=hidden, inter=inter, k1=k1, k2=k2,
             w13_data=w13_data, w13_sf=_swizzle_parts(self, w13_scale, 2), w13_gs=w13_gs.contiguous().reshape(-1),
             w2_data=w2_data, w2_sf=_swizzle_parts(self, w2_scale, 1), w2_gs=w2_gs.contiguous(),
-            w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale)
+            w13_input_scale=w.w13_input_scale, w2_input_scale=w.w2_input_scale,
+            b13=None if w.b13 is None else w.b13.float().contiguous(),
+            b2=None if w.b2 is None else w.b2.float().contiguous())
         # Ask CUTLASS once, with odd and 128-crossing token counts, whether both GEMMs are implementable.
         for parts, n_part, k in ((2, inter, k1), (1, hidden, k2)):
             plan = self._ext.sm100_plan_moe_gemm([1, 129] + [0] * (e - 2) if e >= 2 else [129], parts, n_part, k,
@@ -634,7 +641,7 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                                             torch.cuda.current_stream(u8.device).cuda_stream)
         return out
 
-    def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights):
+    def moe_forward(self, prepared: PreparedSm100, cfg, x, topk_ids, topk_weights, batch_invariant: bool = True):
         """Routed experts (docs/SPEC.md §3) through two grouped GEMMs; float32 ``[T, H]``.
 
         Ids outside ``[0, E)`` (the mask value -1, or another rank's experts) are skipped: no
@@ -668,7 +675,9 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
                            one if static1 is None else static1, p.w13_gs, gu, pairs=rows)
         if static1 is None:
             gu = gu * gs1.unsqueeze(1)
-        hmid = swiglu(gu, inter, cfg.swiglu_limit)
+        if p.b13 is not None:  # gpt-oss: the gate/up bias of each row's expert, before the activation
+            gu = gu + p.b13[rt.expert_of_row]
+        hmid = swiglu(gu, inter, cfg.swiglu_limit, cfg.swiglu_alpha, cfg.swiglu_up_shift)
         hmid = torch.where(rt.real.unsqueeze(1), hmid, torch.zeros((), dtype=hmid.dtype, device=dev))
 
         static2 = None if cfg.dynamic_act_scale else p.w2_input_scale
@@ -676,8 +685,12 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         y = torch.empty((rows, h), dtype=torch.float32, device=dev)  # rows of masked slots: never written
         self._grouped_gemm(rt.counts, 1, h, p.k2, a2, a2_sf, p.w2_data, p.w2_sf,
                            one if static2 is None else static2, p.w2_gs, y, pairs=rows)
+        row_scale = None if static2 is not None else gs2
+        if p.b2 is not None:  # gpt-oss: the down bias of each row's expert, before the routing weight
+            y = (y if row_scale is None else y * row_scale.unsqueeze(1)) + p.b2[rt.expert_of_row]
+            row_scale = None
         return combine_slots(y, rt.row_of_slot.view(t, top_k), rt.valid.view(t, top_k),
-                             topk_weights.reshape(t, top_k).float(), None if static2 is not None else gs2)
+                             topk_weights.reshape(t, top_k).float(), row_scale)
 
     def synchronize(self) -> None:
         if self._device.type == "cuda":

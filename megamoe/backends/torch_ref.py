@@ -39,6 +39,8 @@ class TorchBackend(Backend):
 
     name = "torch"
     CACHE_LIMIT_BYTES = 1 << 30
+    #: computes the experts' biases (b13, b2) and the activation's swiglu_alpha / swiglu_up_shift
+    expert_bias_and_activation = True
 
     def __init__(self, device: str | torch.device | None = None, cache_dequantized: bool | None = None) -> None:
         self._device = torch.device(device) if device is not None else torch.device("cpu")
@@ -77,6 +79,7 @@ class TorchBackend(Backend):
             w2 = cached.w2[e] if cached is not None else nvfp4.dequantize(w.w2[e])
             in1 = None if w.w13_input_scale is None else w.w13_input_scale[e]
             in2 = None if w.w2_input_scale is None else w.w2_input_scale[e]
-            return reference.expert_mlp(rows, w13, w2, cfg, in1, in2)
+            return reference.expert_mlp(rows, w13, w2, cfg, in1, in2, b13=None if w.b13 is None else w.b13[e],
+                                        b2=None if w.b2 is None else w.b2[e])
 
         return reference.routed_experts(x, topk_ids, topk_weights, cfg.num_experts, expert)

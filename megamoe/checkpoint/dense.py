@@ -1,5 +1,5 @@
 """The tensors around the routed experts, which every rank keeps whole: the router, its
-correction bias, the hash table of DeepSeek-V4's hash layers, Qwen2-MoE's shared-expert gate
+correction bias or logit bias (gpt-oss), the hash table of DeepSeek-V4's hash layers, Qwen2-MoE's shared-expert gate
 and the shared expert (bf16 or NVFP4, under each naming of :data:`SHARED_NAMINGS`)."""
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ ROUTER_NAMES = {
     # MiniMax-M2 keeps the bias in the block, not the router
     "bias": ("gate.e_score_correction_bias", "gate.bias", "e_score_correction_bias"),
     "tid2eid": ("gate.tid2eid",),
+    # gpt-oss's router bias, added to the logits (not DeepSeek's selection-only gate.bias)
+    "logit_bias": ("router.bias",),
     # Qwen2-MoE: the shared expert's output scaled by sigmoid(x · g)
     "shared_gate": ("shared_expert_gate.weight",),
 }
@@ -83,7 +85,8 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     ``get_optional(name)`` returns the tensor or None. Names after the prefix
     (:data:`ROUTER_NAMES`, :data:`SHARED_NAMINGS`): the router ``gate.weight``; the correction
     bias ``gate.e_score_correction_bias`` (DeepSeek's upstream ``gate.bias``); the hash table
-    ``gate.tid2eid`` (DeepSeek-V4 hash layers); the shared expert
+    ``gate.tid2eid`` (DeepSeek-V4 hash layers); the router bias ``router.bias`` added to the
+    logits (gpt-oss); the shared expert
     ``shared_experts.{gate,up,down}_proj`` (upstream ``shared_experts.w1/w3/w2``) or
     ``shared_experts.gate_up_proj`` + ``down_proj``, in a float dtype or in NVFP4 (ModelOpt or
     compressed-tensors naming; then ``shared_kind`` is ``"nvfp4"`` and the input scales come along).
@@ -91,6 +94,7 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     out = {"router": _one_of(get_optional, prefix, ROUTER_NAMES["router"]),
            "bias": _one_of(get_optional, prefix, ROUTER_NAMES["bias"]),
            "tid2eid": _one_of(get_optional, prefix, ROUTER_NAMES["tid2eid"]),
+           "logit_bias": _one_of(get_optional, prefix, ROUTER_NAMES["logit_bias"]),
            "shared_gate": _one_of(get_optional, prefix, ROUTER_NAMES["shared_gate"]),
            "shared_gate_up": None, "shared_down": None, "shared_in1": None, "shared_in2": None,
            "shared_kind": "none", "shared_report": None}
@@ -98,6 +102,10 @@ def read_dense_tensors(get_optional, prefix: str) -> dict:
     if g is not None and (not torch.is_floating_point(g) or g.dim() != 2 or g.shape[0] != 1):
         raise CheckpointError(f"{prefix}{ROUTER_NAMES['shared_gate'][0]}: {g.dtype} {tuple(g.shape)}; expected an "
                               f"unquantized [1, H] gate (bf16/fp16/fp32)")
+    lb = out["logit_bias"]
+    if lb is not None and (not torch.is_floating_point(lb) or lb.dim() != 1):
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['logit_bias'][0]}: {lb.dtype} {tuple(lb.shape)}; expected an "
+                              f"unquantized [E] router bias (bf16/fp16/fp32)")
     t = out["tid2eid"]
     if t is not None and (t.dim() != 2 or torch.is_floating_point(t) or t.dtype == torch.bool):
         raise CheckpointError(f"{prefix}{ROUTER_NAMES['tid2eid'][0]}: {t.dtype} {tuple(t.shape)}; expected an "

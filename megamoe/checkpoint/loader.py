@@ -19,6 +19,7 @@ from megamoe.checkpoint.dense import ROUTER_NAMES, read_dense_tensors
 from megamoe.checkpoint.files import OpenCheckpoint, _choose_layer, _layer_number, layer_experts, open_checkpoint
 from megamoe.checkpoint.formats import _detect_format, _read_json
 from megamoe.checkpoint.readers import LayerTensors, choose_reader
+from megamoe.checkpoint.readers.biases import apply_b13_layout, read_expert_biases
 from megamoe.checkpoint.readers.fused import W13_LAYOUTS, _apply_w13_layout, _fused_input_scale
 from megamoe.checkpoint.readers.per_expert import _NAMES
 from megamoe.checkpoint.report import CheckpointError, Loaded, LoadReport, _how_read
@@ -32,7 +33,7 @@ log = logging.getLogger("megamoe.checkpoint")
 INPUT_SCALE_MODES = ("per-expert", "max")
 
 
-def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
+def assemble_weights(w13, w2, in1, in2, dense: dict, b13=None, b2=None) -> MoEWeights:
     bias, gu, down = dense["bias"], dense["shared_gate_up"], dense["shared_down"]
     kw = {}
     if dense.get("shared_kind") == "nvfp4":
@@ -44,7 +45,9 @@ def assemble_weights(w13, w2, in1, in2, dense: dict) -> MoEWeights:
         w13=w13, w2=w2, w13_input_scale=in1, w2_input_scale=in2, router_weight=dense["router"],
         router_bias=None if bias is None else bias.float(), shared_gate_up=gu, shared_down=down,
         tid2eid=None if dense.get("tid2eid") is None else dense["tid2eid"].long(),
-        shared_expert_gate=None if dense.get("shared_gate") is None else dense["shared_gate"].float(), **kw,
+        shared_expert_gate=None if dense.get("shared_gate") is None else dense["shared_gate"].float(),
+        b13=b13, b2=b2, router_logit_bias=None if dense.get("logit_bias") is None else dense["logit_bias"].float(),
+        **kw,
     )
 
 
@@ -161,6 +164,9 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
     w13, w2, in1, in2 = reader.read(LayerTensors(get, get_experts, report, prefix, where, fmt.name, experts))
     if reader.report_layout is not None:
         report.layout = reader.report_layout
+    # the experts' biases (gpt-oss), in the stored row order of w13
+    b13, b2 = read_expert_biases(get, get_experts, prefix, where, layout, e_file, w13.data.shape[1],
+                                 w13.data.shape[2] * 2, experts)
 
     # ---- w13 layout (docs/SPEC.md §3.3)
     if layout == "per-expert":
@@ -185,8 +191,11 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
         if w13_layout is not None and declared is not None and w13_layout != declared:
             report.warnings.append(f"w13 layout {w13_layout!r} as asked, though the checkpoint declares {declared!r}")
         report.w13_layout = chosen
-        report.choices.append(f"w13 layout {chosen} ({'as asked' if w13_layout else why})")
+        report.choices.append(f"w13 layout {chosen} ({'as asked' if w13_layout else why})"
+                              + (", the gate/up biases reordered with the rows" if b13 is not None
+                                 and chosen != "gate-up" else ""))
         w13 = _apply_w13_layout(w13, chosen)
+        b13 = apply_b13_layout(b13, chosen)
 
     e = e_file  # the layer's; the tensors hold w13.data.shape[0] (all, or the expert range)
     h = w13.data.shape[2] * 2
@@ -278,11 +287,18 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
         report.choices.append(f"shared expert {report.shared_expert}"
                               + (", activations quantized with its own input scales" if dense["shared_in1"] is not None else ""))
     _check_router_tensors(config, dense, arch, prefix)
+    _check_expert_biases(b13, b2, arch, prefix, layout)
     report.routing = {k: getattr(config, k) for k in ("num_experts", "top_k", "scoring", "hash_routing", "n_group",
                                                        "topk_group", "renormalize", "routed_scaling_factor",
                                                        "n_shared_experts", "swiglu_limit")}
+    if (config.swiglu_alpha, config.swiglu_up_shift) != (1.0, 0.0):
+        report.routing.update(swiglu_alpha=config.swiglu_alpha, swiglu_up_shift=config.swiglu_up_shift)
     report.routing["correction_bias"] = dense["bias"] is not None
     report.routing["router"] = dense["router"] is not None
+    if dense.get("logit_bias") is not None or b13 is not None or b2 is not None:
+        report.routing["router_logit_bias"] = dense.get("logit_bias") is not None
+        report.routing["expert_biases"] = "+".join(n for n, b in (("gate/up", b13), ("down", b2)) if b is not None) \
+            or "none"
     if cfg_src == "given by the caller" and fmt.name != "megamoe":
         implied = _arch_or_none(hf, prefix)
         if implied is not None:
@@ -296,7 +312,7 @@ def load_open(ck: OpenCheckpoint, *, experts: tuple[int, int] | None = None, lay
         _check_every_tensor_read(where, prefix, report)
     report.read_as = {n: _how_read(n[len(prefix):], v) for n, v in report.tensors.items()}
 
-    weights = assemble_weights(w13, w2, in1, in2, dense)
+    weights = assemble_weights(w13, w2, in1, in2, dense, b13, b2)
     try:
         weights.validate(config, num_local_experts=None if experts is None else experts[1] - experts[0])
     except ValueError as exc:
@@ -328,13 +344,42 @@ def _would_drop(where, prefix: str) -> list[str]:
 #: MoEConfig fields where a caller's config= differing from what config.json's architecture
 #: implies computes another layer (reported as warnings)
 _SEMANTIC_FIELDS = ("scoring", "hash_routing", "renormalize", "routed_scaling_factor", "n_group", "topk_group",
-                    "swiglu_limit", "shared_expert_gate", "router_weight_on_input")
+                    "swiglu_limit", "shared_expert_gate", "router_weight_on_input", "swiglu_alpha", "swiglu_up_shift")
+
+
+def _check_expert_biases(b13, b2, arch, prefix: str, layout: str) -> None:
+    """The expert biases the architecture computes with are there (gpt-oss: both GEMMs' biases),
+    and none is there that it has no place for (without an architecture, the layer config given
+    by the caller, the biases present are used)."""
+    if arch is None:
+        return
+    names = {"fused": ("w13_bias", "w2_bias"),
+             "hf-fused": ("experts.gate_up_proj_bias", "experts.down_proj_bias")}.get(
+        layout, ("experts.0.gate_proj.bias", "experts.0.down_proj.bias"))
+    needed = "expert_biases" in arch.requires
+    for b, name, what in ((b13, names[0], "gate/up"), (b2, names[1], "down")):
+        if b is None and needed:
+            raise CheckpointError(f"{prefix}{name}: missing; {arch.model_type} experts add a bias to the {what} "
+                                  f"GEMM's output")
+        if b is not None and not needed:
+            raise CheckpointError(f"{prefix}{name}: present but not used: {arch.model_type} experts have no biases "
+                                  f"(pass config= to compute the layer with them)")
 
 
 def _check_router_tensors(config: MoEConfig, dense: dict, arch, prefix: str) -> None:
     """The router tensors the routing needs are there, and none is there that it would not use."""
     bias_name, table_name = ROUTER_NAMES["bias"][0], ROUTER_NAMES["tid2eid"][0]
     why = f"{arch.model_type} routing" if arch is not None else "the layer config"
+    if arch is not None and "router_logit_bias" in arch.requires and dense.get("logit_bias") is None:
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['logit_bias'][0]}: missing; {why} adds the router's bias to "
+                              f"the logits")
+    if arch is not None and "router_logit_bias" not in arch.requires and dense.get("logit_bias") is not None:
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['logit_bias'][0]}: present but not used: {why} adds no bias "
+                              f"to the router logits (pass config= to compute the layer with it)")
+    if dense.get("logit_bias") is not None and dense["router"] is None:
+        raise CheckpointError(f"{prefix}{ROUTER_NAMES['logit_bias'][0]}: present without the router weight "
+                              f"({' or '.join(prefix + n for n in ROUTER_NAMES['router'])}); the bias is added to "
+                              f"the logits the router computes")
     for need in (arch.requires if arch is not None else ()):
         if need == "correction_bias" and dense["bias"] is None:
             raise CheckpointError(f"{prefix}{bias_name}: missing; {why} selects the top-k of scores + this bias")
@@ -373,8 +418,8 @@ def _check_every_tensor_read(where, prefix: str, report: LoadReport) -> None:
         more = f" (and {len(unread) - 1} more: {', '.join(unread[1:4])}{', ...' if len(unread) > 4 else ''})" \
             if len(unread) > 1 else ""
         biases = _would_drop(unread, prefix)
-        hint = (f" (biases of the experts' GEMMs or of the router, as gpt-oss has, are not supported: "
-                f"{', '.join(biases)})" if biases else "")
+        hint = (f" (biases megamoe reads are the experts' gate/up and down biases and the router's bias, under "
+                f"the names of docs/SPEC.md §3.4; not these: {', '.join(biases)})" if biases else "")
         raise CheckpointError(f"{unread[0]}: a tensor of the MoE layer {prefix!r} that megamoe does not read{more}; "
                               f"the layer would be computed without it, so it is not loaded{hint}")
 

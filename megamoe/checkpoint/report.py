@@ -86,6 +86,11 @@ _ROLES = {
     "gate.bias": "correction bias (added to the scores for selection only)",
     "gate.tid2eid": "hash table: the experts of each token id",
     "router.weight": "router weight (logits computed in float32)",
+    "router.bias": "router bias (added to the logits, float32)",
+    "w13_bias": "experts' gate/up biases (added before the activation, float32)",
+    "w2_bias": "experts' down biases (added before the routing weight, float32)",
+    "experts.gate_up_proj_bias": "experts' gate/up biases (added before the activation, float32)",
+    "experts.down_proj_bias": "experts' down biases (added before the routing weight, float32)",
     "e_score_correction_bias": "correction bias (added to the scores for selection only)",
     "shared_expert_gate.weight": "shared expert gate (output scaled by sigmoid(x · gate), float32)",
     "w13_weight": "experts' gate/up weights (fused)", "w13_weight_scale": "experts' gate/up block scales",
@@ -108,6 +113,7 @@ _SUFFIXES = {
     "weight_global_scale": "global scale (stored as a divisor; inverted)",
     "input_scale": "input scale (a multiplier)",
     "input_global_scale": "input scale (stored as a divisor; inverted)",
+    "bias": "bias (added to the GEMM's output, float32)",
 }
 _PROJ_NAMES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down",
                "gate_up_proj": "gate/up"}

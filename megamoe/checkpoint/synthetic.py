@@ -122,6 +122,10 @@ def save(path, weights: MoEWeights, cfg: MoEConfig) -> Path:
         "gate.tid2eid": weights.tid2eid,
         "shared_experts.gate_up_proj.weight": weights.shared_gate_up,
         "shared_experts.down_proj.weight": weights.shared_down,
+        "shared_expert_gate.weight": weights.shared_expert_gate,
+        "w13_bias": weights.b13,
+        "w2_bias": weights.b2,
+        "router.bias": weights.router_logit_bias,
     }
     t.update({k: v for k, v in optional.items() if v is not None})
     t = {k: v.detach().cpu().contiguous() for k, v in t.items()}
