@@ -5,6 +5,8 @@ The math of the reference forward is :mod:`megamoe.reference`; the weights are
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megamoe import checkpoint, nvfp4, reference
@@ -85,6 +87,37 @@ class MoELayer:
         loaded = checkpoint.load(path, **load_kw)
         layer = cls(loaded.weights, loaded.config, backend=backend, device=device)
         layer.load_report = loaded.report
+        return layer
+
+    @classmethod
+    def from_prepared(cls, weights: MoEWeights, config: MoEConfig, prepared, backend: str | Backend = "auto",
+                      device=None) -> "MoELayer":
+        """A layer over weights that ``backend`` has already prepared, nothing converted or copied again.
+
+        ``prepared`` is what ``backend.prepare_weights`` returned for ``weights`` (in this process or in
+        another one that shares its tensors, e.g. through torch.multiprocessing); ``weights`` are the
+        layer's weights as a layer on ``backend`` keeps them: every tensor on the backend's device, except
+        the routed experts (``w13``, ``w2``) of a backend that :attr:`~Backend.copies_routed_weights`,
+        which may be anywhere (host memory, or the meta device when the layer keeps no copy of its own;
+        only :meth:`reference_bf16` reads them). The layer only reads these tensors: they may be shared
+        with other layers and processes."""
+        if config.router_weight_on_input and cls.forward is not MoELayer.forward:
+            raise NotImplementedError(f"{cls.__name__}: router_weight_on_input is computed by MoELayer.forward only")
+        layer = cls.__new__(cls)
+        layer._check_weights(weights, config)
+        layer.config = config
+        layer.backend = get_backend(backend, device=device)
+        layer.device = layer.backend.device
+        for f in dataclasses.fields(weights):
+            value = getattr(weights, f.name)
+            if value is None or (f.name in ("w13", "w2") and layer.backend.copies_routed_weights):
+                continue
+            where = value.device
+            if where.type != layer.device.type or (where.index or 0) != (layer.device.index or 0):
+                raise ValueError(f"from_prepared: weights.{f.name} is on {where}, the backend "
+                                 f"{layer.backend.name} runs on {layer.device}")
+        layer.weights = weights
+        layer._prepared = prepared
         return layer
 
     # ------------------------------------------------------------------ routing

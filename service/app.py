@@ -100,10 +100,11 @@ class ServiceMiddleware:
             self.state.metrics.failures.labels(path, _REASON_OF_STATUS.get(status, "internal")).inc()
 
 
-def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = None) -> FastAPI:
+def create_app(settings: ServiceSettings, *, layer=None, instance: int | None = None, load=None) -> FastAPI:
     """The service app; ``layer`` (a MoELayer) skips loading from the settings; ``instance``: this
-    process's index among several serving processes (service/instances.py)."""
-    state = ServiceState(settings, layer, instance)
+    process's index among several serving processes (service/instances.py); ``load``: how the layer is
+    loaded instead of from the settings (``load(settings)``, e.g. the shared copy: service/shared_weights.py)."""
+    state = ServiceState(settings, layer, instance, load)
     plane = DataPlane(state, settings)
     metrics = state.metrics
     token = settings.token_value()

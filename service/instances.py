@@ -2,9 +2,18 @@
 
 ``megamoe serve --instances N``: this process (the parent) binds and listens on the port once and
 starts N instance processes (multiprocessing "spawn": fresh interpreters, each with its own CUDA
-context). Every instance loads its own copy of the layer onto the device and runs the unchanged
-service (:func:`megamoe.service.server.serve`: its own event loop, batcher, device thread, CUDA
-graphs), so N event loops share the HTTP work that one loop alone cannot keep up with.
+context). Every instance runs the unchanged service (:func:`megamoe.service.server.serve`: its own
+event loop, batcher, device thread, CUDA graphs), so N event loops share the HTTP work that one loop
+alone cannot keep up with.
+
+Weights (``--share-weights``, the default): one more process, the weights process, loads and prepares
+the layer once; every instance maps its tensors (service/shared_weights.py), so the device holds one copy
+of the weights however many instances run, and a restarted instance maps the same copy again. The weights
+process starts first and ends last (after every instance exited). If it dies while the server runs, the
+instances' weights are gone: the server goes unready, answers the connections in the backlog 503 and exits
+1 (on a GPU the instances are killed at once, since their device memory is no longer guaranteed; on the CPU
+the shared pages outlive it and the instances drain). With ``--no-share-weights`` every instance loads its
+own copy.
 
 Connections: the parent accepts them and hands each one (its file descriptor, over a Unix socket
 pair) to the instance with the fewest open connections among those that can take one: ready ones
@@ -121,13 +130,19 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=backlog)
 
 
-def _instance_main(settings: ServiceSettings, index: int, channel: socket.socket) -> None:
-    """An instance process: the single-process service, fed connections by the parent."""
+def _instance_main(settings: ServiceSettings, index: int, channel: socket.socket, weights: str | None = None) -> None:
+    """An instance process: the single-process service, fed connections by the parent; ``weights``: the
+    weights process's socket, where its layer comes from (else it loads its own)."""
     import sys
 
     from .server import serve
 
-    code = serve(settings, instance=(index, channel))
+    load = None
+    if weights is not None:
+        from .shared_weights import SharedLayerLoader
+
+        load = SharedLayerLoader(weights)
+    code = serve(settings, instance=(index, channel), load=load)
     # Drained. The JSON decoder process (a child of this one) is ended here: multiprocessing would
     # join it before the interpreter's exit hooks run, and one of those is what tells it to stop.
     for child in multiprocessing.active_children():
@@ -153,11 +168,14 @@ def serve_instances(settings: ServiceSettings) -> int:
     signals: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _f: signals.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
     supervisor = _Supervisor(listener, settings, signals)
+    weights_dir = tempfile.mkdtemp(prefix="megamoe-weights-") if settings.share_weights else None  # mode 0700
     try:
+        if weights_dir is not None:
+            supervisor.start_weights(os.path.join(weights_dir, "weights.sock"))
         for index in range(count):
             supervisor.start(index)
-        log.info("listening on http://%s:%d for %d instances (each holds its own copy of the weights)",
-                 host, port, count)
+        log.info("listening on http://%s:%d for %d instances (%s)", host, port, count,
+                 "sharing one copy of the weights" if weights_dir else "each holds its own copy of the weights")
         return supervisor.run()
     finally:
         listener.close()
@@ -165,6 +183,8 @@ def serve_instances(settings: ServiceSettings) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        if weights_dir is not None:
+            shutil.rmtree(weights_dir, ignore_errors=True)
 
 
 class _Supervisor:
@@ -181,12 +201,37 @@ class _Supervisor:
         self.deadline: float | None = None
         self.all_ready_logged = False
         self.refusing: dict[socket.socket, float] = {}  # answered 503 here: when to close at the latest
+        #: the weights process (--share-weights): its socket path, process, channel, and what it said
+        self.weights_path: str | None = None
+        self.weights: multiprocessing.Process | None = None
+        self.weights_channel: socket.socket | None = None
+        self.weights_news = b""
+        self.weights_loaded: dict | None = None
 
     # --- instances ---------------------------------------------------------------------
 
+    def start_weights(self, path: str) -> None:
+        """The weights process (service/shared_weights.py), listening on ``path`` before any instance starts:
+        an instance that connects while it loads waits for the layer."""
+        from .shared_weights import holder_main
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(self.count * 4)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        process = self.context.Process(target=holder_main, args=(self.settings, sock, theirs), name="megamoe-weights")
+        process.start()
+        sock.close()
+        theirs.close()
+        ours.setblocking(False)
+        self.weights_path, self.weights, self.weights_channel = path, process, ours
+        self.selector.register(ours, selectors.EVENT_READ, ("weights-news", None))
+        self.selector.register(process.sentinel, selectors.EVENT_READ, ("weights-exit", None))
+        log.info("weights process (pid %d): loading the model once for the %d instances", process.pid, self.count)
+
     def start(self, index: int) -> _Instance:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        process = self.context.Process(target=_instance_main, args=(self.settings, index, theirs),
+        process = self.context.Process(target=_instance_main, args=(self.settings, index, theirs, self.weights_path),
                                        name=f"megamoe-instance-{index}")
         process.start()
         theirs.close()
@@ -195,7 +240,8 @@ class _Supervisor:
         self.instances[index] = inst
         self.selector.register(ours, selectors.EVENT_READ, ("news", inst))
         self.selector.register(process.sentinel, selectors.EVENT_READ, ("exit", inst))
-        log.info("instance %d of %d (pid %d): loading the model", index, self.count, process.pid)
+        log.info("instance %d of %d (pid %d): %s", index, self.count, process.pid,
+                 "mapping the weights process's layer" if self.weights_path else "loading the model")
         return inst
 
     def close(self) -> None:
@@ -210,6 +256,32 @@ class _Supervisor:
         for conn in list(self.refusing):
             conn.close()
         self.refusing.clear()
+        self._end_weights()
+
+    def _end_weights(self) -> None:
+        """The weights process leaves once this channel closes and no instance is connected (every instance
+        has exited by now): wait for that, then kill it if it is still there."""
+        process = self.weights
+        if process is None:
+            return
+        self._unregister_weights()
+        if self.weights_channel is not None:
+            self.weights_channel.close()
+            self.weights_channel = None
+        process.join(_KILL_AFTER_S)
+        if process.is_alive():
+            log.error("the weights process (pid %d) did not end: killed", process.pid)
+            process.kill()
+            process.join(5)
+
+    def _unregister_weights(self) -> None:
+        for source in (self.weights.sentinel, self.weights_channel):
+            if source is None:
+                continue
+            try:
+                self.selector.unregister(source)
+            except (KeyError, ValueError):
+                pass
 
     def _live(self) -> list[_Instance]:
         return [i for i in self.instances if i is not None and not i.exited]
@@ -238,6 +310,10 @@ class _Supervisor:
                         self._flush(item)
                 elif what == "refused":
                     self._read_refused(item)
+                elif what == "weights-news":
+                    self._weights_news()
+                elif what == "weights-exit":
+                    self._weights_exited()
                 else:
                     self._exited(item)
             now = time.monotonic()
@@ -499,6 +575,73 @@ class _Supervisor:
             if inst.serving and inst.told != word:
                 inst.told = word
                 self._send(inst, word)
+
+    def _weights_news(self) -> None:
+        try:
+            data = self.weights_channel.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            try:
+                self.selector.unregister(self.weights_channel)  # its exit comes through the sentinel
+            except (KeyError, ValueError):
+                pass
+            return
+        self.weights_news += data
+        while b"\n" in self.weights_news:
+            line, _, self.weights_news = self.weights_news.partition(b"\n")
+            try:
+                news = json.loads(line)
+            except ValueError:
+                continue
+            if "loaded" in news:
+                self.weights_loaded = loaded = news["loaded"]
+                from .shared_weights import describe_bytes
+
+                log.info("weights process (pid %d): the model is loaded once for the %d instances in %.1f s: %s "
+                         "(device_bytes=%d host_bytes=%d)", self.weights.pid, self.count, loaded["seconds"],
+                         describe_bytes(loaded["device"], loaded["device_bytes"], loaded["host_bytes"]),
+                         loaded["device_bytes"], loaded["host_bytes"])
+            elif "failed" in news and not self.stopping:
+                log.error("weights process (pid %d): the model cannot be shared with the instances: %s: stopping the "
+                          "instances (the server exits 1)", self.weights.pid, news["failed"])
+                self.failed = True
+                self.stop()
+
+    def _weights_exited(self) -> None:
+        process = self.weights
+        self._unregister_weights()
+        process.join()
+        code = process.exitcode
+        if self.stopping:
+            if self._live():
+                # every instance is stopping already; on a GPU their weights are gone now
+                self._weights_lost(code)
+            return
+        self.failed = True
+        if self.weights_loaded is None:
+            log.error("weights process (pid %d) exited with status %s before the model was loaded: stopping the "
+                      "instances (the server exits 1)", process.pid, code)
+            self.stop()
+            return
+        log.error("weights process (pid %d) exited with status %s: the instances' shared weights are gone; the server "
+                  "goes unready and exits 1", process.pid, code)
+        self.stop()
+        self._weights_lost(code)
+
+    def _weights_lost(self, code) -> None:
+        """The weights process is gone while instances run: on a GPU their device memory is not guaranteed any
+        more, so they are killed at once; on the CPU the shared pages outlive it and they drain."""
+        loaded = self.weights_loaded or {}
+        if str(loaded.get("device", "cpu")).startswith("cpu"):
+            return
+        for inst in self._live():
+            if inst.process.is_alive():
+                log.error("instance %d (pid %d) is killed: its weights (the weights process's device memory) are gone",
+                          inst.index, inst.process.pid)
+                inst.process.kill()
 
     def _exited(self, inst: _Instance) -> None:
         for source in (inst.process.sentinel, inst.channel):

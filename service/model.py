@@ -216,7 +216,7 @@ class ServedModel:
             "max_batch_size": 0,
             "input": [tensor(n, d, w, opt) for n, d, _, w, opt in inputs],
             "output": [tensor(output[0], output[1], output[3])],
-            # --instances: that many serving processes, each with its own copy of the layer
+            # --instances: that many serving processes (sharing one copy of the weights unless --no-share-weights)
             "instance_group": [{"name": f"{self.name}_0", "kind": "KIND_GPU" if cuda else "KIND_CPU", "count": instances,
                                 "gpus": [self.device.index or 0] if cuda else []}],
             # Triton's parameters map: every value is {"string_value": ...}

@@ -566,11 +566,11 @@ class ServiceServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(settings: ServiceSettings, *, layer=None, instance: tuple[int, socket.socket] | None = None
-                 ) -> ServiceServer:
-    """The uvicorn server of the app (``layer``: a loaded MoELayer, as create_app takes; ``instance``:
-    (index, channel) of an instance of several, see service/instances.py)."""
-    app = create_app(settings, layer=layer, instance=instance[0] if instance is not None else None)
+def build_server(settings: ServiceSettings, *, layer=None, instance: tuple[int, socket.socket] | None = None,
+                 load=None) -> ServiceServer:
+    """The uvicorn server of the app (``layer``: a loaded MoELayer, and ``load``, as create_app takes;
+    ``instance``: (index, channel) of an instance of several, see service/instances.py)."""
+    app = create_app(settings, layer=layer, instance=instance[0] if instance is not None else None, load=load)
     state = app.state.megamoe
     config = uvicorn.Config(
         app,
@@ -595,11 +595,11 @@ def build_server(settings: ServiceSettings, *, layer=None, instance: tuple[int, 
     return server
 
 
-def serve(settings: ServiceSettings, *, instance: tuple[int, socket.socket] | None = None) -> int:
+def serve(settings: ServiceSettings, *, instance: tuple[int, socket.socket] | None = None, load=None) -> int:
     """Serve in this process until SIGTERM/SIGINT (0) or a failed model load (1); ``instance``: this
-    process is one instance of several (service/instances.py supervises them)."""
+    process is one instance of several (service/instances.py supervises them); ``load``: as create_app."""
     configure_logging(settings, instance[0] if instance is not None else None)
-    server = build_server(settings, instance=instance)
+    server = build_server(settings, instance=instance, load=load)
     server.run()
     # drained: uvicorn has put back the default handlers, and a second SIGTERM from an impatient
     # supervisor would now end the exit with status 143; the drain is done, so let it go by

@@ -67,12 +67,18 @@ class ServiceSettings(BaseSettings):
     )
     instances: int = Field(
         1, ge=1, le=64,
-        description="serving processes (model instances, Triton's instance_group count) behind the one port: each "
-        "loads its own copy of the layer onto the device (memory: the weights N times) and runs its own event "
-        "loop, batcher and CUDA graphs; new connections go to the ready instance with the fewest open ones. "
+        description="serving processes (model instances, Triton's instance_group count) behind the one port: they "
+        "share one copy of the layer's weights (see --share-weights), and each runs its own event loop, batcher, "
+        "workspaces and CUDA graphs; new connections go to the ready instance with the fewest open ones. "
         "Readiness is 200 while every instance is ready. An instance that exits, hangs (no heartbeat) or whose "
         "device fails gets no connections and is restarted (see --instance-restarts); SIGTERM drains every "
         "instance. Not with torchrun (expert-parallel serving is one process per rank)",
+    )
+    share_weights: bool = Field(
+        True, description="with --instances N > 1: one process (the weights process) loads and prepares the layer "
+        "once and the instances map its tensors (CUDA IPC on a GPU, shared memory on the CPU): the device holds one "
+        "copy of the weights plus each instance's workspaces. Off: every instance loads its own copy (N times the "
+        "memory). On the CPU the shared copy lives in /dev/shm, which needs room for it (docker: --shm-size)",
     )
     tp: int = Field(
         1, ge=1,
@@ -192,11 +198,12 @@ class ServiceSettings(BaseSettings):
         return self.token.get_secret_value() if self.token is not None else None
 
 
-def configure_logging(settings: ServiceSettings, instance: int | None = None) -> None:
-    """The service's log format at its level; an instance of several names itself in every line."""
+def configure_logging(settings: ServiceSettings, instance: int | str | None = None) -> None:
+    """The service's log format at its level; an instance of several names itself in every line (its
+    index; a word: another process of the server, e.g. ``weights``)."""
     import logging
 
-    where = f"[instance {instance}] " if instance is not None else ""
+    where = "" if instance is None else f"[{instance}] " if isinstance(instance, str) else f"[instance {instance}] "
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s")
 

@@ -37,8 +37,12 @@ HEALTH_YIELD_MAX_S = 1.0
 class ServiceState:
     """What the routes read: the model once loaded, and why the server is not ready when it is not."""
 
-    def __init__(self, settings: ServiceSettings, layer=None, instance: int | None = None):
+    def __init__(self, settings: ServiceSettings, layer=None, instance: int | None = None, load=None):
         self.settings = settings
+        #: how the layer is loaded (``load(settings)``, on the device thread) when none is given: the
+        #: settings' checkpoint or preset (model.load_layer), or the weights process's shared copy
+        #: (service/shared_weights.py)
+        self.load = load if load is not None else load_layer
         #: this process's index among ``settings.instances`` serving processes (None: the only one)
         self.instance = instance
         self.metrics = ServiceMetrics(multiprocess=instance is not None, instance=instance or 0)
@@ -278,7 +282,7 @@ class ServiceState:
             self.call_in_loop(self.leave, f"device reported an error: {self.device_error}")
 
     def load_and_selftest(self) -> None:
-        layer = self.preloaded_layer if self.preloaded_layer is not None else load_layer(self.settings)
+        layer = self.preloaded_layer if self.preloaded_layer is not None else self.load(self.settings)
         self.model = ServedModel(self.model_name, layer, self.settings.max_tokens_per_request,
                                  self.settings.hidden_datatype)
         self.runner = BatchRunner(self.model)

@@ -177,6 +177,7 @@ def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
     gate = tmp_path / "gate"
     srv = ServerProcess(tmp_path / "gated.log", env={"MEGAMOE_TOKEN": TOKEN, "MEGAMOE_TEST_GATE": str(gate)},
                         args=["--backend", "megamoe_test_backends:FirstLoadsBackend", "--instances", str(INSTANCES),
+                              "--no-share-weights",  # every instance loads (prepares) its own layer: one waits
                               "--queue-delay-ms", "1", "--log-level", "info"])
     clients = []
     try:
