@@ -478,6 +478,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variants", action="store_true",
                     help="also time every GEMM kernel forced (T >= 128, and the stream tokens-per-pass choices below)")
     ap.add_argument("--profile", action="store_true", help="per-kernel times from torch.profiler (GEMM vs the rest)")
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="the plan's fastest kernel per T (streaming decode), as MoELayer.batch_invariant = False; "
+                         "default: the batch-invariant plan (docs/SPEC.md §3.5)")
     args = ap.parse_args(argv)
     try:
         args.configs = {p: bench_config(p, args.tp) for p in args.presets}
@@ -525,8 +528,8 @@ def main(argv=None) -> int:
                 cfg = base.with_(act_mode=mode)
                 try:
                     pa = plan_args(cfg, t, mode)
-                    row[f"sm90_{mode}_plan"] = plan_summary(be.plan(**pa))
-                    times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
+                    row[f"sm90_{mode}_plan"] = plan_summary(be.plan(**pa, batch_invariant=args.batch_invariant))
+                    times, queued = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2], args.batch_invariant), sets,
                                                bufs, reps, queued=True)
                     row.update(timed_fields(row, f"sm90_{mode}", times, queued, copy_bw))
                 except Exception as exc:  # noqa: BLE001 - report and carry on with the other rows
@@ -536,7 +539,7 @@ def main(argv=None) -> int:
                     cfg = base.with_(act_mode=mode)
                     x0, ids0, w0 = sets[0]
                     try:
-                        per_call, spans = profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0))
+                        per_call, spans = profile_kernels(lambda: be.moe_forward(prepared, cfg, x0, ids0, w0, args.batch_invariant))
                         row.update(profile_record(row, f"sm90_{mode}", per_call, spans, PROFILE_REPS))
                     except Exception as exc:  # noqa: BLE001
                         row[f"sm90_{mode}_profile_error"] = repr(exc)
@@ -556,7 +559,7 @@ def main(argv=None) -> int:
                     be.kernel, be.tokens_per_pass = kernel, tpp
                     key = f"sm90_w4a16_{kernel}{tpp or ''}_us"
                     try:
-                        times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2]), sets,
+                        times = time_graph(lambda: be.moe_forward(prepared, cfg, bufs[0], bufs[1], bufs[2], args.batch_invariant), sets,
                                            bufs, max(10, reps // 2))
                         row[key] = statistics.median(times) * 1e6
                     except Exception as exc:  # noqa: BLE001
@@ -600,6 +603,7 @@ def write_report(args, argv, copy_bw, bf16_rate, results) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "tp": args.tp,
+        "batch_invariant": getattr(args, "batch_invariant", True),
         "versions": versions(),
         "floors": {"copy_bw_Bps_read_plus_write": copy_bw, "bf16_matmul_flops": bf16_rate},
         "method": "median of per-replay CUDA-event times of a captured CUDA graph of the routed-expert forward; "

@@ -465,7 +465,7 @@ class ExpertParallelMoE(MoELayer):
         order = torch.argsort(row * self.experts_per_rank + expert, stable=True)  # by row, then expert
         row, slot, expert = row[order], slot[order], expert[order]
         y = self.backend.moe_forward(self._prepared, self.local_config, x[row], expert.to(torch.int32).unsqueeze(1),
-                                     weights[row, slot].unsqueeze(1)).float()
+                                     weights[row, slot].unsqueeze(1), self.batch_invariant).float()
         # Add each row's pairs in ascending expert order (as MoELayer does), one pass per position
         # within the row: every pass touches distinct rows, so even atomic adds (CUDA) cannot reorder.
         counts = torch.bincount(row, minlength=rows)
@@ -1002,7 +1002,8 @@ class TensorParallelMoE(MoELayer):
         """This rank's share of the output, float32 ``[T, H]``: its slices of the routed experts
         (weighted, summed in ascending expert order by the backend) plus its slice of the shared
         expert. No collective."""
-        y = self.backend.moe_forward(self._prepared, self.local_config, x, topk_ids, topk_weights).float()
+        y = self.backend.moe_forward(self._prepared, self.local_config, x, topk_ids, topk_weights,
+                                     self.batch_invariant).float()
         if self.config.n_shared_experts:
             y = y + self._shared_expert(x)
         return y

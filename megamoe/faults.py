@@ -61,8 +61,8 @@ class SwappedScaleLayout(Backend):
     def prepare_weights(self, weights):
         return self.inner.prepare_weights(weights)
 
-    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
-        return self.inner.moe_forward(prepared, cfg, x, topk_ids, topk_weights)
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights, batch_invariant: bool = True):
+        return self.inner.moe_forward(prepared, cfg, x, topk_ids, topk_weights, batch_invariant)
 
     def synchronize(self):
         self.inner.synchronize()

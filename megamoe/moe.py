@@ -215,7 +215,8 @@ class MoELayer:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         y = self._routed(x, topk_ids, topk_weights,
-                         lambda cfg, rows, ids, w: self.backend.moe_forward(self._prepared, cfg, rows, ids, w))
+                         lambda cfg, rows, ids, w: self.backend.moe_forward(self._prepared, cfg, rows, ids, w,
+                                                                           self.batch_invariant))
         if self.config.n_shared_experts:
             y = y + self._shared_expert(x)
         return y.to(hidden_states.dtype)

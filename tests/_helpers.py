@@ -123,3 +123,72 @@ def poison_empty(monkeypatch) -> None:
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+# ------------------------------------------------------------------ batch invariance (docs/SPEC.md §3.5)
+def near_tied_rows(layer, n, gen):
+    """Rows whose k-th and (k+1)-th router logits are equal in exact arithmetic: x is projected
+    onto the plane where those two experts' logits agree, so float rounding alone decides."""
+    w = layer._float32("router_weight").cpu()
+    k = layer.config.top_k
+    x = torch.randn(n, w.shape[1], generator=gen)
+    order = (x @ w.T).argsort(dim=1, descending=True)
+    a, b = order[:, k - 1], order[:, k]
+    d = w[a] - w[b]
+    x = x - ((x * d).sum(1, keepdim=True) / (d * d).sum(1, keepdim=True)) * d
+    return x
+
+
+def check_rows_alone_equal_batched(layer, probes, gen, batches, input_ids=None, vocab=None):
+    """docs/SPEC.md §3.5: each probe row through ``layer`` alone, then inside a batch of each size in ``batches``
+    (random batch-mates of spread magnitudes, the probe at a random position): the same bits."""
+    h = layer.config.hidden_size
+    kw = lambda ids: {} if ids is None else {"input_ids": ids}  # noqa: E731
+    alone = [layer(p[None], **kw(None if input_ids is None else input_ids[i:i + 1])) for i, p in enumerate(probes)]
+    differ = []
+    for b in batches:
+        i = int(torch.randint(0, len(probes), (1,), generator=gen))
+        pos = int(torch.randint(0, b, (1,), generator=gen))
+        x = (torch.randn(b, h, generator=gen) * torch.rand(b, 1, generator=gen) * 4).to(probes.dtype)
+        x[pos] = probes[i]
+        ids = None
+        if input_ids is not None:
+            ids = torch.randint(0, vocab, (b,), generator=gen)
+            ids[pos] = input_ids[i]
+        y = layer(x, **kw(ids))
+        if not torch.equal(y[pos], alone[i][0]):
+            differ.append((b, pos, float((y[pos].float() - alone[i][0].float()).abs().max())))
+    assert not differ, f"{len(differ)} batched rows differ from the same row alone (batch, position, max diff): {differ[:8]}"
+
+
+def wide_block_rows(n, h, gen):
+    """Rows whose 16-element blocks span 2^-12 .. 2^12 in magnitude (outlier channels): their NVFP4 block scales,
+    and so the products a GEMM sums over K, range over many binades, where a sum's rounding depends on its order."""
+    x = torch.randn(n, h, generator=gen)
+    mag = torch.exp2(torch.randint(-12, 13, (n, h // 16, 1), generator=gen).float())
+    return (x.view(n, h // 16, 16) * mag).view(n, h)
+
+
+# expected tokens per expert on each side of every switch point of the sm90 plan (cpp/include/megamoe/sm90_plan.h)
+SWITCH_TOKENS_PER_EXPERT = (4, 5, 24, 25, 63, 64, 1024)
+# the GPU invariance cases: preset and config overrides
+INVARIANCE_CASES = {
+    "small-w4a4": ("small", {}),
+    "small-w4a4-dynamic": ("small", {"dynamic_act_scale": True}),
+    "small-w4a16": ("small", {"act_mode": "w4a16"}),
+    "v4-flash-w4a16": ("v4-flash", {"act_mode": "w4a16"}),
+    "v4-flash-w4a4": ("v4-flash", {}),
+}
+
+
+def invariance_batches(cfg) -> list[int]:
+    """Every batch size up to 64, and for each switch point the smallest batch whose ceil(T*k/E) reaches it."""
+    e, k = cfg.num_experts, cfg.top_k
+    return list(range(1, 65)) + sorted({-(-tpe * e // k) for tpe in SWITCH_TOKENS_PER_EXPERT})
+
+
+def invariance_probes(layer, gen) -> torch.Tensor:
+    """Random rows, near-tied router rows and rows whose blocks span 24 binades (bf16)."""
+    h = layer.config.hidden_size
+    return torch.cat([torch.randn(3, h, generator=gen), near_tied_rows(layer, 3, gen),
+                      wide_block_rows(2, h, gen)]).to(torch.bfloat16)

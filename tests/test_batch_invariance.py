@@ -6,6 +6,7 @@ to 64 and of sizes that cross the sm90 plan's switch points."""
 import pytest
 import torch
 
+from _helpers import check_rows_alone_equal_batched, near_tied_rows
 from megamoe.invariant import ROW_BLOCK, matmul_rows
 from megamoe.moe import MoELayer
 
@@ -13,39 +14,6 @@ from megamoe.moe import MoELayer
 BATCHES = list(range(1, 65)) + [65, 127, 128, 129, 200, 1024]
 # the other cases: the block edges, the plan's switch points and a long batch
 SOME_BATCHES = [1, 2, 3, 4, 5, 11, 24, 25, 63, 64, 65, 129, 300]
-
-
-def near_tied_rows(layer, n, gen):
-    """Rows whose k-th and (k+1)-th router logits are equal in exact arithmetic: x is projected
-    onto the plane where those two experts' logits agree, so float rounding alone decides."""
-    w = layer._float32("router_weight")
-    k = layer.config.top_k
-    x = torch.randn(n, w.shape[1], generator=gen)
-    order = (x @ w.T).argsort(dim=1, descending=True)
-    a, b = order[:, k - 1], order[:, k]
-    d = w[a] - w[b]
-    x = x - ((x * d).sum(1, keepdim=True) / (d * d).sum(1, keepdim=True)) * d
-    return x
-
-
-def check_rows_alone_equal_batched(layer, probes, gen, batches=BATCHES, input_ids=None, vocab=None):
-    h = layer.config.hidden_size
-    kw = lambda ids: {} if ids is None else {"input_ids": ids}  # noqa: E731
-    alone = [layer(p[None], **kw(None if input_ids is None else input_ids[i:i + 1])) for i, p in enumerate(probes)]
-    differ = []
-    for b in batches:
-        i = int(torch.randint(0, len(probes), (1,), generator=gen))
-        pos = int(torch.randint(0, b, (1,), generator=gen))
-        x = (torch.randn(b, h, generator=gen) * torch.rand(b, 1, generator=gen) * 4).to(probes.dtype)
-        x[pos] = probes[i]
-        ids = None
-        if input_ids is not None:
-            ids = torch.randint(0, vocab, (b,), generator=gen)
-            ids[pos] = input_ids[i]
-        y = layer(x, **kw(ids))
-        if not torch.equal(y[pos], alone[i][0]):
-            differ.append((b, pos, float((y[pos].float() - alone[i][0].float()).abs().max())))
-    assert not differ, f"{len(differ)} batched rows differ from the same row alone (batch, position, max diff): {differ[:8]}"
 
 
 @pytest.mark.parametrize("case", ["w4a4", "w4a4-dynamic", "w4a16", "sigmoid-groups-shared"])

@@ -231,3 +231,60 @@ def test_quantize_rows_passes_quantize_nvfp4_its_own_keywords(monkeypatch):
                               dequant_lane_order=True, scatter_rows=None, scatter_k=0, row_experts=None)
     assert set(seen) <= set(params), set(seen) - set(params)
     assert {p for p, has_default in params.items() if not has_default} <= set(seen)
+
+
+FAMILY = {"stream": "stream", "wgmma32": "wgmma", "wgmma64": "wgmma", "wgmma128": "wgmma"}
+
+
+def family(p):
+    return FAMILY[str(p.kernel).split(".")[-1]]
+
+
+@pytest.mark.parametrize("w4a16", [True, False])
+@pytest.mark.parametrize("k_gemm1,k_gemm2,num_experts", [
+    (4096, 2048, 256),   # V4-Flash: every tile
+    (7168, 2048, 256),   # V3
+    (4096, 256, 256),    # V4-Flash at TP = 8
+    (1152, 2176, 64),    # K multiples of 128 only: tiles 64 and 128
+    (4032, 2112, 64),    # K multiples of 64 only: tile 128
+    (4128, 2048, 64),    # H % 64 != 0: streaming only
+    (4096, 2048, 2048),  # E > 1024: streaming only
+])
+def test_batch_invariant_plan_runs_one_kernel_family_at_every_token_count(w4a16, k_gemm1, k_gemm2, num_experts):
+    """The streaming kernel splits K four ways between warps and adds the partial sums; the wgmma kernels sum K in one
+    sequence of k16 steps, the same for every tile and width (on an H100 the wgmma tiles give the same bits for the
+    same row at every batch composition, the streaming kernel other bits for W4A16: tests/gpu/
+    test_gpu_batch_invariance.py). So a batch-invariant plan never picks streaming for some token counts and wgmma
+    for others, decode and the one-token path included; the measured choice (batch_invariant=False) does."""
+    shape = dict(k_gemm1=k_gemm1, k_gemm2=k_gemm2, num_experts=num_experts, w4a16=w4a16, h_static_scale=not w4a16)
+    counts = [0, 1, 2, 4, 5, 24, 25, 28, 29, 63, 64, 65, 1024, 100000]
+    fams = {family(plan(tpe, tokens=max(1, tpe * num_experts // 8), batch_invariant=True, **shape)) for tpe in counts}
+    assert len(fams) == 1, (shape, fams)
+    wgmma_ok = k_gemm1 % 64 == 0 and k_gemm2 % 64 == 0 and num_experts <= 1024
+    assert fams == {"wgmma" if wgmma_ok else "stream"}
+    one = plan(0, tokens=1, batch_invariant=True, **shape)
+    assert not one.without_align or not wgmma_ok  # one token runs the wgmma path through align
+    for tpe in counts:  # above the decode range the invariant plan is the measured one, field by field
+        fast = plan(tpe, tokens=500, **shape)
+        inv = plan(tpe, tokens=500, batch_invariant=True, **shape)
+        if fast.kernel != kind("stream") or not wgmma_ok:
+            assert repr(inv) == repr(fast), (tpe, inv, fast)
+    if wgmma_ok:  # the measured choice does mix them: decode streams
+        assert family(plan(1, tokens=1, **shape)) == "stream" and family(plan(100, tokens=5000, **shape)) == "wgmma"
+
+
+def test_batch_invariant_plan_keeps_an_explicit_kernel():
+    assert plan(1, kernel=kind("stream"), batch_invariant=True).kernel == kind("stream")
+    assert plan(100, kernel=kind("wgmma32"), batch_invariant=True).kernel == kind("wgmma32")
+
+
+def test_backend_passes_the_layers_mode_to_the_plan(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from megamoe.backends import cuda_sm90
+
+    be = cuda_sm90.CudaSm90Backend.__new__(cuda_sm90.CudaSm90Backend)
+    be._device = torch.device("cuda", 0)
+    be.kernel, be.tokens_per_pass, be._plans = "auto", 0, {}
+    assert be.plan(1, 4096, 2048, 256, True, True, tokens=1).kernel == kind("wgmma32")  # default: invariant
+    assert be.plan(1, 4096, 2048, 256, True, True, tokens=1, batch_invariant=False).kernel == kind("stream")
+    assert be.plan(1, 4096, 2048, 256, True, True, tokens=1).kernel == kind("wgmma32")  # cached apart

@@ -114,7 +114,7 @@ void register_sm90(nb::module_& m) {
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_gemm1, int64_t k_gemm2, int num_experts, bool w4a16, bool gather_input,
          sm90::GemmKernel kernel, int tokens_per_pass, bool h_static_scale, int64_t tokens, bool slots_quantize_alike,
-         int64_t token_order_from) {
+         int64_t token_order_from, bool batch_invariant) {
         if (tokens_per_expert < 0 || k_gemm1 <= 0 || k_gemm2 <= 0 || num_experts <= 0)
           throw std::invalid_argument("sm90_plan: need tokens_per_expert >= 0 and positive K and E, got " +
                                       std::to_string(tokens_per_expert) + ", " + std::to_string(k_gemm1) + ", " +
@@ -139,18 +139,22 @@ void register_sm90(nb::module_& m) {
         p.tokens = tokens;
         p.slots_quantize_alike = slots_quantize_alike;
         p.token_order_from = token_order_from;
+        p.batch_invariant = batch_invariant;
         return sm90::plan_moe_gemms(p);
       },
       nb::kw_only(), nb::arg("tokens_per_expert"), nb::arg("k_gemm1"), nb::arg("k_gemm2"), nb::arg("num_experts"),
       nb::arg("w4a16"), nb::arg("gather_input"), nb::arg("kernel") = sm90::GemmKernel::kAuto,
       nb::arg("tokens_per_pass") = 0, nb::arg("h_static_scale") = false, nb::arg("tokens") = 0,
       nb::arg("slots_quantize_alike") = true, nb::arg("token_order_from") = sm90::kTokenOrderFrom,
+      nb::arg("batch_invariant") = false,
       "The dispatch plan of a MoE forward (kernel, token tile, tokens per pass, fusions, stage K, copied rows, the\n"
       "one-token path, the token order); host only.\n"
       "h_static_scale (W4A4): h takes a static global scale, so the first GEMM may quantize it (h_operand).\n"
       "tokens: T of the forward (0: none; without_align and token_order need it). slots_quantize_alike (W4A4): a\n"
       "token's k slots quantize alike (a per-row dynamic scale, or one static scale for every expert).\n"
-      "token_order_from: token_order from this many tokens (default sm90_token_order_from).");
+      "token_order_from: token_order from this many tokens (default sm90_token_order_from).\n"
+      "batch_invariant: a row's bits must not depend on its batch: the automatic choice runs the wgmma kernels at\n"
+      "every token count where the shape allows them (no streaming decode), else streaming at every count.");
 
   m.def(
       "sm90_grouped_gemm",

@@ -12,7 +12,10 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
   const bool k_tiny = p.k_gemm1 % wg_min_stage_k(kTile32) == 0 && p.k_gemm2 % wg_min_stage_k(kTile32) == 0;
   const bool k_small = p.k_gemm1 % wg_min_stage_k(kTile64) == 0 && p.k_gemm2 % wg_min_stage_k(kTile64) == 0;
   if (kernel == GemmKernel::kAuto) {
-    kernel = p.tokens_per_expert <= kWgmmaAboveTokensPerExpert    ? GemmKernel::kStream
+    // batch-invariant: no streaming kernel for few tokens where the wgmma kernels can run (the shape check below
+    // falls back to streaming at every token count where they cannot)
+    const bool stream_decode = !p.batch_invariant && p.tokens_per_expert <= kWgmmaAboveTokensPerExpert;
+    kernel = stream_decode                                        ? GemmKernel::kStream
              : p.tokens_per_expert <= kWgmma32UpTo && k_tiny      ? GemmKernel::kWgmma32
              : p.tokens_per_expert <= kWgmma64UpTo && k_small     ? GemmKernel::kWgmma64
                                                                   : GemmKernel::kWgmma128;

@@ -63,11 +63,13 @@ class Backend:
         return weights
 
     def moe_forward(self, prepared, cfg, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         """Routed experts only: ``sum_j w[t,j] * expert_{ids[t,j]}(x_t)``, ``[T, H]`` float32 or x.dtype.
 
         Slots whose id is outside ``[0, E)`` (masked, ``-1``) contribute nothing and their weight
-        is not read (docs/SPEC.md §3.1); ``T = 0`` gives an empty ``[0, H]`` result."""
+        is not read (docs/SPEC.md §3.1); ``T = 0`` gives an empty ``[0, H]`` result.
+        ``batch_invariant`` (docs/SPEC.md §3.5): a row's output bits do not depend on the other rows; False lets a
+        backend pick faster kernels whose arithmetic depends on the batch's size (cuda-sm90's streaming decode)."""
         raise NotImplementedError
 
     def synchronize(self) -> None:

@@ -318,18 +318,20 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         self._plans: dict[tuple, object] = {}
 
     def plan(self, tokens_per_expert: int, k_gemm1: int, k_gemm2: int, num_experts: int, w4a16: bool,
-             gather_input: bool, h_static_scale: bool = False, tokens: int = 0, slots_quantize_alike: bool = True):
+             gather_input: bool, h_static_scale: bool = False, tokens: int = 0, slots_quantize_alike: bool = True,
+             batch_invariant: bool = True):
         """The C++ dispatch plan (``megamoe._C.sm90_plan``) with this backend's explicit choices; cached. ``tokens``:
-        T of a MoE forward (the one-token path and the token order need it)."""
+        T of a MoE forward (the one-token path and the token order need it). ``batch_invariant``: no streaming
+        decode where the wgmma kernels can run (GemmProblem::batch_invariant)."""
         key = (tokens_per_expert, k_gemm1, k_gemm2, num_experts, w4a16, gather_input, h_static_scale, tokens,
-               slots_quantize_alike, TOKEN_ORDER_FROM, str(self.kernel), self.tokens_per_pass)
+               slots_quantize_alike, TOKEN_ORDER_FROM, str(self.kernel), self.tokens_per_pass, batch_invariant)
         plan = self._plans.get(key)
         if plan is None:
             plan = _ext.ext.sm90_plan(tokens_per_expert=tokens_per_expert, k_gemm1=k_gemm1, k_gemm2=k_gemm2,
                                       num_experts=num_experts, w4a16=w4a16, gather_input=gather_input, kernel=gemm_kernel(self.kernel),
                                       tokens_per_pass=self.tokens_per_pass, h_static_scale=h_static_scale,
                                       tokens=tokens, slots_quantize_alike=slots_quantize_alike,
-                                      token_order_from=TOKEN_ORDER_FROM)
+                                      token_order_from=TOKEN_ORDER_FROM, batch_invariant=batch_invariant)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = plan
@@ -395,7 +397,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         if a_k != k:
             raise ValueError(f"gemm: K mismatch, a has K = {a_k} vs b [{n}, {k}]")
         m = a.data.shape[0] if isinstance(a, nvfp4.NVFP4Tensor) else (a.numel() // a_k if a_k else 0)
-        plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)  # one expert, operand staged here
+        # one expert, operand staged here; a row's result independent of M (no streaming kernel for small M)
+        plan = self.plan(m, k, k, 1, w4a16=True, gather_input=False)
         op, a_gs, a_rs = self._operand(a, plan.lane_order)
         if out is not None:
             if alpha is not None or out_dtype != torch.float32 or out.dtype != torch.float32 or \
@@ -492,9 +495,11 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         return static_scale, True, None
 
     def moe_forward(self, prepared: PreparedSm90, cfg, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         """Routed experts of docs/SPEC.md §3; returns ``[T, H]`` in x's dtype (fp32 sums; with bf16 x each expert's
-        output row is rounded to bf16 before the weighted sum, the precision of the result)."""
+        output row is rounded to bf16 before the weighted sum, the precision of the result). ``batch_invariant``
+        (default): the plan runs one kernel family at every T (no streaming decode where the wgmma kernels can run),
+        so a row's bits do not depend on its batch; False: the measured fastest kernel per T."""
         ext = _ext.ext
         t, h = x.shape
         e, k = cfg.num_experts, cfg.top_k
@@ -515,7 +520,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         # W4A4 with a static scale for h: gemm1 quantizes h in its epilogue (plan.h_operand), no kernel between the GEMMs
         h_static = not w4a16 and not self._dynamic_scale(cfg, prepared.w2_input_scale)
         plan = self.plan(expected, h, cfg.intermediate_size, e, w4a16, x.dtype == torch.bfloat16, h_static, t,
-                         self._slots_quantize_alike(prepared, cfg))
+                         self._slots_quantize_alike(prepared, cfg), batch_invariant)
         if self._without_align(plan):
             return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,

@@ -70,7 +70,8 @@ class TorchBackend(Backend):
             cache = decoded_bytes <= self.CACHE_LIMIT_BYTES
         return _DequantizedExperts(weights) if cache else weights
 
-    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights, batch_invariant: bool = True):
+        # every GEMM here runs in fixed 64-row blocks (megamoe.invariant): batch-invariant either way
         cached = prepared if isinstance(prepared, _DequantizedExperts) else None
         w = cached.weights if cached is not None else prepared
 

@@ -48,6 +48,12 @@ struct GemmProblem {
   bool slots_quantize_alike = true;       // W4A4: a token's k slots quantize alike (a per-row dynamic scale, or one
                                           // static scale for every expert), so its gemm1 input may go in token order
   int64_t token_order_from = kTokenOrderFrom;  // GemmPlan::token_order from this many tokens
+  // A row's output bits must not depend on the rest of its batch (docs/SPEC.md §3.5): the automatic choice never
+  // mixes the streaming kernel (K split four ways between warps, partial sums added in shared memory) with the wgmma
+  // kernels (K in one sequence of k16 steps) across token counts. Every wgmma tile and width sums a row in the same
+  // order with the same instructions, so where the shape allows the wgmma kernels they run at every T, decode
+  // included; elsewhere the streaming kernel runs at every T. An explicit kernel is kept as asked.
+  bool batch_invariant = false;
 };
 
 // The one dispatch decision for a problem: kernel, token tile, tokens per pass, fusions, stage K, copied rows, the
@@ -76,7 +82,7 @@ struct GemmPlan {
 };
 
 // Pure host function (no CUDA call): the thresholds below are the measured switch points
-// (docs/PERFORMANCE.md). Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
+// (docs/PERFORMANCE.md), which GemmProblem::batch_invariant overrides for the streaming kernel. Streaming with one 8-token tile per pass up to kWgmmaAboveTokensPerExpert
 // expected tokens per expert, wgmma above: tile 32 up to kWgmma32UpTo when both K are multiples
 // of 256 (it steps K by 256), tile 64 up to kWgmma64UpTo (or in tile 32's range when a K is a
 // multiple of 128 only) when both K are multiples of 128 (it steps K by 128), then (or for a K
