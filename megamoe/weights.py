@@ -127,6 +127,9 @@ class MoEWeights:
         if self.router_weight is not None:
             want["gate.weight"] = (self.router_weight, (e_all, h), None)
         if self.router_bias is not None:
+            if cfg.scoring == "softmax_topk":
+                raise ValueError("gate.e_score_correction_bias: present, but scoring='softmax_topk' selects the top-k "
+                                 "of the logits (a logit bias is router_logit_bias)")
             want["gate.e_score_correction_bias"] = (self.router_bias, (e_all,), None)
         if cfg.n_shared_experts:
             is_ = (cfg.shared_intermediate_size or i) * cfg.n_shared_experts

@@ -606,6 +606,43 @@ def test_field_bug_6_nan_token_rows_do_not_leak(emulated, dynamic):
     assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again))
 
 
+@pytest.mark.parametrize("dynamic,tokens", [(False, 53), (True, 53), (False, 1), (True, 130)])
+def test_moe_forward_emulated_gpt_oss_glue_matches_torch_backend(emulated, monkeypatch, dynamic, tokens):
+    """gpt-oss through the sm100 host glue: b13 added to the gate/up GEMM's output before the
+    clamped activation (alpha 1.702, up + 1), b2 per row before the routing weight (after the
+    dynamic per-row scale of GEMM 2), masked slots skipped; unwritten buffers are NaN."""
+    from megamoe import checkpoint as C
+    from megamoe.backends.torch_ref import TorchBackend
+    from megamoe.moe import MoELayer
+    from megamoe.presets import MoEConfig
+
+    cfg = MoEConfig(256, 128, 8, 2, scoring="softmax_topk", swiglu_limit=7.0, swiglu_alpha=1.702,
+                    swiglu_up_shift=1.0, dynamic_act_scale=dynamic)
+    gen = torch.Generator().manual_seed(tokens + 17 * dynamic)
+    wts = C.synthetic_weights(cfg, seed=tokens)
+    wts.b13 = torch.randn(8, 256, generator=gen) * 2.0
+    wts.b2 = torch.randn(8, 256, generator=gen) * 2.0
+    wts.router_logit_bias = torch.randn(8, generator=gen) * 0.5
+    layer = MoELayer(wts, cfg, backend=emulated)
+    assert layer._prepared.b13.shape == (8, 256) and layer._prepared.b2.shape == (8, 256)
+    x = (torch.randn(tokens, 256, generator=gen) * 3).to(torch.bfloat16)
+    w, ids = layer.route(x)
+    ids = ids.clone()
+    ids[::3, 1] = -1  # masked slots: skipped, their bias never added
+    poison_empty(monkeypatch)
+    out = emulated.moe_forward(layer._prepared, cfg, x, ids, w)
+    monkeypatch.undo()
+    ref = TorchBackend().moe_forward(layer.weights, cfg, x, ids, w)
+    assert torch.isfinite(out).all()
+    assert cosine(out, ref) > 0.99999, cosine(out, ref)
+    # the check can fail: the same layer without either bias, or with SwiGLU, is far off
+    for drop in ("b13", "b2"):
+        other = TorchBackend().moe_forward(C.MoEWeights(**{**wts.__dict__, drop: None}), cfg, x, ids, w)
+        assert cosine(out, other) < 0.999, drop
+    swiglu = TorchBackend().moe_forward(wts, cfg.with_(swiglu_alpha=1.0, swiglu_up_shift=0.0), x, ids, w)
+    assert cosine(out, swiglu) < 0.999
+
+
 def test_health_checks_catch_a_swapped_sf_layout_on_this_path():
     """docs/FIELD_BUGS.md row 2 through the sm100 path: with the M/K-swapped swizzle of megamoe.faults, uniform
     scales still pass and random scales fail, so the user's selftest would flag it."""

@@ -77,6 +77,8 @@ def synthetic_weights(cfg: MoEConfig, seed: int = 0, device=None, progress: bool
 
     router = (torch.randn((e, h), generator=gen, device=device) * h ** -0.5).to(torch.bfloat16)
     bias = (torch.randn((e,), generator=gen, device=device) * 0.01) if cfg.scoring != "softmax" else None
+    if cfg.scoring == "softmax_topk":
+        bias = None  # (drawn all the same) the top-k of the logits: no selection bias
     if cfg.hash_routing:
         bias = None  # (drawn all the same: the seed's later draws stay those without hash routing)
     shared_gu = shared_down = None

@@ -2,7 +2,7 @@
 tests/test_real_checkpoints.py for what they hold): the GPU layer against the torch backend
 on the same loaded weights, and against the tool's own forward of each MoE layer (H=128,
 I=64: neither a multiple of 128; 8 or 6 experts): DeepSeek-V3, GLM-4.5, DeepSeek-V4,
-Kimi-K2.5, MiniMax-M2, Qwen2-MoE and Llama 4."""
+Kimi-K2.5, MiniMax-M2, Qwen2-MoE, Llama 4 and gpt-oss."""
 from __future__ import annotations
 
 import json
@@ -108,25 +108,51 @@ def test_sm90_on_real_deepseek_v4_checkpoints(d, layer):
     assert abs(cosine(yb, ref["y"]) - cosine(ref["y"], y_ref)) < 3e-4
 
 
-FAMILIES = ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text")
+FAMILIES = ("kimi_k25", "minimax_m2", "qwen2_moe", "llama4_text", "gpt_oss")
 FAMILY_CASES = [pytest.param(d, layer, id=f"{d.name}-layer{layer}") for d in ALL if _arch(d) in FAMILIES
                 for layer in (0, 1)]
 
 
 @pytest.mark.parametrize("d,layer", FAMILY_CASES)
 def test_sm90_on_real_family_checkpoints(d, layer):
-    """Kimi-K2.5, MiniMax-M2, Qwen2-MoE (sigmoid-gated shared expert) and Llama 4 (router weight on
-    the expert's input: the scaled rows go through the kernel as one-slot rows) from both tools on
-    cuda-sm90: against the tool's float32 forward cosine >= 0.99999 and output norm within 0.1%;
-    the router's choice equal to the model's on every token; the torch backend's result on the
-    same weights."""
+    """Kimi-K2.5, MiniMax-M2, Qwen2-MoE (sigmoid-gated shared expert), Llama 4 (router weight on
+    the expert's input: the scaled rows go through the kernel as one-slot rows) and gpt-oss (expert
+    biases, the clamped activation with alpha 1.702 and up + 1, the router's bias) from both tools
+    on cuda-sm90: against the tool's float32 forward cosine >= 0.99999 and output norm within 0.1%;
+    the router's choice equal to the model's on every token (gpt-oss: the float32 model's); the
+    torch backend's result on the same weights."""
     be = backend_or_skip("cuda-sm90")
     loaded = C.load(d, layer=layer)
     ref = _ref(d, layer)
     gpu = MoELayer(loaded.weights, loaded.config, backend=be)
     x, y_ref = ref["x"].cuda(), ref["y_fp32"]
     _, ids = gpu.route(x)
-    assert torch.equal(ids.long().sort(-1).values.cpu(), ref["topk_ids"].long().sort(-1).values)
+    want_ids = ref.get("topk_ids_fp32", ref["topk_ids"])  # gpt-oss: transformers routes in the model's dtype
+    assert torch.equal(ids.long().sort(-1).values.cpu(), want_ids.long().sort(-1).values)
     _float32_forward_agrees(gpu, loaded, x, y_ref)
     yb = gpu(x).float().cpu()  # bf16 in and out: as close to the tool's bf16 forward as its own float32 one
     assert cosine(yb, ref["y"]) >= cosine(ref["y"], y_ref) - 3e-4
+
+
+GPT_OSS_CASES = [pytest.param(d, layer, id=f"{d.name}-layer{layer}") for d in ALL if _arch(d) == "gpt_oss"
+                 for layer in (0, 1)]
+
+
+@pytest.mark.parametrize("d,layer", GPT_OSS_CASES)
+def test_sm90_gpt_oss_computes_every_piece(d, layer):
+    """gpt-oss on cuda-sm90: the same layer without the gate/up bias, the down bias, the clamp or
+    the activation's alpha and shift is measurably further from the tool's float32 forward, so
+    the kernel path computes each of them (not only the torch backend)."""
+    be = backend_or_skip("cuda-sm90")
+    loaded = C.load(d, layer=layer)
+    ref = _ref(d, layer)
+    w, c = loaded.weights, loaded.config
+    x, y_ref = ref["x"].cuda().float(), ref["y_fp32"]
+    y = MoELayer(w, c, backend=be)(x).float().cpu()
+    assert cosine(y, y_ref) >= 0.99999
+    for what, weights, cfg in (("b13", C.MoEWeights(**{**w.__dict__, "b13": None}), c),
+                               ("b2", C.MoEWeights(**{**w.__dict__, "b2": None}), c),
+                               ("clamp", w, c.with_(swiglu_limit=None)),
+                               ("alpha and shift", w, c.with_(swiglu_alpha=1.0, swiglu_up_shift=0.0))):
+        other = MoELayer(weights, cfg, backend=be)(x).float().cpu()
+        assert cosine(other, y_ref) < 0.9999, what
