@@ -37,8 +37,11 @@ Per family (docs/SPEC.md §3.4.1): Llama 4's and gpt-oss's router ``router.weigh
 block-level ``e_score_correction_bias``; Qwen2-MoE's and Llama 4's singular ``shared_expert.*``
 and Qwen2-MoE's unquantized ``shared_expert_gate.weight``; ModelOpt's fused, transposed Llama 4
 experts ``experts.gate_up_proj`` u8 ``[E, H/2, 2I]`` with ``_weight_scale`` / ``_weight_scale_2``
-/ ``_input_scale``; layers numbered ``layers.N`` or ``blocks.N``. gpt-oss is refused with or
-without ``config=``, naming what it needs and the tensors that would be dropped.
+/ ``_input_scale`` (gpt-oss's with interleaved gate/up columns, reordered at load); gpt-oss's
+expert biases (``experts.gate_up_proj_bias`` / ``experts.down_proj_bias``, per expert
+``experts.{e}.{gate,up,down}_proj.bias``, megamoe's own ``w13_bias`` / ``w2_bias``;
+:mod:`~megamoe.checkpoint.readers.biases`) and its router bias ``router.bias``; layers numbered
+``layers.N`` or ``blocks.N``.
 
 Every tensor under the layer's prefix is read, or the load fails naming the first that is
 not (with or without ``config=``): a layer is never computed without one of its tensors. A
