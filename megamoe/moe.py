@@ -44,9 +44,9 @@ class MoELayer:
         self._check_weights(weights, config)
         self.config = config
         self.backend = get_backend(backend, device=device)
+        self._check_expert_math(weights, config)
         self.device = self.backend.device
         # A backend that re-lays out the routed experts makes its own device copy of them; the layer's
-        self._check_expert_math(weights, config)
         # NVFP4 copy of those experts (read only by the reference paths) then stays in host memory, so
         # the device holds each weight once.
         host_routed = self.backend.copies_routed_weights and self.device.type != "cpu"
@@ -56,8 +56,6 @@ class MoELayer:
     def _check_weights(self, weights: MoEWeights, config: MoEConfig) -> None:
         weights.validate(config)
 
-    def _routed_weights(self) -> MoEWeights:
-        """What the backend prepares (the routed experts; the layer runs the rest itself)."""
     def _check_expert_math(self, weights: MoEWeights, config: MoEConfig) -> None:
         """The backend computes the layer's expert biases (``b13``, ``b2``) and activation variant
         (``swiglu_alpha``, ``swiglu_up_shift``; gpt-oss), or the layer is refused: a backend that
@@ -69,6 +67,8 @@ class MoELayer:
             raise NotImplementedError(f"backend {self.backend.name!r} does not compute expert biases or the gpt-oss "
                                       f"activation ({', '.join(needs)}); use the torch or cuda-sm100 backend")
 
+    def _routed_weights(self) -> MoEWeights:
+        """What the backend prepares (the routed experts; the layer runs the rest itself)."""
         return self.weights
 
     # ------------------------------------------------------------------ builders
@@ -107,6 +107,7 @@ class MoELayer:
         layer._check_weights(weights, config)
         layer.config = config
         layer.backend = get_backend(backend, device=device)
+        layer._check_expert_math(weights, config)
         layer.device = layer.backend.device
         for f in dataclasses.fields(weights):
             value = getattr(weights, f.name)
@@ -130,6 +131,9 @@ class MoELayer:
     def route(self, hidden_states=None, router_logits=None, input_ids=None):
         """``(topk_weights f32 [T,k], topk_ids i32 [T,k])`` from logits, or from the layer's router.
 
+        Logits computed here include the weights' ``router_logit_bias`` (gpt-oss); given
+        ``router_logits`` are used as they are.
+
         A hash-routed layer takes its experts from ``tid2eid[input_ids]`` (``input_ids`` int
         ``[T]`` required, else :class:`megamoe.routing.InputIdsRequired`) and their weights
         from the scores. The router GEMM is float32 and batch-invariant
@@ -142,6 +146,8 @@ class MoELayer:
             if self.weights.router_weight is None:
                 raise ValueError("this layer has no router weight: pass topk_ids/topk_weights or router_logits")
             router_logits = matmul(hidden_states.float(), self._float32("router_weight"), self.batch_invariant)
+            if self.weights.router_logit_bias is not None:  # gpt-oss: the router's own bias
+                router_logits = router_logits + self.weights.router_logit_bias.float()
         if router_logits.shape[-1] != cfg.num_experts or router_logits.dim() != 2:
             raise ValueError(f"router_logits must be [T, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         return route(router_logits, cfg.top_k, cfg.scoring, self.weights.router_bias, cfg.n_group,
@@ -163,9 +169,6 @@ class MoELayer:
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"hidden_states dtype {x.dtype}: expected bfloat16, float16 or float32")
         t = x.shape[0]
-        Logits computed here include the weights' ``router_logit_bias`` (gpt-oss); given
-        ``router_logits`` are used as they are.
-
         if (topk_ids is None) != (topk_weights is None):
             raise ValueError("topk_ids and topk_weights must be given together")
         if topk_ids is not None:
@@ -178,8 +181,6 @@ class MoELayer:
                 raise ValueError(f"topk_ids out of range [0, {cfg.num_experts}): "
                                  f"min {int(topk_ids.min())}, max {int(topk_ids.max())}")
         if router_logits is not None and tuple(router_logits.shape) != (t, cfg.num_experts):
-            if self.weights.router_logit_bias is not None:  # gpt-oss: the router's own bias
-                router_logits = router_logits + self.weights.router_logit_bias.float()
             raise ValueError(f"router_logits must be [{t}, {cfg.num_experts}], got {tuple(router_logits.shape)}")
         if input_ids is not None and (not torch.is_tensor(input_ids) or tuple(input_ids.shape) != (t,)):
             shape = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
