@@ -163,7 +163,7 @@ void register_sm90(nb::module_& m) {
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
          std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray h_quant_scale,
          int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream, OptArray slot_experts,
-         OptArray entry_row_out) {
+         OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         sm90::GroupedGemmArgs a;
         a.act = ptr<const uint16_t>(act, "act", 2);
@@ -196,6 +196,15 @@ void register_sm90(nb::module_& m) {
         a.a_row_scale = opt_ptr<const float>(a_row_scale, "a_row_scale", 4);
         a.swiglu_clamp = swiglu_limit.has_value();
         a.swiglu_limit = swiglu_limit.value_or(0.f);
+        a.swiglu_alpha = swiglu_alpha;
+        a.swiglu_up_shift = swiglu_up_shift;
+        if (bias) {
+          if (elem_type(*bias, "bias") != ElemType::kFloat32 || numel(*bias) != int64_t(a.num_experts) * a.N)
+            throw std::invalid_argument("grouped_gemm: bias must be float32 [E, N] = [" + std::to_string(a.num_experts) +
+                                        ", " + std::to_string(a.N) + "] (one value per expert and weight row), got " +
+                                        std::to_string(numel(*bias)) + " values of " + dtype_name(bias->dtype()));
+          a.bias = ptr<const float>(*bias, "bias", 4);
+        }
         a.epilogue = epilogue;
         if (out && elem_type(*out, "out") == ElemType::kBFloat16) {
           a.out_bf16 = ptr<uint16_t>(*out, "out", 2);
@@ -246,11 +255,14 @@ void register_sm90(nb::module_& m) {
       nb::arg("out").none() = nb::none(), nb::arg("out_operand").none() = nb::none(),
       nb::arg("h_quant_scale").none() = nb::none(), nb::arg("max_total_rows"),
       nb::arg("plan"), nb::arg("stream"), nb::arg("slot_experts").none() = nb::none(),
-      nb::arg("entry_row_out").none() = nb::none(),
+      nb::arg("entry_row_out").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+      nb::arg("swiglu_alpha") = 1.0f, nb::arg("swiglu_up_shift") = 0.0f,
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
       "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
       "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input; the "
-      "silu_mul GEMM then writes the token's entry_row into entry_row_out (j, or -1 when dropped).");
+      "silu_mul GEMM then writes the token's entry_row into entry_row_out (j, or -1 when dropped). bias: float32 [E, N] "
+      "added to each weight row's scaled product (silu_mul: gate rows then up rows, before the activation); "
+      "swiglu_alpha, swiglu_up_shift: h = (up + shift) * gate * sigmoid(alpha * gate) (gpt-oss: 1.702, 1).");
 
   m.def(
       "sm90_moe_combine",

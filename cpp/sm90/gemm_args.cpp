@@ -23,6 +23,8 @@ const char* grouped_gemm_args_error(const GroupedGemmArgs& a) {
   if (a.out && a.out_bf16) return "give one of out and out_bf16";
   if (!a.out && !a.out_bf16 && !(silu_mul && a.out_operand)) return "give out (or out_operand with silu_mul)";
   if (a.out_operand && !silu_mul) return "out_operand (h as the gemm2 operand) needs the silu_mul epilogue";
+  if (!silu_mul && (a.swiglu_clamp || a.swiglu_alpha != 1.f || a.swiglu_up_shift != 0.f))
+    return "swiglu_limit, swiglu_alpha and swiglu_up_shift shape the silu_mul epilogue only";
   if (a.h_quant_gs && !(silu_mul && a.out_operand)) return "h_quant_scale (h quantized to NVFP4) needs out_operand";
   if (a.entry_row_out && !(a.slot_experts && silu_mul))
     return "entry_row_out is written by the silu_mul GEMM with slot_experts only";

@@ -108,13 +108,26 @@ __device__ __forceinline__ float scaled(float acc, float alpha, float row_scale)
   return ((acc * kDequantAlpha) * alpha) * row_scale;
 }
 
-// SiLU(gate) * up with the optional clamp of megamoe.backends.torch_ref.swiglu.
-__device__ __forceinline__ float swiglu(float gate, float up, bool clamp, float limit) {
-  if (clamp) {
-    gate = fminf(gate, limit);
-    up = fminf(fmaxf(up, -limit), limit);
+// The expert's row of GroupedGemmArgs::bias ([N] floats), or null without a bias.
+__device__ __forceinline__ const float* expert_bias(const GroupedGemmArgs& a, int expert) {
+  return a.bias ? a.bias + int64_t(expert) * a.N : nullptr;
+}
+// v plus bias b[n] (b: expert_bias); v itself without a bias (not v + 0, which would turn -0 into +0).
+__device__ __forceinline__ float add_bias(float v, const float* b, int64_t n) { return b ? v + __ldg(b + n) : v; }
+
+// h of output column col (of I) from its gate and up products, megamoe.reference.swiglu: the expert's gate and up bias
+// (b: expert_bias, gate row col and up row I + col), the optional clamp, then (up + shift) * gate * sigmoid(alpha *
+// gate), which for alpha 1 and shift 0 is silu(gate) * up, bit for bit.
+__device__ __forceinline__ float swiglu(const GroupedGemmArgs& a, const float* b, int64_t I, int64_t col, float gate,
+                                        float up) {
+  gate = add_bias(gate, b, col);
+  up = add_bias(up, b, I + col);
+  if (a.swiglu_clamp) {
+    gate = fminf(gate, a.swiglu_limit);
+    up = fminf(fmaxf(up, -a.swiglu_limit), a.swiglu_limit);
   }
-  return silu(gate) * up;
+  if (a.swiglu_up_shift != 0.f) up += a.swiglu_up_shift;
+  return __fdividef(gate, 1.0f + expf(-(a.swiglu_alpha * gate))) * up;
 }
 
 // Output scales of one expert: alpha0 for the only (or the gate) accumulator, alpha1 for the up

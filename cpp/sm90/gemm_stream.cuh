@@ -193,7 +193,7 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
 // not as a whole (I % 16 == 0).
 __device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const float (&sum)[2][4], int tok, int rows,
                                                int row_begin, unsigned rb, int g, int tig, const bool (&rvalid)[2][2],
-                                               int64_t I, float alpha0, float alpha1, float gs) {
+                                               int64_t I, float alpha0, float alpha1, float gs, const float* bias) {
   float hv[2][2], m[2] = {0.f, 0.f};
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -203,8 +203,8 @@ __device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const f
       float v = 0.f;
       if (tk < rows && rvalid[0][hh]) {
         const float rs = a.a_row_scale ? a.a_row_scale[int64_t(row_begin) + tk] : 1.0f;
-        v = swiglu(scaled(sum[0][2 * hh + t], alpha0, rs), scaled(sum[1][2 * hh + t], alpha1, rs), a.swiglu_clamp,
-                   a.swiglu_limit);
+        v = swiglu(a, bias, I, int64_t(rb) * 16 + g + 8 * hh, scaled(sum[0][2 * hh + t], alpha0, rs),
+                   scaled(sum[1][2 * hh + t], alpha1, rs));
       }
       hv[hh][t] = v;
       m[t] = fmaxf(m[t], fabsf(v));  // fmaxf drops NaN, as the quantizer's block amax does
@@ -234,7 +234,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
                                                      float (&partial)[4][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
                                                      bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
-                                                     float alpha0, float alpha1, float h_gs) {
+                                                     float alpha0, float alpha1, float h_gs, const float* bias) {
   const int64_t I = N / 2;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -255,7 +255,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
                      partial[3][mt][nt][i][lane];
     // c0/c1: row g, tokens 2tig/2tig+1; c2/c3: row g+8.
     if (kQuantH && silu_mul && a.out_operand && a.h_quant_gs) {
-      stream_h_nvfp4(a, sum, tok0 + nt * 8, rows, row_begin, rb, g, tig, rvalid, I, alpha0, alpha1, h_gs);
+      stream_h_nvfp4(a, sum, tok0 + nt * 8, rows, row_begin, rb, g, tig, rvalid, I, alpha0, alpha1, h_gs, bias);
       continue;
     }
 #pragma unroll
@@ -270,8 +270,8 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           if (!rvalid[0][hh]) continue;
           const float gate = scaled(sum[0][2 * hh + t], alpha0, rs);
           const float up = scaled(sum[1][2 * hh + t], alpha1, rs);
-          const float hv = swiglu(gate, up, a.swiglu_clamp, a.swiglu_limit);
           const int64_t col = int64_t(rb) * 16 + g + 8 * hh;
+          const float hv = swiglu(a, bias, I, col, gate, up);
           if (kOperandOut && a.out_operand) {
             store_operand_bf16(a.out_operand, out_row, I, col, hv, false);
           } else {
@@ -282,7 +282,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
           for (int mt = 0; mt < 2; ++mt) {
             if (!rvalid[mt][hh]) continue;
             const int64_t n = int64_t(rb) * kStreamRows + mt * 16 + g + 8 * hh;
-            store_out(a, out_row * N + n, scaled(sum[mt][2 * hh + t], alpha0, rs));
+            store_out(a, out_row * N + n, add_bias(scaled(sum[mt][2 * hh + t], alpha0, rs), bias, n));
           }
         }
       }
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
       }
     }
     stream_pass_epilogue<NT, true, true>(a, acc, partial, tok0, rows, row_begin, blockIdx.x, warp, lane, g, tig, silu_mul,
-                                   rvalid, N, alpha0, alpha1, h_quant_scale(a, expert));
+                                   rvalid, N, alpha0, alpha1, h_quant_scale(a, expert), expert_bias(a, expert));
   }
 }
 
@@ -440,7 +440,7 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
     }
     stream_pass_epilogue<1, kFused || kQuantH, kQuantH>(a, acc, partial, tok0, rows, row_begin, rb, warp, lane, g,
                                                         tig, silu_mul, rvalid, N, alpha0, alpha1,
-                                                        h_quant_scale(a, expert));
+                                                        h_quant_scale(a, expert), expert_bias(a, expert));
   }
 }
 

@@ -218,6 +218,8 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
   float alpha0, alpha1;
   epilogue_alphas(a, expert, true, alpha0, alpha1);
   const int c = wg * 32 + wq * 8 + g;  // the thread's column within the block's kCols
+  const int64_t col0 = int64_t(rb) * kCols;
+  const float* bias = col0 + c < I ? expert_bias(a, expert) : nullptr;  // (a column past I reads no bias)
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
@@ -227,15 +229,13 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
       float v = 0.f;
       if (m0 + i < rows) {
         const float rs = a.a_row_scale ? a.a_row_scale[int64_t(row_begin) + m0 + i] : 1.0f;
-        v = swiglu(scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + t + 2], alpha1, rs), a.swiglu_clamp,
-                   a.swiglu_limit);
+        v = swiglu(a, bias, I, col0 + c, scaled(acc[4 * j + t], alpha0, rs), scaled(acc[4 * j + t + 2], alpha1, rs));
       }
       tile[i * kHRow + c] = v;
     }
   }
   __syncthreads();
   const float gs = h_quant_scale(a, expert);
-  const int64_t col0 = int64_t(rb) * kCols;
   for (int q = threadIdx.x; q < N * (kCols / 16); q += WgCfg<kMaxN>::kThreads) {
     const int i = q / (kCols / 16), kb = q % (kCols / 16);
     if (m0 + i >= rows || col0 + 16 * kb >= I) continue;
@@ -275,6 +275,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
   constexpr int kTok = N / 4;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
+  const float* bias = expert_bias(a, expert);
   const int t0 = m0 + 2 * tig;  // the thread's first token in the expert's rows
   float rs[kTok];
 #pragma unroll
@@ -301,8 +302,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
     float hv[kTok];
 #pragma unroll
     for (int i = 0; i < kTok; ++i)
-      hv[i] = swiglu(scaled(acc[wg_acc(i)], alpha0, rs[i]), scaled(acc[wg_acc(i) + 2], alpha1, rs[i]), a.swiglu_clamp,
-                     a.swiglu_limit);
+      hv[i] = swiglu(a, bias, I, col, scaled(acc[wg_acc(i)], alpha0, rs[i]), scaled(acc[wg_acc(i) + 2], alpha1, rs[i]));
     const int64_t row0 = (int64_t(row_begin) + t0) * I;
     if (a.out_operand) {  // h as the bf16 gemm2 operand, lane order (store_operand_bf16)
       store_tokens(a.out_operand + row0 + operand_column(col, true), I,
@@ -317,8 +317,8 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
     // rows n0 and n0 + 8 of each token, through cvt (fp32 out, or bf16 out_bf16: store_out)
     auto store_rows = [&](auto* out, auto&& cvt) {
       store_tokens(out + base, Nw, [&](auto* q, int i) {
-        if (v0) q[0] = cvt(scaled(acc[wg_acc(i)], alpha0, rs[i]));
-        if (v1) q[8] = cvt(scaled(acc[wg_acc(i) + 2], alpha0, rs[i]));
+        if (v0) q[0] = cvt(add_bias(scaled(acc[wg_acc(i)], alpha0, rs[i]), bias, n0));
+        if (v1) q[8] = cvt(add_bias(scaled(acc[wg_acc(i) + 2], alpha0, rs[i]), bias, n0 + 8));
       });
     };
     if (a.out_bf16) {

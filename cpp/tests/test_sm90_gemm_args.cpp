@@ -85,6 +85,16 @@ int main() {
   expect("streaming gemm1", gemm1(), nullptr);
   expect("wgmma gemm2", wgmma_gemm2(), nullptr);
   expect("one token's gemm1", one_token_gemm1(), nullptr);
+  {
+    GroupedGemmArgs a = gemm1();  // gpt-oss: biases on both GEMMs, its activation on gemm1
+    a.bias = fake<const float>(0xB0000);
+    a.swiglu_alpha = 1.702f;
+    a.swiglu_up_shift = 1.f;
+    expect("gpt-oss gemm1", a, nullptr);
+    GroupedGemmArgs b = wgmma_gemm2();
+    b.bias = fake<const float>(0xC0000);
+    expect("gemm2 with a bias", b, nullptr);
+  }
   for (int tpp : {16, 32, 64}) broken("tokens per pass", [&](GroupedGemmArgs& a) { a.tokens_per_pass = tpp; }, nullptr);
 
   broken("K % 16", [](GroupedGemmArgs& a) { a.K = 1000; }, "K must be a positive multiple of 16");
@@ -109,6 +119,12 @@ int main() {
   broken("no output", [](GroupedGemmArgs& a) { a.out = nullptr; }, "give out");
   broken("operand out of store", [](GroupedGemmArgs& a) { a.out_operand = fake<uint16_t>(0x80000); },
          "out_operand (h as the gemm2 operand) needs the silu_mul", wgmma_gemm2);
+  broken("activation alpha on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_alpha = 1.702f; },
+         "silu_mul epilogue only", wgmma_gemm2);
+  broken("up shift on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_up_shift = 1.f; }, "silu_mul epilogue only",
+         wgmma_gemm2);
+  broken("clamp on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_clamp = true; }, "silu_mul epilogue only",
+         wgmma_gemm2);
   broken("h quantized without operand", [](GroupedGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
          "h_quant_scale (h quantized to NVFP4) needs out_operand");
   broken("entry_row_out without slots", [](GroupedGemmArgs& a) { a.entry_row_out = fake<int32_t>(0xA0000); },

@@ -256,6 +256,8 @@ class PreparedSm90:
     # every expert's gemm1 input scale is the same value (e.g. a checkpoint loaded with input_scales="max"): a token's
     # NVFP4 gemm1 input is then the same in all its k slots, so from TOKEN_ORDER_FROM tokens it is quantized once
     w13_input_scale_uniform: bool = False
+    b13: torch.Tensor | None = None  # f32 [E, 2I] expert gate/up bias (gpt-oss), added in gemm1's epilogue
+    b2: torch.Tensor | None = None   # f32 [E, H] expert down bias, added in gemm2's epilogue (before the weight)
 
 
 def one_value(t: torch.Tensor | None) -> bool:
@@ -302,6 +304,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
 
     name = "cuda-sm90"
     copies_routed_weights = True  # the packed data in the sm90 word layout (prepare_weights)
+    expert_bias_and_activation = True  # b13 / b2 and swiglu_alpha / swiglu_up_shift in the GEMM epilogues (gpt-oss)
 
     def __init__(self, device: str | torch.device | None = None, kernel: str = "auto", tokens_per_pass: int = 0) -> None:
         """``kernel``/``tokens_per_pass``: an explicit choice for benchmarks and tests ("auto"/0: the plan's)."""
@@ -446,6 +449,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w13_input_scale=in1,
             w2_input_scale=None if w.w2_input_scale is None else w.w2_input_scale.to(dev, torch.float32).contiguous(),
             w13_input_scale_uniform=one_value(in1),
+            b13=None if w.b13 is None else w.b13.to(dev, torch.float32).contiguous(),
+            b2=None if w.b2 is None else w.b2.to(dev, torch.float32).contiguous(),
         )
 
     MAX_WORKSPACES = 8
@@ -542,7 +547,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a1, a1_rows = ws.a1, None
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
                               w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit,
+                              a_row_scale=a_rs, **self._gemm1_epilogue(prepared, cfg),
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
                               h_quant_scale=prepared.w2_input_scale if plan.h_operand and not w4a16 else None,
                               **common)
@@ -554,10 +559,17 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y  # fp16 / fp32 x: fp32 rows (more than bf16's precision)
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, out=y, **common)
+                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
+
+    @staticmethod
+    def _gemm1_epilogue(prepared: PreparedSm90, cfg) -> dict:
+        """gemm1's epilogue: h = (up + shift) * gate * sigmoid(alpha * gate) of the biased, clamped gate and up
+        (megamoe.reference.swiglu; SwiGLU for alpha 1, shift 0)."""
+        return dict(epilogue=_ext.ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit, bias=prepared.b13,
+                    swiglu_alpha=cfg.swiglu_alpha, swiglu_up_shift=cfg.swiglu_up_shift)
 
     @staticmethod
     def _without_align(plan) -> bool:
@@ -575,7 +587,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         k = cfg.top_k
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
         gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
-                     epilogue=ext.Sm90Epilogue.silu_mul, swiglu_limit=cfg.swiglu_limit, out_operand=ws.a2,
+                     **self._gemm1_epilogue(prepared, cfg), out_operand=ws.a2,
                      entry_row_out=ws.entry_row, **slots)
         if cfg.act_mode == "w4a16":
             ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **gemm1)
@@ -596,7 +608,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
                               w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
-                              epilogue=ext.Sm90Epilogue.store, out=y, **slots)
+                              epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **slots)
         out = torch.empty((1, x.shape[1]), dtype=x.dtype, device=x.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out

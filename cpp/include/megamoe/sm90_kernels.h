@@ -78,6 +78,14 @@ struct GroupedGemmArgs {
   const float* a_row_scale = nullptr;     // per grouped row activation global scale (dynamic W4A4), multiplies too
   bool swiglu_clamp = false;              // kSiluMul: gate = min(gate, limit), up = clamp(up, -limit, limit)
   float swiglu_limit = 0.f;
+  // kSiluMul: h = (up + swiglu_up_shift) * gate * sigmoid(swiglu_alpha * gate) (after the clamp); 1 and 0: SwiGLU,
+  // silu(gate) * up, bit for bit; gpt-oss 1.702 and 1
+  float swiglu_alpha = 1.f;
+  float swiglu_up_shift = 0.f;
+  // [E, N] fp32 expert bias added to the scaled product of weight row n (gpt-oss): kSiluMul the gate rows' then the
+  // up rows' (before the clamp and the activation), kStore each output column (before the combine's routing
+  // weight); null: none
+  const float* bias = nullptr;
   int64_t N = 0, K = 0;
   Epilogue epilogue = Epilogue::kStore;
   float* out = nullptr;
