@@ -374,3 +374,33 @@ def test_the_fixtures_make_every_piece_bite(name):
         assert gate_over > 0 and up_over > 0, (gate_over, up_over)
         assert float(w.b13.std()) > 0.5 and float(w.b2.std()) > 0.2 and float(w.router_logit_bias.std()) > 0.2
         assert math.isfinite(float(w.b13.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["modelopt_gpt_oss_nvfp4", "llmc_gpt_oss_nvfp4"])
+def test_expert_parallel_shards_carry_their_experts_biases(name):
+    """Under expert parallelism each rank reads its experts' biases with their weights (ModelOpt's
+    fused [E, 2I] rows, compressed-tensors' per-expert tensors); the ranks' partial sums, each
+    rank running only its experts, add up to the whole layer."""
+    from megamoe.distributed import _expert_part, _local_config, load_shard
+
+    d = FIXTURES / name
+    full = C.load(d, layer=1)
+    e, k = full.config.num_experts, full.config.top_k
+    x = load_file(str(d / "reference.safetensors"))["layers.1.x"].float()
+    layer = MoELayer(full.weights, full.config, backend="torch")
+    w, ids = layer.route(x)
+    whole = layer(x)
+    for world in (2, 4):
+        total = torch.zeros_like(whole)
+        for rank in range(world):
+            s = load_shard(d, rank, world, layer=1)
+            a, b = s.expert_start, s.expert_start + e // world
+            assert torch.equal(s.weights.b13, full.weights.b13[a:b]) and torch.equal(s.weights.b2, full.weights.b2[a:b])
+            assert torch.equal(s.weights.router_logit_bias, full.weights.router_logit_bias)
+            mine = (ids >= a) & (ids < b)
+            local = torch.where(mine, ids - a, torch.full_like(ids, -1)).reshape(-1, 1)  # one slot a row
+            rows = x.repeat_interleave(k, 0)
+            cfg = _local_config(s.config, e // world)
+            y = TorchBackend().moe_forward(_expert_part(s.weights), cfg, rows, local, w.reshape(-1, 1))
+            total += y.view(-1, k, x.shape[1]).sum(1)
+        assert cosine(total, whole) > 0.999999 and float((total - whole).abs().max() / whole.abs().max()) < 1e-5
