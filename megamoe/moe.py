@@ -91,7 +91,7 @@ class MoELayer:
 
     @classmethod
     def from_prepared(cls, weights: MoEWeights, config: MoEConfig, prepared, backend: str | Backend = "auto",
-                      device=None) -> "MoELayer":
+                      device=None, float32: dict[str, torch.Tensor] | None = None) -> "MoELayer":
         """A layer over weights that ``backend`` has already prepared, nothing converted or copied again.
 
         ``prepared`` is what ``backend.prepare_weights`` returned for ``weights`` (in this process or in
@@ -99,8 +99,9 @@ class MoELayer:
         layer's weights as a layer on ``backend`` keeps them: every tensor on the backend's device, except
         the routed experts (``w13``, ``w2``) of a backend that :attr:`~Backend.copies_routed_weights`,
         which may be anywhere (host memory, or the meta device when the layer keeps no copy of its own;
-        only :meth:`reference_bf16` reads them). The layer only reads these tensors: they may be shared
-        with other layers and processes."""
+        only :meth:`reference_bf16` reads them). ``float32``: the float32 copies of the dense weights
+        that the layer would otherwise make itself (:meth:`dense_float32` of a layer over the same
+        weights). The layer only reads these tensors: they may be shared with other layers and processes."""
         if config.router_weight_on_input and cls.forward is not MoELayer.forward:
             raise NotImplementedError(f"{cls.__name__}: router_weight_on_input is computed by MoELayer.forward only")
         layer = cls.__new__(cls)
@@ -119,7 +120,18 @@ class MoELayer:
                                  f"{layer.backend.name} runs on {layer.device}")
         layer.weights = weights
         layer._prepared = prepared
+        for name, copy in (float32 or {}).items():
+            src = getattr(weights, name)
+            if src is None or tuple(copy.shape) != tuple(src.shape) or copy.dtype != torch.float32:
+                raise ValueError(f"from_prepared: float32[{name!r}] is not a float32 copy of weights.{name}")
+            layer.__dict__.setdefault("_f32_cache", {})[name] = (src, copy)
         return layer
+
+    def dense_float32(self) -> dict[str, torch.Tensor]:
+        """The float32 copies of the dense weights (router, shared expert, its gate) that the forward
+        uses, by field name, made now where not yet (what :meth:`from_prepared` takes to share them)."""
+        names = ("router_weight", "shared_gate_up", "shared_down", "shared_expert_gate")
+        return {name: self._float32(name) for name in names if getattr(self.weights, name, None) is not None}
 
     # ------------------------------------------------------------------ routing
     @property

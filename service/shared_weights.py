@@ -2,7 +2,8 @@
 
 The weights process, started and supervised by the parent (service/instances.py), loads the layer and
 prepares it for the backend once, then keeps it: the device tensors of the prepared layer, the dense
-weights (router, shared expert) and the tables. Each instance connects to it over a Unix socket and
+weights (router, shared expert) with the float32 copies of them that the forward's GEMMs read, and the
+tables. Each instance connects to it over a Unix socket and
 receives the layer through torch.multiprocessing's sharing: CUDA tensors as CUDA IPC handles (the
 instance maps the same device memory), host tensors as shared-memory files (on the CPU, the instance
 maps the same pages). The instance then builds its layer with :meth:`megamoe.moe.MoELayer.from_prepared`
@@ -58,6 +59,7 @@ class SharedLayer:
     weights: object        # MoEWeights
     config: object         # MoEConfig
     prepared: object       # what the backend's prepare_weights returned
+    float32: dict          # the float32 copies of the dense weights (MoELayer.dense_float32)
     load_report: object | None
     device: str
     device_bytes: int      # bytes of the shared tensors on the device
@@ -119,9 +121,9 @@ def package_layer(layer) -> SharedLayer:
                                       else weights.w13,
                                       w2=_placeholder(weights.w2) if weights.w2.device.type == "cpu" else weights.w2)
     package = SharedLayer(weights=weights, config=layer.config, prepared=layer._prepared,
-                          load_report=getattr(layer, "load_report", None), device=str(layer.device),
-                          device_bytes=0, host_bytes=0)
-    tensors = list(iter_tensors((package.weights, package.prepared)))
+                          float32=layer.dense_float32(), load_report=getattr(layer, "load_report", None),
+                          device=str(layer.device), device_bytes=0, host_bytes=0)
+    tensors = list(iter_tensors((package.weights, package.prepared, package.float32)))
     totals = storage_bytes(tensors)
     host = totals.pop("cpu", 0)
     if host:
@@ -186,8 +188,11 @@ def holder_main(settings, listener: socket.socket, channel: socket.socket) -> No
         if layer.device.type == "cuda":
             torch.cuda.synchronize(layer.device)
         package = package_layer(layer)
+        cuda = layer.device.type == "cuda"
         del layer  # what the instances do not receive (a CUDA layer's host copy of the experts) is freed
         _return_freed_memory()
+        if cuda:
+            torch.cuda.empty_cache()  # the preparation's temporaries: the device keeps only the shared tensors
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the server
         log.error("the model cannot be loaded: %s: %s", type(exc).__name__, exc)
         log.debug("traceback", exc_info=exc)
@@ -303,7 +308,8 @@ class SharedLayerLoader:
             conn.close()
             raise RuntimeError(str(payload))
         layer = MoELayer.from_prepared(payload.weights, payload.config, payload.prepared,
-                                       backend=resolve_backend(settings.backend), device=settings.device)
+                                       backend=resolve_backend(settings.backend), device=settings.device,
+                                       float32=payload.float32)
         layer.batch_invariant = settings.batch_invariant
         if payload.load_report is not None:
             layer.load_report = payload.load_report

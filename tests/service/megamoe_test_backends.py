@@ -50,7 +50,7 @@ class StickyDeviceErrorBackend(TorchBackend):
         super().__init__()
         self.dead = False
 
-    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights, batch_invariant=True):
         self.dead = True
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
 
@@ -103,13 +103,23 @@ class DeviceDiesOnFileBackend(TorchBackend):
         super().__init__()
         self.dead = False
 
-    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights):
+    def moe_forward(self, prepared, cfg, x, topk_ids, topk_weights, batch_invariant=True):
         broken = os.environ.get("MEGAMOE_TEST_BREAK")
         if self.dead or (broken and os.path.exists(broken)):
             self.dead = True
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
-        return super().moe_forward(prepared, cfg, x, topk_ids, topk_weights)
+        return super().moe_forward(prepared, cfg, x, topk_ids, topk_weights, batch_invariant)
 
     def synchronize(self) -> None:
         if self.dead:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected by the test)")
+
+
+class UnpicklablePreparedBackend(TorchBackend):
+    """The torch backend whose prepared weights hold a function made at run time, which no pickler can
+    send to another process: the layer cannot be shared between instances."""
+
+    def prepare_weights(self, weights):
+        prepared = super().prepare_weights(weights)
+        prepared.local_hook = lambda: None
+        return prepared

@@ -101,10 +101,11 @@ def private_bytes(pid: int) -> int:
 
 
 def layer_bytes(layer) -> int:
-    """Bytes of the layer's tensors (weights and the backend's prepared form), each storage once."""
+    """Bytes of the layer's tensors (weights, the backend's prepared form, the float32 copies of the dense
+    weights), each storage once."""
     from megamoe.service.shared_weights import iter_tensors, storage_bytes
 
-    return sum(storage_bytes(iter_tensors((layer.weights, layer._prepared))).values())
+    return sum(storage_bytes(iter_tensors((layer.weights, layer._prepared, layer.dense_float32()))).values())
 
 
 def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
@@ -250,5 +251,18 @@ def test_a_model_that_cannot_be_loaded_stops_the_server_with_status_1(tmp_path):
         log = log_of(srv)
         assert "[weights] megamoe.service.weights: the model cannot be loaded" in log, log[-3000:]
         assert "no-such-checkpoint" in log
+    finally:
+        srv.stop()
+
+
+def test_a_prepared_layer_that_cannot_be_shared_stops_the_server_and_names_the_way_out(tmp_path):
+    srv = start(tmp_path, "unpicklable", "--backend", "megamoe_test_backends:UnpicklablePreparedBackend",
+                preset="tiny", wait=False)
+    try:
+        srv.proc.wait(120)
+        assert srv.proc.returncode == 1, log_of(srv)[-3000:]
+        log = log_of(srv)
+        assert "the prepared layer cannot be shared with the instances" in log, log[-3000:]
+        assert "serve with --no-share-weights" in log
     finally:
         srv.stop()
