@@ -605,8 +605,8 @@ class _Supervisor:
                          describe_bytes(loaded["device"], loaded["device_bytes"], loaded["host_bytes"]),
                          loaded["device_bytes"], loaded["host_bytes"])
             elif "failed" in news and not self.stopping:
-                log.error("weights process (pid %d): the model cannot be shared with the instances: %s: stopping the "
-                          "instances (the server exits 1)", self.weights.pid, news["failed"])
+                log.error("weights process (pid %d) failed: %s: stopping the instances (the server exits 1)",
+                          self.weights.pid, news["failed"])
                 self.failed = True
                 self.stop()
 

@@ -3,8 +3,9 @@ copy is torch's shared host memory: the instances answer bit for bit what the li
 every instance maps the very shared-memory files the weights process made (the same inodes), an
 instance's private memory holds no copy of the weights (against a ``--no-share-weights`` server whose
 instances each hold one), a full kernel-health run leaves the answers unchanged, an instance killed
-and restarted maps the same files again, and the server stops (exit 1) when the weights process dies
-or cannot load the model. The GPU counterpart: tests/gpu/test_gpu_instances_shared.py."""
+and restarted maps the same files again, a checkpoint is loaded once and served by both, and the server
+stops (exit 1) when the weights process dies, cannot load the model or cannot share what its backend
+prepared. The GPU counterpart: tests/gpu/test_gpu_instances_shared.py."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"]).to(like.dtype)
 
 
-def answer_on_every_instance(server: ServerProcess, layer, seed: int) -> set[str]:
+def answer_on_every_instance(server: ServerProcess, layer, seed: int, infer: str = INFER) -> set[str]:
     """Requests on one keep-alive connection per instance (opened at once: the parent spreads them), each
     answer compared bit for bit with ``layer``'s; returns the instances that answered."""
     clients = [httpx.Client(base_url=server.url, headers=AUTH, timeout=60) for _ in range(INSTANCES)]
@@ -125,7 +126,7 @@ def answer_on_every_instance(server: ServerProcess, layer, seed: int) -> set[str
         try:
             for j in range(2):
                 body, expected = infer_body(layer, tokens=3 + k, seed=seed + 10 * k + j)
-                reply = clients[k].post(INFER, json=body)
+                reply = clients[k].post(infer, json=body)
                 torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
                 answered[k] = reply.headers["megamoe-instance"]
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -266,3 +267,20 @@ def test_a_prepared_layer_that_cannot_be_shared_stops_the_server_and_names_the_w
         assert "serve with --no-share-weights" in log
     finally:
         srv.stop()
+
+
+def test_a_checkpoint_is_loaded_once_and_served_by_every_instance(tmp_path):
+    from megamoe.cli import main as cli_main
+    from megamoe.moe import MoELayer
+
+    path = tmp_path / "layer.safetensors"
+    assert cli_main(["synth", "--preset", "tiny", "--seed", "7", "--out", str(path), "--quiet"]) == 0
+    local = MoELayer.from_checkpoint(path, backend="torch")
+    srv = start(tmp_path, "checkpoint", "--checkpoint", str(path), preset="tiny")
+    try:
+        # the model is named after the checkpoint file
+        answered = answer_on_every_instance(srv, local, seed=71, infer="/v2/models/layer/infer")
+        assert answered == {str(i) for i in range(INSTANCES)}
+        assert log_of(srv).count("layer mapped from the weights process") == INSTANCES
+    finally:
+        assert srv.stop() == 0, log_of(srv)[-3000:]
