@@ -171,7 +171,13 @@ def serve_instances(settings: ServiceSettings) -> int:
     weights_dir = tempfile.mkdtemp(prefix="megamoe-weights-") if settings.share_weights else None  # mode 0700
     try:
         if weights_dir is not None:
-            supervisor.start_weights(os.path.join(weights_dir, "weights.sock"))
+            path = os.path.join(weights_dir, "weights.sock")
+            try:
+                supervisor.start_weights(path)
+            except OSError as exc:  # a Unix socket path is at most 107 bytes: TMPDIR too deep, say
+                log.error("cannot start the weights process (its socket %s: %s); serve with --no-share-weights or "
+                          "set TMPDIR to a shorter path", path, exc)
+                return 1
         for index in range(count):
             supervisor.start(index)
         log.info("listening on http://%s:%d for %d instances (%s)", host, port, count,
