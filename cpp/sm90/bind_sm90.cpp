@@ -77,7 +77,7 @@ void register_sm90(nb::module_& m) {
       "dst[dst_rows[t*top_k + j]] = bf16 row t of src (entries < 0 skipped), in operand or lane order: each source\n"
       "row read once (moe_align's entry_row places a token's rows).");
 
-  nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_kernels.h)")
+  nb::enum_<sm90::GemmKernel>(m, "Sm90GemmKernel", "Hopper grouped-GEMM kernels (cpp/include/megamoe/sm90_plan.h)")
       .value("auto", sm90::GemmKernel::kAuto)
       .value("stream", sm90::GemmKernel::kStream)
       .value("wgmma32", sm90::GemmKernel::kWgmma32)
@@ -165,10 +165,13 @@ void register_sm90(nb::module_& m) {
          int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream, OptArray slot_experts,
          OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
-        sm90::GroupedGemmArgs a;
+        auto refuse = [](const char* err) {
+          if (err) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
+        };
+        // What both kernel families read (GroupedGemmCommon), then the struct of the plan's family.
+        sm90::GroupedGemmCommon a;
         a.act = ptr<const uint16_t>(act, "act", 2);
         a.act_rows = opt_ptr<const int32_t>(act_rows, "act_rows", 4);
-        a.act_num_rows = int64_t(act.shape(0));
         if (a.act_rows && act.dtype().code != uint8_t(nb::dlpack::dtype_code::Bfloat))
           throw std::invalid_argument("grouped_gemm: a gathered (act_rows) activation must be bfloat16");
         a.num_experts = int(w_data.shape(0));
@@ -177,8 +180,8 @@ void register_sm90(nb::module_& m) {
           if (numel(*expert_offsets) != a.num_experts + 1)
             throw std::invalid_argument("grouped_gemm: expert_offsets must have E+1 entries");
         }
-        a.active_experts = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
-        a.num_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
+        const int32_t* active = opt_ptr<const int32_t>(active_experts, "active_experts", 4);
+        const int32_t* n_active = opt_ptr<const int32_t>(num_active, "num_active", 4);
         a.grid_experts = grid_experts;
         a.w_data = ptr<const uint8_t>(w_data, "w_data", 1);
         a.w_scale = ptr<const uint8_t>(w_scale, "w_scale", 1);
@@ -220,31 +223,51 @@ void register_sm90(nb::module_& m) {
           a.h_quant_gs = ptr<const float>(*h_quant_scale, "h_quant_scale", 4);
           a.h_gs_per_expert = n != 1;
         }
-        a.max_total_rows = max_total_rows;
-        a.kernel = plan.kernel;
-        a.tokens_per_pass = plan.tokens_per_pass;
-        if (slot_experts) {  // one token, no align kernel: slot j is row j (GroupedGemmArgs::slot_experts)
+        const void* slots = nullptr;  // one token, no align kernel: slot j is row j (StreamGemmArgs::slot_experts)
+        bool slots_int64 = false;
+        if (slot_experts) {
           const int bits = slot_experts->dtype().bits;
           if (slot_experts->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
             throw std::invalid_argument("grouped_gemm: slot_experts must be int32 or int64, got " +
                                         dtype_name(slot_experts->dtype()));
-          a.slot_experts = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
-          a.slot_experts_int64 = bits == 64;
+          slots = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
+          slots_int64 = bits == 64;
         }
-        a.entry_row_out = opt_ptr<int32_t>(entry_row_out, "entry_row_out", 4);
-        if (const char* err = sm90::grouped_gemm_args_error(a)) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
+        int32_t* entry_rows = opt_ptr<int32_t>(entry_row_out, "entry_row_out", 4);
+        const cudaStream_t st = stream_of(stream);
+        refuse(sm90::gemm_kernel_error(plan.kernel));
+        if (plan.kernel != sm90::GemmKernel::kStream) {  // wgmma32 / 64 / 128: the plan's tile, stage K, TMA rows
+          sm90::WgmmaGemmArgs w;
+          static_cast<sm90::GroupedGemmCommon&>(w) = a;
+          w.act_num_rows = int64_t(act.shape(0));
+          w.max_total_rows = max_total_rows;
+          w.tile = plan.token_tile;
+          sm90::plan_wgmma_stage(w);
+          refuse(sm90::wgmma_gemm_args_error(w, slots != nullptr, entry_rows != nullptr));
+          check(sm90::launch_wgmma_gemm(w, st), "grouped_gemm");
+          return;
+        }
+        sm90::StreamGemmArgs s;
+        static_cast<sm90::GroupedGemmCommon&>(s) = a;
+        s.active_experts = active;
+        s.num_active = n_active;
+        s.tokens_per_pass = plan.tokens_per_pass;
+        s.slot_experts = slots;
+        s.slot_experts_int64 = slots_int64;
+        s.entry_row_out = entry_rows;
+        refuse(sm90::stream_gemm_args_error(s));
         if (slot_experts) {  // the rules hold: the silu_mul GEMM writes out_operand, the store GEMM out
-          const int64_t slots = grid_experts;
+          const int64_t n_slots = grid_experts;
           const int64_t rows_out = int64_t((epilogue == sm90::Epilogue::kSiluMul ? *out_operand : *out).shape(0));
-          if (numel(*slot_experts) < slots || max_total_rows < slots || rows_out < slots ||
-              (act_rows ? numel(*act_rows) : int64_t(act.shape(0))) < slots ||
-              (entry_row_out && numel(*entry_row_out) < slots))
+          if (numel(*slot_experts) < n_slots || max_total_rows < n_slots || rows_out < n_slots ||
+              (act_rows ? numel(*act_rows) : int64_t(act.shape(0))) < n_slots ||
+              (entry_row_out && numel(*entry_row_out) < n_slots))
             throw std::invalid_argument("grouped_gemm: with slot_experts every grid slot j reads slot_experts[j] and "
                                         "activation row j and writes output row j (and entry_row_out[j]): each needs "
-                                        "grid_experts = " + std::to_string(slots) +
+                                        "grid_experts = " + std::to_string(n_slots) +
                                         " entries or rows (and max_total_rows as many)");
         }
-        check(sm90::launch_grouped_gemm(a, stream_of(stream)), "grouped_gemm");
+        check(sm90::launch_stream_gemm(s, st), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(),
       nb::arg("expert_offsets").none() = nb::none(),

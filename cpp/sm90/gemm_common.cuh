@@ -108,8 +108,8 @@ __device__ __forceinline__ float scaled(float acc, float alpha, float row_scale)
   return ((acc * kDequantAlpha) * alpha) * row_scale;
 }
 
-// The expert's row of GroupedGemmArgs::bias ([N] floats), or null without a bias.
-__device__ __forceinline__ const float* expert_bias(const GroupedGemmArgs& a, int expert) {
+// The expert's row of GroupedGemmCommon::bias ([N] floats), or null without a bias.
+__device__ __forceinline__ const float* expert_bias(const GroupedGemmCommon& a, int expert) {
   return a.bias ? a.bias + int64_t(expert) * a.N : nullptr;
 }
 // v plus bias b[n] (b: expert_bias); v itself without a bias (not v + 0, which would turn -0 into +0).
@@ -118,7 +118,7 @@ __device__ __forceinline__ float add_bias(float v, const float* b, int64_t n) { 
 // h of output column col (of I) from its gate and up products, megamoe.reference.swiglu: the expert's gate and up bias
 // (b: expert_bias, gate row col and up row I + col), the optional clamp, then (up + shift) * gate * sigmoid(alpha *
 // gate), which for alpha 1 and shift 0 is silu(gate) * up, bit for bit.
-__device__ __forceinline__ float swiglu(const GroupedGemmArgs& a, const float* b, int64_t I, int64_t col, float gate,
+__device__ __forceinline__ float swiglu(const GroupedGemmCommon& a, const float* b, int64_t I, int64_t col, float gate,
                                         float up) {
   gate = add_bias(gate, b, col);
   up = add_bias(up, b, I + col);
@@ -132,7 +132,7 @@ __device__ __forceinline__ float swiglu(const GroupedGemmArgs& a, const float* b
 
 // Output scales of one expert: alpha0 for the only (or the gate) accumulator, alpha1 for the up
 // accumulator of kSiluMul: activation global scale times the weight global scale(s).
-__device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int expert, bool silu_mul, float& alpha0,
+__device__ __forceinline__ void epilogue_alphas(const GroupedGemmCommon& a, int expert, bool silu_mul, float& alpha0,
                                                 float& alpha1) {
   const float a_gs = a.a_global_scale ? a.a_global_scale[a.a_gs_per_expert ? expert : 0] : 1.0f;
   const float* wgs = a.w_global_scale + int64_t(expert) * a.w_gs_per_expert;
@@ -140,8 +140,8 @@ __device__ __forceinline__ void epilogue_alphas(const GroupedGemmArgs& a, int ex
   alpha1 = silu_mul ? a_gs * wgs[1] : alpha0;
 }
 
-// The global scale h is quantized with (GroupedGemmArgs::h_quant_gs; 1 when unset).
-__device__ __forceinline__ float h_quant_scale(const GroupedGemmArgs& a, int expert) {
+// The global scale h is quantized with (GroupedGemmCommon::h_quant_gs; 1 when unset).
+__device__ __forceinline__ float h_quant_scale(const GroupedGemmCommon& a, int expert) {
   return a.h_quant_gs ? a.h_quant_gs[a.h_gs_per_expert ? expert : 0] : 1.0f;
 }
 
@@ -153,8 +153,8 @@ __device__ __forceinline__ void store_operand_bf16(uint16_t* out_operand, int64_
   out_operand[out_row * I + operand_column(col, lane_order)] = bf16_bits(hv);
 }
 
-// Element idx of the kStore output: fp32 out, or bf16 out_bf16 rounded once (GroupedGemmArgs::out_bf16).
-__device__ __forceinline__ void store_out(const GroupedGemmArgs& a, int64_t idx, float v) {
+// Element idx of the kStore output: fp32 out, or bf16 out_bf16 rounded once (GroupedGemmCommon::out_bf16).
+__device__ __forceinline__ void store_out(const GroupedGemmCommon& a, int64_t idx, float v) {
   if (a.out_bf16) {
     a.out_bf16[idx] = bf16_bits(v);
   } else {
@@ -173,14 +173,6 @@ __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, co
   return rows > 0;
 }
 
-// GroupedGemmArgs::slot_experts (one token, no align kernel): the expert id of slot `slot`, or -1 when dropped
-// (outside [0, E)). The load goes through L2 (ld.global.cg): the streaming gemm2 reads it before its PDL wait.
-__device__ __forceinline__ int slot_expert_id(const GroupedGemmArgs& a, int slot) {
-  const int64_t id = a.slot_experts_int64 ? int64_t(__ldcg(static_cast<const long long*>(a.slot_experts) + slot))
-                                          : int64_t(__ldcg(static_cast<const int*>(a.slot_experts) + slot));
-  return id >= 0 && id < a.num_experts ? int(id) : -1;
-}
-
 struct ExpertTile {
   int expert, row_begin, rows, m0;
 };
@@ -193,7 +185,7 @@ struct ExpertTile {
 // threads: its __syncthreads also publish what the block wrote to shared memory before the call. warp = tid >> 5
 // and lane = tid & 31 come from the caller.
 template <int kThreads, int kTile>
-__device__ __forceinline__ int expert_tile_of_block(const GroupedGemmArgs& a, int E, int tile, int32_t* warp_sums,
+__device__ __forceinline__ int expert_tile_of_block(const GroupedGemmCommon& a, int E, int tile, int32_t* warp_sums,
                                                     ExpertTile* found, int tid, int warp, int lane) {
   int carry = 0;
   for (int base = 0; base < E; base += kThreads) {

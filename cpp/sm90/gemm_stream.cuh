@@ -51,6 +51,14 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 }
 
 
+// StreamGemmArgs::slot_experts (one token, no align kernel): the expert id of slot `slot`, or -1 when dropped
+// (outside [0, E)). The load goes through L2 (ld.global.cg): the streaming gemm2 reads it before its PDL wait.
+__device__ __forceinline__ int slot_expert_id(const StreamGemmArgs& a, int slot) {
+  const int64_t id = a.slot_experts_int64 ? int64_t(__ldcg(static_cast<const long long*>(a.slot_experts) + slot))
+                                          : int64_t(__ldcg(static_cast<const int*>(a.slot_experts) + slot));
+  return id >= 0 && id < a.num_experts ? int(id) : -1;
+}
+
 // PDL prologue of the streaming kernels (launched with the PDL attribute, see pdl.cuh).
 // The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and
 // scales, contiguous ranges of one expert), which depend on nothing computed in this forward
@@ -61,7 +69,7 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 // predecessor grid and releases the next one. kDirect: the expert of a slot is a.slot_experts' (the token's
 // topk_ids, written before the forward: complete by rule 3 as well).
 template <bool kDirect = false>
-__device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
+__device__ __forceinline__ void stream_pdl_prologue(const StreamGemmArgs& a) {
   const int slot = int(blockIdx.y), rb = int(blockIdx.x);
   const int64_t linear_block = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   if (a.epilogue == Epilogue::kStore && threadIdx.x == 0 && linear_block < a.prefetch_blocks) {
@@ -84,7 +92,7 @@ __device__ __forceinline__ void stream_pdl_prologue(const GroupedGemmArgs& a) {
 // The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
 // g + 8*hh of the tile (kSiluMul: tile 0 the gate column rb*16 + g + 8*hh, tile 1 its up column).
 // A row past the end is marked invalid and points at row 0.
-__device__ __forceinline__ void stream_weight_rows(const GroupedGemmArgs& a, int expert, unsigned rb, int g,
+__device__ __forceinline__ void stream_weight_rows(const StreamGemmArgs& a, int expert, unsigned rb, int g,
                                                    bool silu_mul, int64_t N, int64_t row_bytes,
                                                    const uint8_t* (&wrow)[2][2], const uint8_t* (&srow)[2][2],
                                                    bool (&rvalid)[2][2]) {
@@ -191,7 +199,7 @@ __device__ __forceinline__ void mma_weight_word(float (&acc)[2][NT][4], const ui
 // rb * 16 + g + 8 hh are one NVFP4 block, all in this warp: a token's amax is the max over hh and the shuffles
 // over g. Called by the whole warp; tokens past `rows` are computed as 0 and not stored, the columns are valid or
 // not as a whole (I % 16 == 0).
-__device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const float (&sum)[2][4], int tok, int rows,
+__device__ __forceinline__ void stream_h_nvfp4(const StreamGemmArgs& a, const float (&sum)[2][4], int tok, int rows,
                                                int row_begin, unsigned rb, int g, int tig, const bool (&rvalid)[2][2],
                                                int64_t I, float alpha0, float alpha1, float gs, const float* bias) {
   float hv[2][2], m[2] = {0.f, 0.f};
@@ -230,7 +238,7 @@ __device__ __forceinline__ void stream_h_nvfp4(const GroupedGemmArgs& a, const f
 // the kSiluMul epilogue writes h as the bf16 gemm2 operand when a.out_operand is set (its NVFP4 decode with
 // a.h_quant_gs: stream_h_nvfp4).
 template <int NT, bool kOperandOut, bool kQuantH>
-__device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, const float (&acc)[2][NT][4],
+__device__ __forceinline__ void stream_pass_epilogue(const StreamGemmArgs& a, const float (&acc)[2][NT][4],
                                                      float (&partial)[4][2][NT][4][32], int tok0, int rows,
                                                      int row_begin, unsigned rb, int warp, int lane, int g, int tig,
                                                      bool silu_mul, const bool (&rvalid)[2][2], int64_t N,
@@ -293,7 +301,7 @@ __device__ __forceinline__ void stream_pass_epilogue(const GroupedGemmArgs& a, c
 
 // NT: n8 token tiles per pass (8*NT tokens share one dequantization of the weights).
 template <bool kVec, int NT>
-__global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(StreamGemmArgs a) {
   constexpr int kChunkWords = NT >= 8 ? 1 : 8 / NT;  // activation words loaded at once (32 registers)
   __shared__ float partial[4][2][NT][4][32];
   stream_pdl_prologue(a);
@@ -373,11 +381,11 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(GroupedGemm
 // kQuantH (W4A4 with a static scale for h, staged rows): the kSiluMul epilogue quantizes h and writes its NVFP4
 // decode as the gemm2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-// kDirect (GroupedGemmArgs::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
+// kDirect (StreamGemmArgs::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
 // the first weight-row block of each slot writes a.entry_row_out[j] when set.
 template <bool kVec, bool kFused, bool kQuantH, bool kDirect = false>  // kVec: K % 64 == 0 (16-byte aligned weight
                                                                        // rows, whole slices)
-__device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsigned slot, unsigned rb,
+__device__ __forceinline__ void stream_nt1_item(const StreamGemmArgs& a, unsigned slot, unsigned rb,
                                                 float (&partial)[4][2][1][4][32]) {
   int expert, row_begin, rows;
   if constexpr (kDirect) {
@@ -445,27 +453,27 @@ __device__ __forceinline__ void stream_nt1_item(const GroupedGemmArgs& a, unsign
 }
 
 template <bool kVec, bool kFused, bool kQuantH = false>
-__device__ __forceinline__ void stream_gemm_nt1_body(const GroupedGemmArgs& a) {
+__device__ __forceinline__ void stream_gemm_nt1_body(const StreamGemmArgs& a) {
   __shared__ float partial[4][2][1][4][32];
   stream_pdl_prologue(a);
   stream_nt1_item<kVec, kFused, kQuantH>(a, blockIdx.y, blockIdx.x, partial);
 }
 
 template <bool kVec>
-__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_kernel(StreamGemmArgs a) {
   stream_gemm_nt1_body<kVec, false>(a);
 }
 
 // The fused variant is held to 128 registers (4 blocks per SM, like the staged one; 138 without).
 template <bool kVec>
-__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_fused_kernel(StreamGemmArgs a) {
   stream_gemm_nt1_body<kVec, true>(a);
 }
 
 // W4A4 with a static scale for h: the staged-rows kernel whose epilogue quantizes h and writes it as the gemm2 input
 // (a.out_operand, a.h_quant_gs).
 template <bool kVec>
-__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(StreamGemmArgs a) {
   stream_gemm_nt1_body<kVec, false, true>(a);
 }
 
@@ -475,7 +483,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_nt1_quant_kernel(G
 // (row j: slot j, x's row quantized into each) and writing h's NVFP4 decode and the entry_row; else gemm2,
 // staged rows (row j: slot j). Held to 128 registers as the fused kernel is (the staged one has 126 without the bound).
 template <bool kFused, bool kQuantH = false>
-__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_direct_kernel(GroupedGemmArgs a) {
+__global__ void __launch_bounds__(kStreamThreads, 4) stream_gemm_nt1_direct_kernel(StreamGemmArgs a) {
   static_assert(!(kFused && kQuantH), "a gather with the quantizing epilogue is not instantiated");
   __shared__ float partial[4][2][1][4][32];
   stream_pdl_prologue<true>(a);

@@ -1,13 +1,14 @@
-// Launch of the streaming grouped-GEMM kernels (gemm_stream.cuh): the instantiation for the plan's tokens per pass,
-// K (16-byte weight loads when K % 64 == 0), gather and epilogue, with programmatic dependent launch (pdl.cuh).
-#include "gemm_launch.h"
+// launch_stream_gemm (megamoe/sm90_kernels.h): the streaming grouped-GEMM kernel (gemm_stream.cuh) of the arguments'
+// tokens per pass (the plan's), K (16-byte weight loads when K % 64 == 0), gather, epilogue and one-token slots, with
+// programmatic dependent launch (pdl.cuh).
 #include "gemm_stream.cuh"
 #include "pdl.cuh"
 
 namespace megamoe::sm90 {
 
-cudaError_t launch_stream_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  // (the arguments passed grouped_gemm_args_error: every branch below has its instantiation)
+cudaError_t launch_stream_gemm(const StreamGemmArgs& a, cudaStream_t stream) {
+  // the binding checked the rules with their messages; under them every branch below has its instantiation
+  if (stream_gemm_args_error(a)) return cudaErrorInvalidValue;
   const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
   const int nt = a.tokens_per_pass / 8;
 
@@ -16,7 +17,7 @@ cudaError_t launch_stream_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   const bool vec = a.K % 64 == 0;
   // Launched with programmatic dependent launch (pdl.cuh); the first wave of kStore blocks
   // (4 resident blocks/SM at 124 registers) prefetches its weights before waiting.
-  GroupedGemmArgs sa = a;
+  StreamGemmArgs sa = a;
   sa.prefetch_blocks = 4 * sm_count();
   if (a.slot_experts) {  // one token without the align kernel, K % 64 == 0: its gemm2 (staged rows) and its gemm1, either
                          // gathering bf16 x (W4A16) or reading staged rows and quantizing h (W4A4, static h scale)

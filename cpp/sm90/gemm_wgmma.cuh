@@ -182,7 +182,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
 
 // Row blocks of a GEMM: blocks of kRows weight rows (kSiluMul: of kRows / 2 output columns, gate and up rows).
 template <int kMaxN>
-__host__ __device__ inline int wg_row_blocks(const GroupedGemmArgs& a) {
+__host__ __device__ inline int wg_row_blocks(const GroupedGemmCommon& a) {
   constexpr int R = wg_rows(kMaxN);
   return a.epilogue == Epilogue::kSiluMul ? int((a.N / 2 + R / 2 - 1) / (R / 2)) : int((a.N + R - 1) / R);
 }
@@ -210,7 +210,7 @@ __host__ __device__ constexpr int wg_items(int64_t K, bool act_tma, bool quant_h
 // blocks past I are not stored (I % 64 == 0 under the wgmma plan: the 4 threads of a 64-block store or skip it
 // together).
 template <int N, int kMaxN>
-__device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, const float (&acc)[N / 2], float* tile,
+__device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmCommon& a, const float (&acc)[N / 2], float* tile,
                                                     int64_t I, int expert, int row_begin, int rows, int m0, int rb,
                                                     int wg, int wq, int g, int tig) {
   constexpr int kCols = WgCfg<kMaxN>::kRows / 2, kHRow = kCols + 4;
@@ -269,7 +269,7 @@ __device__ __forceinline__ void wg_epilogue_h_nvfp4(const GroupedGemmArgs& a, co
 __host__ __device__ constexpr int wg_tok(int i) { return 8 * (i >> 1) + (i & 1); }
 __host__ __device__ constexpr int wg_acc(int i) { return 4 * (i >> 1) + (i & 1); }
 template <int N, int kMaxN>
-__device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const float (&acc)[N / 2], bool silu_mul,
+__device__ __forceinline__ void wg_epilogue(const GroupedGemmCommon& a, const float (&acc)[N / 2], bool silu_mul,
                                             int64_t Nw, int64_t I, int expert, int row_begin, int rows, int m0,
                                             int rb, int wg, int wq, int g, int tig) {
   constexpr int kTok = N / 4;
@@ -338,7 +338,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmArgs& a, const floa
 // stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).
 // The epilogue of each row block writes global memory only.
 template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
-__device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& maps, uint8_t* stages,
+__device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0, int rb0, int items) {
   using Cfg = WgCfg<kMaxN, kStageK>;
@@ -574,7 +574,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmArgs& a, const WgMaps& 
 
 // wg_tile of the narrowest instantiated width (WgCfg::width(i), i >= I) that holds `count` tokens.
 template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
-__device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmArgs& a, const WgMaps& maps,
+__device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCommon& a, const WgMaps& maps,
                                                  uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
                                                  int expert, int row_begin, int rows, int m0, int rb0, int items) {
   using Cfg = WgCfg<kMaxN, kStageK>;
@@ -589,9 +589,11 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmArg
                                                           rows, m0, rb0, items);
 }
 
+// The kernel reads the common part of the arguments only: WgmmaGemmArgs' own fields (tile, stage K, TMA rows, the
+// bounds of the TMA view and the grid) chose this instance, its tensor maps and its grid on the host.
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
-    wg_gemm_kernel(GroupedGemmArgs a, const __grid_constant__ WgMaps maps) {
+    wg_gemm_kernel(GroupedGemmCommon a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128, "token tiles of 32, 64 or 128");
   static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 7, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN, kStageK>;

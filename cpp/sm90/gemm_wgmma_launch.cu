@@ -1,6 +1,6 @@
-// Launch of the wgmma grouped-GEMM kernels (gemm_wgmma.cuh): the TMA tensor maps (encoded on the host), the stage K
-// (launch_wg_gemm), TMA or copied activation rows (wg_act_tma), the kernel's shared-memory attributes and its grid.
-#include "gemm_launch.h"
+// launch_wgmma_gemm (megamoe/sm90_kernels.h): the wgmma grouped-GEMM kernel (gemm_wgmma.cuh) of the arguments' token
+// tile, stage K and TMA or copied activation rows (WgmmaGemmArgs: the plan's), its TMA tensor maps (encoded on the
+// host), its shared-memory attributes and its grid.
 #include "gemm_wgmma.cuh"
 
 namespace megamoe::sm90 {
@@ -37,7 +37,7 @@ cudaError_t encode_tensor_map(CUtensorMap* map, CUtensorMapDataType type, int ra
 
 // Tensor maps of one launch (host; encoding is a pure host call, no GPU work).
 template <int kMaxN, int kStageK>
-inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps& maps) {
+inline cudaError_t wg_encode_maps(const WgmmaGemmArgs& a, WgMaps& maps) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
   // weight and scale boxes: kSiluMul R / 2 rows (gate and up rows apart), kStore all R rows of the block
@@ -57,7 +57,7 @@ inline cudaError_t wg_encode_maps(const GroupedGemmArgs& a, bool act_tma, WgMaps
                                               CU_TENSOR_MAP_SWIZZLE_NONE);
     if (err != cudaSuccess) return err;
   }
-  if (act_tma) {
+  if (a.act_tma) {
     const uint64_t rows = uint64_t(a.act_num_rows > 0 ? a.act_num_rows : a.max_total_rows);
     // {64 elements, rows, K / 64 blocks}: one box holds a stage's kSub sub-tiles of `width` rows, each 128-byte
     // swizzled as a wgmma descriptor reads it
@@ -86,22 +86,16 @@ inline cudaError_t wg_set_attributes() {
   return err;
 }
 
-// Whether the activation rows come by TMA: contiguous rows (no act_rows gather) of a 16-byte aligned view (TMA boxes
-// read 16-byte aligned tensors); otherwise the threads copy them.
-inline bool wg_act_tma(const GroupedGemmArgs& a) {
-  return !a.act_rows && reinterpret_cast<uintptr_t>(a.act) % 16 == 0;
-}
-
 template <int kMaxN, int kStageK>
-inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t stream) {
+inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream) {
   using Cfg = WgCfg<kMaxN, kStageK>;
-  const bool act_tma = wg_act_tma(a);
-  // launch_wg_gemm runs copied rows with the tile's smallest K per stage (tile 64: K 128, tile 128: K 64)
+  const bool act_tma = a.act_tma;
+  // copied rows run the tile's smallest K per stage (tile 64: K 128, tile 128: K 64; plan_stage_k)
   constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
-  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot; grouped_gemm_args_error)
+  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot; wgmma_gemm_args_error)
   const bool quant = a.h_quant_gs != nullptr;
   WgMaps maps{};
-  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, act_tma, maps);
+  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, maps);
   if (err != cudaSuccess) return err;
   if (quant) {
     err = wg_set_attributes<kMaxN, kStageK, true, true>();
@@ -114,38 +108,41 @@ inline cudaError_t launch_wg_gemm_k(const GroupedGemmArgs& a, cudaStream_t strea
   const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
   const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts (at most
-  // 65535: grouped_gemm_args_error).
+  // 65535: wgmma_gemm_args_error).
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   const dim3 grid(gx, unsigned(tiles));
+  const GroupedGemmCommon& c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
   if (quant) {
-    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
   } else if (act_tma) {
-    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
   } else if constexpr (!kTmaOnly) {
-    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, maps);
+    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
   }
   return cudaGetLastError();
 }
 
-// Tile 128 steps K by 128 (4 stages) when K allows it and the activation rows come by TMA, else by 64 (8 stages: the
-// copied-rows loop of K 128 spills); tile 64 likewise by 256 (3 stages) or 128 (6 stages); tile 32 by 256.
+// The instance of the arguments' stage K (plan_stage_k): tile 128 steps K by 128 (4 stages) when K allows it and the
+// activation rows come by TMA, else by 64 (8 stages: the copied-rows loop of K 128 spills); tile 64 likewise by 256
+// (3 stages) or 128 (6 stages); tile 32 by 256.
 template <int kMaxN>
-inline cudaError_t launch_wg_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
+inline cudaError_t launch_wg_gemm(const WgmmaGemmArgs& a, cudaStream_t stream) {
   constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
   if constexpr (kMinStageK != kStageK) {
-    if (plan_stage_k(kMaxN, a.K, wg_act_tma(a)) != kStageK) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
+    if (a.stage_k != kStageK) return launch_wg_gemm_k<kMaxN, kMinStageK>(a, stream);
   }
   return launch_wg_gemm_k<kMaxN, kStageK>(a, stream);
 }
 
-cudaError_t launch_wgmma_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
-  // (the arguments passed grouped_gemm_args_error: K a multiple of the tile's K per stage, E <= 1024, scale rows of
-  // 16-byte multiples, aligned weights)
-  switch (a.kernel) {
-    case GemmKernel::kWgmma32: return launch_wg_gemm<kTile32>(a, stream);
-    case GemmKernel::kWgmma64: return launch_wg_gemm<kTile64>(a, stream);
-    case GemmKernel::kWgmma128: return launch_wg_gemm<kTile128>(a, stream);
-    default: return cudaErrorInvalidValue;
+cudaError_t launch_wgmma_gemm(const WgmmaGemmArgs& a, cudaStream_t stream) {
+  // the binding checked the rules with their messages (K a multiple of the stage K, stage K and TMA rows the plan's,
+  // E <= 1024, scale rows of 16-byte multiples, aligned weights): under them every case below has its instantiation
+  if (wgmma_gemm_args_error(a)) return cudaErrorInvalidValue;
+  switch (a.tile) {
+    case kTile32: return launch_wg_gemm<kTile32>(a, stream);
+    case kTile64: return launch_wg_gemm<kTile64>(a, stream);
+    case kTile128: return launch_wg_gemm<kTile128>(a, stream);
+    default: return cudaErrorInvalidValue;  // (refused by the rules above)
   }
 }
 

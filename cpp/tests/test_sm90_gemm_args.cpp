@@ -1,6 +1,8 @@
-// The rules of the sm90 grouped-GEMM arguments (cpp/sm90/gemm_args.cpp, grouped_gemm_args_error), on the host: a
-// valid call of each kind passes, and each broken rule is refused with a message naming it. (The pointers are never
-// dereferenced: only their presence and alignment matter.)
+// The rules of the sm90 grouped-GEMM arguments (cpp/sm90/gemm_args.cpp: stream_gemm_args_error,
+// wgmma_gemm_args_error, gemm_kernel_error), on the host: a valid call of each kind passes, and each broken rule is
+// refused with a message naming it. The wgmma arguments are checked as the binding builds them: the kernel instance
+// (TMA or copied rows, stage K) set by plan_wgmma_stage first. (The pointers are never dereferenced: only their
+// presence and alignment matter.)
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -10,7 +12,9 @@
 
 using megamoe::sm90::Epilogue;
 using megamoe::sm90::GemmKernel;
-using megamoe::sm90::GroupedGemmArgs;
+using megamoe::sm90::GroupedGemmCommon;
+using megamoe::sm90::StreamGemmArgs;
+using megamoe::sm90::WgmmaGemmArgs;
 
 static int failures = 0;
 static int checks = 0;
@@ -20,9 +24,8 @@ static T* fake(uintptr_t addr) {
   return reinterpret_cast<T*>(addr);
 }
 
-// A valid streaming gemm1 (silu_mul into fp32 h) of E = 8 experts, N = 2 * 512, K = 1024.
-static GroupedGemmArgs gemm1() {
-  GroupedGemmArgs a;
+// The common part of a gemm1 (silu_mul into fp32 h) of E = 8 experts, N = 2 * 512, K = 1024.
+static void gemm1_common(GroupedGemmCommon& a) {
   a.act = fake<const uint16_t>(0x10000);
   a.expert_offsets = fake<const int32_t>(0x20000);
   a.num_experts = 8;
@@ -36,15 +39,18 @@ static GroupedGemmArgs gemm1() {
   a.K = 1024;
   a.epilogue = Epilogue::kSiluMul;
   a.out = fake<float>(0x60000);
-  a.max_total_rows = 64;
-  a.kernel = GemmKernel::kStream;
+}
+
+// A valid streaming gemm1.
+static StreamGemmArgs gemm1() {
+  StreamGemmArgs a;
+  gemm1_common(a);
   a.tokens_per_pass = 8;
   return a;
 }
 
-static void expect(const char* what, const GroupedGemmArgs& a, const char* needle) {
+static void report(const char* what, const char* err, const char* needle) {
   ++checks;
-  const char* err = megamoe::sm90::grouped_gemm_args_error(a);
   const bool ok = needle ? err && std::strstr(err, needle) : err == nullptr;
   if (!ok) {
     std::printf("FAIL %s: got \"%s\", expected %s%s\n", what, err ? err : "(accepted)", needle ? "a message with " : "",
@@ -53,25 +59,46 @@ static void expect(const char* what, const GroupedGemmArgs& a, const char* needl
   }
 }
 
-static void broken(const char* what, const std::function<void(GroupedGemmArgs&)>& f, const char* needle,
-                   GroupedGemmArgs (*base)() = gemm1) {
-  GroupedGemmArgs a = base();
+static void expect(const char* what, const StreamGemmArgs& a, const char* needle) {
+  report(what, megamoe::sm90::stream_gemm_args_error(a), needle);
+}
+
+// As the binding checks them: plan_wgmma_stage sets the kernel instance, then the rules; slot_experts and
+// entry_row_out: the streaming kernels' one-token inputs were given.
+static void expect(const char* what, WgmmaGemmArgs a, const char* needle, bool slot_experts = false,
+                   bool entry_row_out = false) {
+  megamoe::sm90::plan_wgmma_stage(a);
+  report(what, megamoe::sm90::wgmma_gemm_args_error(a, slot_experts, entry_row_out), needle);
+}
+
+static void broken(const char* what, const std::function<void(StreamGemmArgs&)>& f, const char* needle,
+                   StreamGemmArgs (*base)() = gemm1) {
+  StreamGemmArgs a = base();
   f(a);
   expect(what, a, needle);
 }
 
-static GroupedGemmArgs wgmma_gemm2() {
-  GroupedGemmArgs a = gemm1();
+// A valid wgmma gemm2 (store into fp32 out) of tile 64, N = 512, K = 1024.
+static WgmmaGemmArgs wgmma_gemm2() {
+  WgmmaGemmArgs a;
+  gemm1_common(a);
   a.epilogue = Epilogue::kStore;
   a.w_gs_per_expert = 1;
   a.N = 512;
-  a.kernel = GemmKernel::kWgmma64;
-  a.tokens_per_pass = 64;
+  a.max_total_rows = 64;
+  a.tile = megamoe::sm90::kTile64;
   return a;
 }
 
-static GroupedGemmArgs one_token_gemm1() {
-  GroupedGemmArgs a = gemm1();
+static void broken_wg(const char* what, const std::function<void(WgmmaGemmArgs&)>& f, const char* needle,
+                      WgmmaGemmArgs (*base)() = wgmma_gemm2) {
+  WgmmaGemmArgs a = base();
+  f(a);
+  expect(what, a, needle);
+}
+
+static StreamGemmArgs one_token_gemm1() {
+  StreamGemmArgs a = gemm1();
   a.expert_offsets = nullptr;
   a.slot_experts = fake<const void>(0x70000);
   a.out = nullptr;
@@ -81,96 +108,199 @@ static GroupedGemmArgs one_token_gemm1() {
   return a;
 }
 
+// one_token_gemm1's common part on a wgmma plan (tile 32): the binding refuses its slot_experts and entry_row_out.
+static WgmmaGemmArgs one_token_gemm1_on_wgmma() {
+  WgmmaGemmArgs a;
+  static_cast<GroupedGemmCommon&>(a) = one_token_gemm1();
+  a.max_total_rows = 8;
+  a.tile = megamoe::sm90::kTile32;
+  return a;
+}
+
+// The streaming gemm2 (store into fp32 out) of the same shape.
+static StreamGemmArgs gemm2() {
+  StreamGemmArgs a = gemm1();
+  a.epilogue = Epilogue::kStore;
+  a.w_gs_per_expert = 1;
+  a.N = 512;
+  return a;
+}
+
+// The wgmma gemm1 (tile 64).
+static WgmmaGemmArgs wgmma_gemm1() {
+  WgmmaGemmArgs a;
+  gemm1_common(a);
+  a.max_total_rows = 64;
+  a.tile = megamoe::sm90::kTile64;
+  return a;
+}
+
+// A rule of the common part: refused the same by both families (on their gemm1, or with store on their gemm2).
+static void common(const char* what, const std::function<void(GroupedGemmCommon&)>& f, const char* needle,
+                   bool store = false) {
+  StreamGemmArgs s = store ? gemm2() : gemm1();
+  f(s);
+  expect((std::string(what) + " (streaming)").c_str(), s, needle);
+  WgmmaGemmArgs w = store ? wgmma_gemm2() : wgmma_gemm1();
+  f(w);
+  expect((std::string(what) + " (wgmma)").c_str(), w, needle);
+}
+
 int main() {
+  using megamoe::sm90::kTile128;
+  using megamoe::sm90::kTile32;
+  using megamoe::sm90::kTile64;
   expect("streaming gemm1", gemm1(), nullptr);
+  expect("streaming gemm2", gemm2(), nullptr);
+  expect("wgmma gemm1", wgmma_gemm1(), nullptr);
   expect("wgmma gemm2", wgmma_gemm2(), nullptr);
   expect("one token's gemm1", one_token_gemm1(), nullptr);
   {
-    GroupedGemmArgs a = gemm1();  // gpt-oss: biases on both GEMMs, its activation on gemm1
+    StreamGemmArgs a = gemm1();  // gpt-oss: biases on both GEMMs, its activation on gemm1
     a.bias = fake<const float>(0xB0000);
     a.swiglu_alpha = 1.702f;
     a.swiglu_up_shift = 1.f;
     expect("gpt-oss gemm1", a, nullptr);
-    GroupedGemmArgs b = wgmma_gemm2();
+    WgmmaGemmArgs b = wgmma_gemm2();
     b.bias = fake<const float>(0xC0000);
     expect("gemm2 with a bias", b, nullptr);
   }
-  for (int tpp : {16, 32, 64}) broken("tokens per pass", [&](GroupedGemmArgs& a) { a.tokens_per_pass = tpp; }, nullptr);
+  for (int tpp : {16, 32, 64}) broken("tokens per pass", [&](StreamGemmArgs& a) { a.tokens_per_pass = tpp; }, nullptr);
+  for (GemmKernel k : {GemmKernel::kStream, GemmKernel::kWgmma32, GemmKernel::kWgmma64, GemmKernel::kWgmma128})
+    report("a plan's kernel", megamoe::sm90::gemm_kernel_error(k), nullptr);
+  report("auto kernel", megamoe::sm90::gemm_kernel_error(GemmKernel::kAuto), "the plan's kernel");
 
-  broken("K % 16", [](GroupedGemmArgs& a) { a.K = 1000; }, "K must be a positive multiple of 16");
-  broken("K 0", [](GroupedGemmArgs& a) { a.K = 0; }, "K must be");
-  broken("N 0", [](GroupedGemmArgs& a) { a.N = 0; }, "N (weight rows)");
-  broken("no act", [](GroupedGemmArgs& a) { a.act = nullptr; }, "act, w_data");
-  broken("no rows", [](GroupedGemmArgs& a) { a.expert_offsets = nullptr; }, "expert_offsets (grouped rows");
-  broken("offsets and slots", [](GroupedGemmArgs& a) { a.expert_offsets = fake<const int32_t>(0x20000); }, "not both",
-         one_token_gemm1);
-  broken("slots with active experts", [](GroupedGemmArgs& a) { a.active_experts = fake<const int32_t>(0xB0000); },
-         "no active_experts or num_active", one_token_gemm1);
-  broken("slots with num_active", [](GroupedGemmArgs& a) { a.num_active = fake<const int32_t>(0xC0000); },
-         "no active_experts or num_active", one_token_gemm1);
-  broken("grid 0", [](GroupedGemmArgs& a) { a.grid_experts = 0; }, "grid_experts");
-  broken("grid 65536", [](GroupedGemmArgs& a) { a.grid_experts = 65536; }, "grid_experts");
-  broken("silu_mul N", [](GroupedGemmArgs& a) { a.N = 1000; }, "I a multiple of 16");
-  broken("silu_mul scales", [](GroupedGemmArgs& a) { a.w_gs_per_expert = 1; }, "2 entries per expert");
-  broken("silu_mul bf16 out", [](GroupedGemmArgs& a) { a.out = nullptr; a.out_bf16 = fake<uint16_t>(0x60000); },
+  // the rules both families share
+  common("K % 16", [](GroupedGemmCommon& a) { a.K = 1000; }, "K must be a positive multiple of 16");
+  common("K 0", [](GroupedGemmCommon& a) { a.K = 0; }, "K must be");
+  common("N 0", [](GroupedGemmCommon& a) { a.N = 0; }, "N (weight rows)");
+  common("no act", [](GroupedGemmCommon& a) { a.act = nullptr; }, "act, w_data");
+  common("no rows", [](GroupedGemmCommon& a) { a.expert_offsets = nullptr; }, "expert_offsets (grouped rows");
+  common("grid 0", [](GroupedGemmCommon& a) { a.grid_experts = 0; }, "grid_experts");
+  common("grid 65536", [](GroupedGemmCommon& a) { a.grid_experts = 65536; }, "grid_experts");
+  common("silu_mul N", [](GroupedGemmCommon& a) { a.N = 1000; }, "I a multiple of 16");
+  common("silu_mul scales", [](GroupedGemmCommon& a) { a.w_gs_per_expert = 1; }, "2 entries per expert");
+  common("silu_mul bf16 out", [](GroupedGemmCommon& a) { a.out = nullptr; a.out_bf16 = fake<uint16_t>(0x60000); },
          "needs the store epilogue");
-  broken("two outputs", [](GroupedGemmArgs& a) { a.out_bf16 = fake<uint16_t>(0x60000); }, "one of out and out_bf16",
-         wgmma_gemm2);
-  broken("no output", [](GroupedGemmArgs& a) { a.out = nullptr; }, "give out");
-  broken("operand out of store", [](GroupedGemmArgs& a) { a.out_operand = fake<uint16_t>(0x80000); },
-         "out_operand (h as the gemm2 operand) needs the silu_mul", wgmma_gemm2);
-  broken("activation alpha on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_alpha = 1.702f; },
-         "silu_mul epilogue only", wgmma_gemm2);
-  broken("up shift on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_up_shift = 1.f; }, "silu_mul epilogue only",
-         wgmma_gemm2);
-  broken("clamp on the store GEMM", [](GroupedGemmArgs& a) { a.swiglu_clamp = true; }, "silu_mul epilogue only",
-         wgmma_gemm2);
-  broken("h quantized without operand", [](GroupedGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
+  common("two outputs", [](GroupedGemmCommon& a) { a.out_bf16 = fake<uint16_t>(0x60000); }, "one of out and out_bf16",
+         true);
+  common("no output", [](GroupedGemmCommon& a) { a.out = nullptr; }, "give out");
+  common("operand out of store", [](GroupedGemmCommon& a) { a.out_operand = fake<uint16_t>(0x80000); },
+         "out_operand (h as the gemm2 operand) needs the silu_mul", true);
+  common("activation alpha on the store GEMM", [](GroupedGemmCommon& a) { a.swiglu_alpha = 1.702f; },
+         "silu_mul epilogue only", true);
+  common("up shift on the store GEMM", [](GroupedGemmCommon& a) { a.swiglu_up_shift = 1.f; }, "silu_mul epilogue only",
+         true);
+  common("clamp on the store GEMM", [](GroupedGemmCommon& a) { a.swiglu_clamp = true; }, "silu_mul epilogue only", true);
+  common("h quantized without operand", [](GroupedGemmCommon& a) { a.h_quant_gs = fake<const float>(0x90000); },
          "h_quant_scale (h quantized to NVFP4) needs out_operand");
-  broken("entry_row_out without slots", [](GroupedGemmArgs& a) { a.entry_row_out = fake<int32_t>(0xA0000); },
-         "entry_row_out");
-  broken("slots on wgmma", [](GroupedGemmArgs& a) { a.kernel = GemmKernel::kWgmma32; },
-         "slot_experts runs on the one-tile streaming kernel", one_token_gemm1);
-  broken("tokens per pass 12", [](GroupedGemmArgs& a) { a.tokens_per_pass = 12; }, "8, 16, 32 or 64");
-  broken("tokens per pass 128", [](GroupedGemmArgs& a) { a.tokens_per_pass = 128; }, "8, 16, 32 or 64");
-  broken("slots with 16 tokens per pass", [](GroupedGemmArgs& a) { a.tokens_per_pass = 16; }, "K % 64 == 0",
+
+  // the streaming kernels
+  broken("offsets and slots", [](StreamGemmArgs& a) { a.expert_offsets = fake<const int32_t>(0x20000); }, "not both",
          one_token_gemm1);
-  broken("slots with K % 64", [](GroupedGemmArgs& a) { a.K = 1040; }, "K % 64 == 0", one_token_gemm1);
-  broken("slots: fp32 h", [](GroupedGemmArgs& a) { a.out_operand = nullptr; a.out = fake<float>(0x60000); },
+  broken("slots with active experts", [](StreamGemmArgs& a) { a.active_experts = fake<const int32_t>(0xB0000); },
+         "no active_experts or num_active", one_token_gemm1);
+  broken("slots with num_active", [](StreamGemmArgs& a) { a.num_active = fake<const int32_t>(0xC0000); },
+         "no active_experts or num_active", one_token_gemm1);
+  broken("entry_row_out without slots", [](StreamGemmArgs& a) { a.entry_row_out = fake<int32_t>(0xA0000); },
+         "entry_row_out");
+  broken("tokens per pass 12", [](StreamGemmArgs& a) { a.tokens_per_pass = 12; }, "8, 16, 32 or 64");
+  broken("tokens per pass 128", [](StreamGemmArgs& a) { a.tokens_per_pass = 128; }, "8, 16, 32 or 64");
+  broken("slots with 16 tokens per pass", [](StreamGemmArgs& a) { a.tokens_per_pass = 16; }, "K % 64 == 0",
+         one_token_gemm1);
+  broken("slots with K % 64", [](StreamGemmArgs& a) { a.K = 1040; }, "K % 64 == 0", one_token_gemm1);
+  broken("slots: fp32 h", [](StreamGemmArgs& a) { a.out_operand = nullptr; a.out = fake<float>(0x60000); },
          "writes h into out_operand", one_token_gemm1);
-  broken("slots: gather and quantized h", [](GroupedGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
+  broken("slots: gather and quantized h", [](StreamGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
          "either gathers act", one_token_gemm1);
   broken("slots: store GEMM gathering",
-         [](GroupedGemmArgs& a) { a.epilogue = Epilogue::kStore; a.out_operand = nullptr; a.entry_row_out = nullptr;
-                                  a.out = fake<float>(0x60000); a.w_gs_per_expert = 1; },
+         [](StreamGemmArgs& a) { a.epilogue = Epilogue::kStore; a.out_operand = nullptr; a.entry_row_out = nullptr;
+                                 a.out = fake<float>(0x60000); a.w_gs_per_expert = 1; },
          "the store GEMM reads staged rows", one_token_gemm1);
   broken("gather with quantized h, one tile",
-         [](GroupedGemmArgs& a) { a.out = nullptr; a.out_operand = fake<uint16_t>(0x80000);
-                                  a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
+         [](StreamGemmArgs& a) { a.out = nullptr; a.out_operand = fake<uint16_t>(0x80000);
+                                 a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
          "without act_rows on the one-tile streaming kernel");
   broken("gather with quantized h, 4 tiles",
-         [](GroupedGemmArgs& a) { a.out = nullptr; a.out_operand = fake<uint16_t>(0x80000); a.tokens_per_pass = 32;
-                                  a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
+         [](StreamGemmArgs& a) { a.out = nullptr; a.out_operand = fake<uint16_t>(0x80000); a.tokens_per_pass = 32;
+                                 a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
          nullptr);
-  broken("auto kernel", [](GroupedGemmArgs& a) { a.kernel = GemmKernel::kAuto; }, "the plan's kernel");
 
-  broken("wgmma K step", [](GroupedGemmArgs& a) { a.K = 1088; }, "K per stage", wgmma_gemm2);
-  broken("wgmma tile 128 K step 64", [](GroupedGemmArgs& a) { a.K = 1088; a.kernel = GemmKernel::kWgmma128;
-                                                               a.w_scale_row_bytes = 80; }, nullptr, wgmma_gemm2);
-  broken("wgmma experts", [](GroupedGemmArgs& a) { a.num_experts = 1025; }, "at most 1024 experts", wgmma_gemm2);
-  broken("wgmma scale rows", [](GroupedGemmArgs& a) { a.w_scale_row_bytes = 0; a.K = 128; }, "multiple of 16 bytes",
-         wgmma_gemm2);
-  broken("wgmma short scale rows", [](GroupedGemmArgs& a) { a.w_scale_row_bytes = 48; }, "at least K / 16",
-         wgmma_gemm2);
-  broken("wgmma alignment", [](GroupedGemmArgs& a) { a.w_data = fake<const uint8_t>(0x30008); }, "16-byte aligned",
-         wgmma_gemm2);
-  broken("wgmma quantized h of gathered rows",
-         [](GroupedGemmArgs& a) { a.epilogue = Epilogue::kSiluMul; a.N = 1024; a.w_gs_per_expert = 2; a.out = nullptr;
-                                  a.out_operand = fake<uint16_t>(0x80000); a.h_quant_gs = fake<const float>(0x90000);
-                                  a.act_rows = fake<const int32_t>(0x90000); },
-         "read by TMA", wgmma_gemm2);
-  broken("wgmma tiles", [](GroupedGemmArgs& a) { a.max_total_rows = int64_t(64) * 65535; }, "too many token tiles",
-         wgmma_gemm2);
+  // the wgmma kernels: the one-token inputs of the streaming kernels refused (after the common rules)
+  expect("slots on wgmma", one_token_gemm1_on_wgmma(), "slot_experts runs on the one-tile streaming kernel", true, true);
+  expect("offsets and slots on wgmma", wgmma_gemm1(), "not both", true, false);
+  expect("entry_row_out without slots on wgmma", wgmma_gemm1(), "entry_row_out", false, true);
+  broken_wg("wgmma K step", [](WgmmaGemmArgs& a) { a.K = 1088; }, "K per stage");
+  broken_wg("wgmma tile 128 K step 64", [](WgmmaGemmArgs& a) { a.K = 1088; a.tile = kTile128;
+                                                               a.w_scale_row_bytes = 80; }, nullptr);
+  broken_wg("wgmma tile 48", [](WgmmaGemmArgs& a) { a.tile = 48; }, "token tiles of 32, 64 or 128");
+  broken_wg("wgmma experts", [](WgmmaGemmArgs& a) { a.num_experts = 1025; }, "at most 1024 experts");
+  broken_wg("wgmma scale rows", [](WgmmaGemmArgs& a) { a.w_scale_row_bytes = 0; a.K = 128; }, "multiple of 16 bytes");
+  broken_wg("wgmma short scale rows", [](WgmmaGemmArgs& a) { a.w_scale_row_bytes = 48; }, "at least K / 16");
+  broken_wg("wgmma alignment", [](WgmmaGemmArgs& a) { a.w_data = fake<const uint8_t>(0x30008); }, "16-byte aligned");
+  broken_wg("wgmma quantized h of gathered rows",
+            [](WgmmaGemmArgs& a) { a.epilogue = Epilogue::kSiluMul; a.N = 1024; a.w_gs_per_expert = 2; a.out = nullptr;
+                                   a.out_operand = fake<uint16_t>(0x80000); a.h_quant_gs = fake<const float>(0x90000);
+                                   a.act_rows = fake<const int32_t>(0x90000); },
+            "read by TMA");
+  broken_wg("wgmma quantized h of unaligned rows",
+            [](WgmmaGemmArgs& a) { a.epilogue = Epilogue::kSiluMul; a.N = 1024; a.w_gs_per_expert = 2; a.out = nullptr;
+                                   a.out_operand = fake<uint16_t>(0x80000); a.h_quant_gs = fake<const float>(0x90000);
+                                   a.act = fake<const uint16_t>(0x10008); },
+            "read by TMA");
+  broken_wg("wgmma tiles", [](WgmmaGemmArgs& a) { a.max_total_rows = int64_t(64) * 65535; }, "too many token tiles");
+
+  // the kernel instance: plan_wgmma_stage gives the plan's (GemmPlan::stage_k_gemm1 / 2, copied_rows_gemm1), and
+  // the rules refuse one that is not
+  struct Stage {
+    int tile;
+    int64_t K;
+    bool gathered, unaligned;
+    bool act_tma;
+    int stage_k;
+  };
+  for (const Stage& c : {Stage{kTile32, 1024, false, false, true, 256}, Stage{kTile32, 1024, true, false, false, 256},
+                         Stage{kTile64, 1024, false, false, true, 256}, Stage{kTile64, 1152, false, false, true, 128},
+                         Stage{kTile64, 1024, true, false, false, 128}, Stage{kTile64, 1024, false, true, false, 128},
+                         Stage{kTile128, 1024, false, false, true, 128}, Stage{kTile128, 1088, false, false, true, 64},
+                         Stage{kTile128, 1024, true, false, false, 64}}) {
+    WgmmaGemmArgs a = wgmma_gemm2();
+    a.tile = c.tile;
+    a.K = c.K;
+    a.w_scale_row_bytes = (c.K / 16 + 15) / 16 * 16;
+    if (c.gathered) a.act_rows = fake<const int32_t>(0x90000);
+    if (c.unaligned) a.act = fake<const uint16_t>(0x10008);
+    megamoe::sm90::plan_wgmma_stage(a);
+    const std::string what = "plan_wgmma_stage tile " + std::to_string(c.tile) + " K " + std::to_string(c.K) +
+                             (c.gathered ? " gathered" : c.unaligned ? " unaligned" : "");
+    ++checks;
+    if (a.act_tma != c.act_tma || a.stage_k != c.stage_k) {
+      std::printf("FAIL %s: act_tma %d stage_k %d, expected %d %d\n", what.c_str(), a.act_tma, a.stage_k, c.act_tma,
+                  c.stage_k);
+      ++failures;
+    }
+    report(what.c_str(), megamoe::sm90::wgmma_gemm_args_error(a), nullptr);
+    WgmmaGemmArgs other = a;  // the tile's other K per stage
+    other.stage_k = a.stage_k == megamoe::sm90::wg_stage_k(c.tile) ? megamoe::sm90::wg_min_stage_k(c.tile)
+                                                                   : megamoe::sm90::wg_stage_k(c.tile);
+    if (other.stage_k != a.stage_k)
+      report((what + ", the other stage K").c_str(), megamoe::sm90::wgmma_gemm_args_error(other), "stage_k");
+    if (!a.act_tma) {
+      WgmmaGemmArgs tma = a;  // gathered or unaligned rows cannot come by TMA
+      tma.act_tma = true;
+      report((what + ", by TMA").c_str(), megamoe::sm90::wgmma_gemm_args_error(tma), "act_tma");
+    }
+  }
+  {
+    WgmmaGemmArgs a = wgmma_gemm1();  // copied rows of a contiguous act: allowed, with the smallest stage K
+    a.act_tma = false;
+    a.stage_k = megamoe::sm90::wg_min_stage_k(kTile64);
+    report("wgmma copied contiguous rows", megamoe::sm90::wgmma_gemm_args_error(a), nullptr);
+    a.out = nullptr;  // ... but not with h quantized (that kernel reads its rows by TMA)
+    a.out_operand = fake<uint16_t>(0x80000);
+    a.h_quant_gs = fake<const float>(0x90000);
+    report("wgmma quantized h of copied rows", megamoe::sm90::wgmma_gemm_args_error(a), "read by TMA");
+  }
 
   std::printf("sm90 grouped-GEMM arguments: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;

@@ -50,22 +50,26 @@ cudaError_t launch_scatter_bf16(const void* src, ElemType src_type, int64_t src_
                                 cudaStream_t stream);
 
 enum class Epilogue : int {
-  kStore = 0,    // out[row, n] = alpha * acc  (fp32, or bf16 with GroupedGemmArgs::out_bf16; ldo = N)
+  kStore = 0,    // out[row, n] = alpha * acc  (fp32, or bf16 with GroupedGemmCommon::out_bf16; ldo = N)
   kSiluMul = 1,  // N = 2I (gate rows then up rows): out[row, i] = silu(alpha_g*gate) * alpha_u*up (fp32, ldo = I)
 };
 
-
-struct GroupedGemmArgs {
+// The arguments of one grouped GEMM, one struct per kernel family: GroupedGemmCommon holds what both families read
+// (the activations and their gather, the expert grouping, the weights and their scales, the epilogue and its outputs),
+// StreamGemmArgs adds what only the streaming kernels read (gemm_stream.cuh: tokens per pass, the expert slots, the
+// weight prefetch, the one-token path without the align kernel), WgmmaGemmArgs what only the wgmma kernels read
+// (gemm_wgmma.cuh and its launch: the token tile, stage K, TMA or copied activation rows, the bounds of the TMA view
+// and of the grid). The binding (bind_sm90.cpp sm90_grouped_gemm) builds the struct of the plan's kernel family,
+// checks it once against the rules of cpp/sm90/gemm_args.cpp (stream_gemm_args_error, wgmma_gemm_args_error: the
+// message it throws) and calls that family's launcher.
+struct GroupedGemmCommon {
   const uint16_t* act = nullptr;  // bf16 [rows, K], operand order (wgmma: lane order; or [*, K] natural order with
                                   // act_rows, streaming)
   const int32_t* act_rows = nullptr;  // grouped row r reads act row act_rows[r]: the streaming kernel natural-order
                                       // bf16 x, the wgmma kernel lane-order rows (x staged once as [T, K])
-  int64_t act_num_rows = 0;           // rows of act (the wgmma kernels' TMA bound; 0: max_total_rows)
-  const int32_t* expert_offsets = nullptr;  // [E+1]
-  const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
-  const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
+  const int32_t* expert_offsets = nullptr;  // [E+1] (streaming: null with StreamGemmArgs::slot_experts)
   int num_experts = 0;
-  int grid_experts = 0;  // grid.y: upper bound of active experts (min(E, T*k))
+  int grid_experts = 0;  // upper bound of active experts (min(E, T*k)): streaming grid.y; wgmma: its grid's tile bound
   const uint8_t* w_data = nullptr;   // [E, N, K/2]
   const uint8_t* w_scale = nullptr;  // [E, N, w_scale_row_bytes] scale codes (the first K/16 bytes of each row;
                                      // megamoe/backends/cuda_sm90.py sm90_weights, gemm_common.cuh "Scale code")
@@ -95,11 +99,15 @@ struct GroupedGemmArgs {
                                       // h_gs_per_expert, else [1]) and written as its exact bf16 decode (e2m1 *
                                       // e4m3 scale: W4A4's gemm2 input, bit for bit what quantize_nvfp4 writes of h)
   bool h_gs_per_expert = false;
-  int64_t max_total_rows = 0;       // host bound on expert_offsets[E] (sizes the wgmma grid)
-  GemmKernel kernel = GemmKernel::kStream;  // from plan_moe_gemms() (kAuto is refused)
-  int tokens_per_pass = 8;                  // streaming: 8, 16, 32 or 64 (from the plan)
-  int prefetch_blocks = 0;  // set by launch_grouped_gemm: kStore streaming blocks with linear index below this
-                            // prefetch their weights into L2 before the PDL wait (4 x SMs: about one wave)
+};
+
+// The streaming kernels (GemmKernel::kStream; cpp/sm90/gemm_stream.cuh): grid.y runs over expert slots.
+struct StreamGemmArgs : GroupedGemmCommon {
+  const int32_t* active_experts = nullptr;  // [E] (null: grid.y indexes experts directly)
+  const int32_t* num_active = nullptr;      // [1] (null: all grid.y slots are active)
+  int tokens_per_pass = 8;                  // 8, 16, 32 or 64 (the plan's)
+  int prefetch_blocks = 0;  // set by launch_stream_gemm: kStore blocks with linear index below this prefetch their
+                            // weights into L2 before the PDL wait (4 x SMs: about one wave)
   // One token without the align kernel (the one-tile streaming kernel with K % 64 == 0 only): grid.y slot j is
   // grouped row j, of expert slot_experts[j] (the token's topk_ids: int32, or int64 with slot_experts_int64; an id
   // outside [0, E) is dropped: slot j has no row); expert_offsets, active_experts and num_active are not read. With
@@ -109,18 +117,44 @@ struct GroupedGemmArgs {
   bool slot_experts_int64 = false;
   int32_t* entry_row_out = nullptr;
 };
-// Every rule the arguments of launch_grouped_gemm must follow, written once: nullptr when they do, else what is wrong
-// (the binding throws it with the call's name; launch_grouped_gemm returns cudaErrorInvalidValue).
-const char* grouped_gemm_args_error(const GroupedGemmArgs& args);
-cudaError_t launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
-// Byte stride between the scale rows of the weights (GroupedGemmArgs::w_scale_row_bytes, or K/16 when unset).
+// The wgmma kernels (GemmKernel::kWgmma32 / 64 / 128; cpp/sm90/gemm_wgmma.cuh): grid.y runs over the token tiles of
+// all experts. tile, act_tma and stage_k name the kernel instance (its template arguments); plan_wgmma_stage sets
+// the last two by the plan's rule.
+struct WgmmaGemmArgs : GroupedGemmCommon {
+  int64_t act_num_rows = 0;    // rows of act (the TMA view's bound; 0: max_total_rows)
+  int64_t max_total_rows = 0;  // host bound on expert_offsets[E] (sizes the grid)
+  int tile = kTile32;          // token tile: kTile32, kTile64 or kTile128 (GemmPlan::token_tile)
+  bool act_tma = true;         // the activation rows come by TMA (contiguous rows of a 16-byte aligned act), else the
+                               // threads copy them (cp.async: act_rows, or an unaligned act)
+  int stage_k = 0;             // K per pipeline stage: plan_stage_k(tile, K, act_tma)
+};
+
+// Every rule the arguments of a family's launcher must follow, written once: nullptr when they do, else what is wrong
+// (the binding throws it with the call's name; the launcher returns cudaErrorInvalidValue). cpp/sm90/gemm_args.cpp.
+// wgmma_gemm_args_error: slot_experts and entry_row_out say that the caller was given the streaming kernels' one-token
+// inputs, which the wgmma kernels refuse (with the rule's message, after the rules both families share).
+const char* stream_gemm_args_error(const StreamGemmArgs& args);
+const char* wgmma_gemm_args_error(const WgmmaGemmArgs& args, bool slot_experts = false, bool entry_row_out = false);
+// The plan's kernel names a family: nullptr for stream, wgmma32, wgmma64 and wgmma128, else the message.
+const char* gemm_kernel_error(GemmKernel kernel);
+// Sets args.act_tma (contiguous rows, no act_rows, of a 16-byte aligned act: read by TMA) and args.stage_k (the plan's
+// K per stage for them, plan_stage_k) from args.tile, act, act_rows and K: the plan's choice for this call's rows.
+void plan_wgmma_stage(WgmmaGemmArgs& args);
+
+// The launchers: a switch on the arguments (streaming: tokens per pass, K % 64, gathered or staged rows, the
+// quantizing epilogue, direct slots; wgmma: tile, stage K, TMA or copied rows, the quantizing epilogue), after a
+// guard that returns cudaErrorInvalidValue where the family's rules do not hold.
+cudaError_t launch_stream_gemm(const StreamGemmArgs& args, cudaStream_t stream);
+cudaError_t launch_wgmma_gemm(const WgmmaGemmArgs& args, cudaStream_t stream);
+
+// Byte stride between the scale rows of the weights (GroupedGemmCommon::w_scale_row_bytes, or K/16 when unset).
 #if defined(__CUDACC__)
 __host__ __device__ __forceinline__
 #else
 inline
 #endif
-int64_t scale_row_bytes(const GroupedGemmArgs& a) {
+int64_t scale_row_bytes(const GroupedGemmCommon& a) {
   return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
 }
 

@@ -66,7 +66,7 @@ struct GemmPlan {
                             // streaming kernel from x itself, wgmma from x staged once as [T, H] in lane order), no
                             // per-slot staging; tiles 64 and 128 read x staged per slot (TMA boxes of contiguous rows)
   bool h_operand = false;   // gemm1 writes h as the bf16 gemm2 operand, no staging kernel between the GEMMs: W4A16, and
-                            // W4A4 with a static scale for h (h_static_scale; gemm1 quantizes h, GroupedGemmArgs::h_quant_gs)
+                            // W4A4 with a static scale for h (h_static_scale; gemm1 quantizes h, GroupedGemmCommon::h_quant_gs)
   bool lane_order = false;  // the kernel reads its activations in lane order (wgmma): stage them so
   // wgmma: K per pipeline stage of gemm1 and gemm2 (plan_stage_k, for 16-byte aligned activations, as the workspace's
   // are) and whether gemm1 copies its gathered rows with cp.async (gather_x) instead of TMA boxes; 0 / false streaming
