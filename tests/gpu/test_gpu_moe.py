@@ -182,9 +182,10 @@ def test_one_token_without_align_equals_the_align_path(mode, top_k, gen, monkeyp
         gpu = MoELayer(w, gpu.config, backend="cuda-sm90")
         ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
     be, cfg = gpu.backend, gpu.config
+    gpu.batch_invariant = False  # the one-token path streams: the plan takes it only when invariance is off
     x_dtype = torch.float32 if mode == "w4a4 fp32 x" else torch.bfloat16
     plan = be.plan(1, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, act_mode == "w4a16",
-                   x_dtype == torch.bfloat16, act_mode == "w4a4", 1)
+                   x_dtype == torch.bfloat16, act_mode == "w4a4", 1, batch_invariant=False)
     assert plan.without_align
     align = _ext.ext.sm90_moe_align
     cases = ["routed", "int64", "duplicate", "dropped", "all dropped"] if top_k > 1 else ["routed", "int64", "dropped"]
