@@ -21,7 +21,9 @@ closed) and no instance holds its connection any more: an instance keeps that co
 it lives, so the memory it maps outlives it. If the weights process dies anyway, the parent stops the server
 (service/instances.py).
 
-The shared tensors are only read: the kernels read weights, the health checks run on data of their own
+The shared tensors are only read, and on the CPU an instance maps them read-only (``mprotect``): a write
+into the one copy would fault in that instance (which is then restarted) rather than change the weights of
+every instance. (CUDA IPC has no read-only mapping.) Nothing writes them: the kernels read weights, the health checks run on data of their own
 (megamoe.health builds its inputs and weights itself, never the served layer's), and fault-injecting
 backends (``--backend module:factory`` wrapping megamoe.faults) change how a backend computes, never a
 tensor of the layer.
@@ -272,6 +274,32 @@ def describe_bytes(device: str, device_bytes: int, host_bytes: int) -> str:
     return " and ".join(parts)
 
 
+def protect_read_only(tensors) -> int:
+    """Map the pages of the shared host tensors among ``tensors`` read-only in this process; returns the bytes
+    protected. Only storages that start on a page (a shared-memory file's mapping) are touched."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    done, protected = set(), 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_shared():
+            continue
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if not size or ptr in done or ptr % page:
+            continue
+        done.add(ptr)
+        length = size + (-size) % page
+        if libc.mprotect(ctypes.c_void_p(ptr), length, mmap.PROT_READ) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"mprotect of a shared weight ({size} bytes): {os.strerror(errno)}")
+        protected += size
+    return protected
+
+
 # --- in an instance ---------------------------------------------------------------------------------
 
 
@@ -314,6 +342,7 @@ class SharedLayerLoader:
         if payload.load_report is not None:
             layer.load_report = payload.load_report
         layer.shared_weights = {"device_bytes": payload.device_bytes, "host_bytes": payload.host_bytes}
+        protect_read_only(iter_tensors((payload.weights, payload.prepared, payload.float32)))
         self.connection = conn
         log.info("layer mapped from the weights process, not copied: %s", describe_bytes(payload.device,
                                                                                         payload.device_bytes,
@@ -322,4 +351,4 @@ class SharedLayerLoader:
 
 
 __all__ = ["SharedLayer", "SharedLayerLoader", "holder_main", "package_layer", "iter_tensors", "storage_bytes",
-           "EXIT_LOAD_FAILED"]
+           "protect_read_only", "EXIT_LOAD_FAILED"]

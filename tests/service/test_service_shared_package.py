@@ -3,7 +3,7 @@ layer rebuilt from a package that went through torch.multiprocessing's pickler c
 computes, bit for bit, with its host tensors in shared memory and nothing prepared again; a GPU layer's
 host copy of the routed experts travels as meta placeholders of the same shapes; the float32 copies of
 the router and the shared expert travel too and are not made again; from_prepared refuses dense weights
-on another device than its backend's."""
+on another device than its backend's; shared host tensors mapped read-only fault on a write."""
 
 from __future__ import annotations
 
@@ -100,3 +100,25 @@ def test_from_prepared_refuses_dense_weights_on_another_device():
     with pytest.raises(ValueError, match="weights.w13 is on meta"):
         MoELayer.from_prepared(routed_elsewhere, layer.config, layer._prepared, backend="torch")
     MoELayer.from_prepared(routed_elsewhere, layer.config, layer._prepared, backend=RelayingTorchBackend())
+
+
+def test_shared_host_tensors_mapped_read_only_fault_on_a_write(tmp_path):
+    """protect_read_only: the tensor still reads the same; a write into it faults (SIGSEGV) rather than
+    change what every instance reads (run in a child process, which the fault ends)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from megamoe.service.shared_weights import protect_read_only\n"
+        "t = torch.arange(100000, dtype=torch.float32).share_memory_()\n"
+        "v = t[10:20]\n"
+        "assert protect_read_only([t, v]) == t.untyped_storage().nbytes()\n"
+        "assert float(v.sum()) == float(sum(range(10, 20)))\n"
+        "print('read', flush=True)\n"
+        "t[5] = 1.0\n"
+        "print('written', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["read"], (out.stdout, out.stderr[-2000:])
+    assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])

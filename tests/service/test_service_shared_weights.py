@@ -80,15 +80,18 @@ def start(tmp_path: Path, name: str, *args: str, preset: str = PRESET, wait: boo
     return srv
 
 
-def shm_files(pid: int) -> dict[int, int]:
-    """{inode: bytes mapped} of the torch shared-memory files that process ``pid`` maps."""
+def shm_files(pid: int, perms: str | None = None) -> dict[int, int]:
+    """{inode: bytes mapped} of the torch shared-memory files that process ``pid`` maps (``perms``: only
+    mappings with these permissions, e.g. ``r--s``)."""
     files: dict[int, int] = {}
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         parts = line.split(maxsplit=5)
         if len(parts) == 6 and "/torch_" in parts[5] and parts[5].startswith("/dev/shm/"):
+            if perms is not None and parts[1] != perms:
+                continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             inode = int(parts[4])
-            files[inode] = max(files.get(inode, 0), end - start)
+            files[inode] = files.get(inode, 0) + end - start
     return files
 
 
@@ -170,8 +173,10 @@ def test_every_instance_answers_bit_identically_from_the_weights_process_files(s
     held = shm_files(holder)
     assert sum(held.values()) >= want, (sum(held.values()), want)
     for index, pid in pids.items():
-        # the instance maps the weights process's files, all of them, and no shared-memory file of its own
+        # the instance maps the weights process's files, all of them, and no shared-memory file of its own,
+        # every page read-only
         assert shm_files(pid) == held, (index, shm_files(pid), held)
+        assert shm_files(pid, "r--s") == held, (index, shm_files(pid, "r--s"), held)
     log = log_of(shared)
     assert f"the model is loaded once for the {INSTANCES} instances" in log, log[-3000:]
     assert f"host_bytes={want}" in log, (want, log[-3000:])
