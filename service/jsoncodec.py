@@ -54,10 +54,15 @@ class ProtocolError(Exception):
 
 def exit_with_parent(parent_pid: int) -> None:
     """Initializer of the JSON decoder process: it exits once the serving process that started it is
-    gone (one that was killed has nobody left to stop its decoder)."""
+    gone (one that was killed has nobody left to stop its decoder). It ignores SIGINT: a Ctrl-C in a
+    terminal reaches every process of the group, and the serving process ends its decoder itself once
+    it has drained (a decoder interrupted first printed a KeyboardInterrupt traceback)."""
     import os
+    import signal
     import threading
     import time
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent_pid:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -289,3 +290,42 @@ def test_a_checkpoint_is_loaded_once_and_served_by_every_instance(tmp_path):
         assert log_of(srv).count("layer mapped from the weights process") == INSTANCES
     finally:
         assert srv.stop() == 0, log_of(srv)[-3000:]
+
+
+def test_ctrl_c_to_the_whole_process_group_drains_every_process_quietly(tmp_path, small_layer):
+    """A Ctrl-C in a terminal reaches every process of its group at once (parent, instances, the weights
+    process, the instances' JSON decoders): the instances drain, the weights process waits for them, no
+    process prints a traceback, and the server exits 0."""
+    import subprocess
+
+    from megamoe.moe import MoELayer
+    from service_testkit import HERE, REPO, free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    log_path = tmp_path / "ctrl-c.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megamoe.service", "--host", "127.0.0.1", "--port", str(port),
+                                 "--preset", "tiny", "--backend", "torch", "--instances", str(INSTANCES),
+                                 "--selftest-level", "off", "--log-level", "info",
+                                 "--torch-threads", str(torch.get_num_threads())],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            srv = types.SimpleNamespace(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path)
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline and "all 2 instances ready" not in log_path.read_text(errors="replace"):
+                assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+                time.sleep(0.3)
+            tiny = MoELayer.from_preset("tiny", seed=0, backend="torch")
+            # JSON requests on both instances: each has started its decoder process
+            assert answer_on_every_instance(srv, tiny, seed=81, infer="/v2/models/tiny/infer") == {"0", "1"}
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(90) == 0, log_path.read_text(errors="replace")[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    text = log_path.read_text(errors="replace")
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert text.count("drained and exited") == INSTANCES, text[-3000:]
