@@ -233,17 +233,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
     print(f"{torch.cuda.get_device_name()}, preset {args.preset}; device memory in use once every instance is ready")
     print(f"{'instances':>9}  {'own copies GiB':>14}  {'shared GiB':>10}  weights held once")
+    def used(n: int, share: bool, tmp: Path):
+        """The measurement, or None where the server cannot start because the device runs out of memory."""
+        try:
+            return measure(args.preset, n, share, tmp)
+        except AssertionError as exc:
+            if "out of memory" not in str(exc):
+                raise
+            return None
+
+    def gib(m) -> str:
+        return "does not fit" if m is None else f"{m['used_bytes'] / GiB:.2f}"
+
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.instances:
-            own = measure(args.preset, n, False, Path(tmp))
-            if n == 1:
-                shared = own
-                weights = "-"
-            else:
-                shared = measure(args.preset, n, True, Path(tmp))
-                weights = f"{shared['weights_bytes'] / GiB:.2f} GiB"
-            print(f"{n:>9}  {own['used_bytes'] / GiB:>14.2f}  {shared['used_bytes'] / GiB:>10.2f}  {weights}",
-                  flush=True)
+            own = used(n, False, Path(tmp))
+            shared = own if n == 1 else used(n, True, Path(tmp))
+            weights = "-" if n == 1 or shared is None else f"{shared['weights_bytes'] / GiB:.2f} GiB"
+            print(f"{n:>9}  {gib(own):>14}  {gib(shared):>10}  {weights}", flush=True)
     return 0
 
 
