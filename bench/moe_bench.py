@@ -45,6 +45,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -469,7 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the shapes of one of N tensor-parallel ranks: intermediate size I / N per expert "
                          "(V4-Flash at 8: I = 256, GEMM 2 with K = 256)")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default: bench/results/moe_h200.json, or moe_h200_tp<N>.json with --tp N)")
+                    help="JSON path (default: bench/results/moe_<gpu>.json, or moe_<gpu>_tp<N>.json with --tp N; "
+                         "<gpu> h100, h200, ... from the device's name)")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
@@ -487,9 +489,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         ap.error(str(exc))
     if args.out is None:
+        gpu = gpu_tag(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                "moe_h200.json" if args.tp == 1 else f"moe_h200_tp{args.tp}.json")
+                                f"moe_{gpu}.json" if args.tp == 1 else f"moe_{gpu}_tp{args.tp}.json")
     return args
+
+
+def gpu_tag(device_name: str) -> str:
+    """The record's GPU in its default file name: ``h100`` for "NVIDIA H100 80GB HBM3", ``h200``, ``b200``, ...; the
+    sanitized name for another card, ``gpu`` without one (so one card's run never overwrites another's record)."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name.upper())
+    if m:
+        return m.group(1).lower()
+    tag = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+    return tag or "gpu"
+
 
 
 def main(argv=None) -> int:

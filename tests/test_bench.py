@@ -54,9 +54,9 @@ def test_tp_flag_builds_the_rank_shapes(bench):
     v4, v3 = args.configs["v4-flash"], args.configs["v3"]
     assert (v4.hidden_size, v4.intermediate_size, v4.num_experts, v4.top_k) == (4096, 256, 256, 6)
     assert (v3.hidden_size, v3.intermediate_size, v3.num_experts, v3.top_k) == (7168, 256, 256, 8)
-    assert args.out.endswith("moe_h200_tp8.json")
+    assert args.out.endswith("moe_gpu_tp8.json")  # no GPU here: the record names none
     one = bench.parse_args(["--presets", "v4-flash"])
-    assert one.configs["v4-flash"].intermediate_size == 2048 and one.out.endswith("moe_h200.json")
+    assert one.configs["v4-flash"].intermediate_size == 2048 and one.out.endswith("moe_gpu.json")
     pa = bench.plan_args(v4, 8192, "w4a4")
     assert (pa["k_gemm1"], pa["k_gemm2"], pa["num_experts"], pa["tokens_per_expert"]) == (4096, 256, 256, 192)
     assert pa["h_static_scale"] and not pa["w4a16"]
@@ -64,6 +64,14 @@ def test_tp_flag_builds_the_rank_shapes(bench):
     from megamoe.backends.cuda_sm90 import CudaSm90Backend
 
     assert CudaSm90Backend.expert_flops(v4, 64) * 8 == CudaSm90Backend.expert_flops(one.configs["v4-flash"], 64)
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                      ("NVIDIA B200", "b200"), ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090"),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"), ("", "gpu")])
+def test_the_default_record_is_named_after_the_card(bench, name, tag):
+    """An H100 run writes moe_h100.json, never over the H200's record."""
+    assert bench.gpu_tag(name) == tag
 
 
 def test_tp_weights_have_the_rank_shapes(bench):
