@@ -21,5 +21,18 @@ MSG_ALL_READY, MSG_SHORT = ord("A"), ord("P")
 #: the exit status of an instance that left because its device failed (it is restarted)
 EXIT_LEFT = 3
 
-__all__ = ["MSG_READY", "MSG_NOT_READY", "MSG_CLOSED", "MSG_HEARTBEAT", "MSG_LEAVING", "MSG_TAKEN", "HEARTBEAT_S", "MSG_ALL_READY",
+
+
+def recv_ready(sock, size: int) -> bytes | None:
+    """What a non-blocking socket has for us, up to ``size`` bytes: ``None`` when nothing is there yet (or the call
+    was interrupted), ``b""`` when the peer closed it or it failed (every caller treats both as the end)."""
+    try:
+        return sock.recv(size)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
+__all__ = ["recv_ready", "MSG_READY", "MSG_NOT_READY", "MSG_CLOSED", "MSG_HEARTBEAT", "MSG_LEAVING", "MSG_TAKEN", "HEARTBEAT_S", "MSG_ALL_READY",
            "MSG_SHORT", "EXIT_LEFT"]

@@ -79,6 +79,7 @@ from .channel import (
     MSG_READY,
     MSG_SHORT,
     MSG_TAKEN,
+    recv_ready,
 )
 from .settings import ServiceSettings
 
@@ -465,12 +466,9 @@ class _Supervisor:
         self.selector.register(conn, selectors.EVENT_READ, ("refused", conn))
 
     def _read_refused(self, conn: socket.socket) -> None:
-        try:
-            data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError):
+        data = recv_ready(conn, 65536)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_refused(conn)
 
@@ -494,18 +492,22 @@ class _Supervisor:
 
     # --- news from the instances -----------------------------------------------------------
 
-    def _news(self, inst: _Instance) -> None:
-        try:
-            data = inst.channel.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
+    def _channel_data(self, channel: socket.socket, size: int) -> bytes:
+        """What a child's channel has (b"" for nothing now); at its end the channel leaves the selector (the child's
+        exit comes through its sentinel)."""
+        data = recv_ready(channel, size)
+        if data is None:
+            return b""
         if not data:
             try:
-                self.selector.unregister(inst.channel)  # its exit comes through the sentinel
+                self.selector.unregister(channel)
             except (KeyError, ValueError):
                 pass
+        return data
+
+    def _news(self, inst: _Instance) -> None:
+        data = self._channel_data(inst.channel, 4096)
+        if not data:
             return
         inst.last_news_s = time.monotonic()
         if inst.stale_logged:
@@ -583,17 +585,8 @@ class _Supervisor:
                 self._send(inst, word)
 
     def _weights_news(self) -> None:
-        try:
-            data = self.weights_channel.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
+        data = self._channel_data(self.weights_channel, 65536)
         if not data:
-            try:
-                self.selector.unregister(self.weights_channel)  # its exit comes through the sentinel
-            except (KeyError, ValueError):
-                pass
             return
         self.weights_news += data
         while b"\n" in self.weights_news:

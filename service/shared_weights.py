@@ -46,6 +46,8 @@ import socket
 import sys
 import time
 
+from .channel import recv_ready
+
 log = logging.getLogger("megamoe.service.weights")
 
 #: the exit status of a weights process whose layer could not be loaded
@@ -244,12 +246,9 @@ def _serve_package(package: SharedLayer, listener: socket.socket, channel: socke
                 selector.unregister(key.fd)
                 conn.close()  # the instance is gone (its connection closed): it maps nothing any more
             else:
-                try:
-                    data = channel.recv(4096)
-                except (BlockingIOError, InterruptedError):
+                data = recv_ready(channel, 4096)
+                if data is None:
                     continue
-                except OSError:
-                    data = b""
                 if not data:
                     parent_gone = True
                     selector.unregister(channel)
