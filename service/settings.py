@@ -57,8 +57,9 @@ class ServiceSettings(BaseSettings):
     device: str | None = Field(None, description="torch device for the weights; unset: the backend's")
     batch_invariant: bool = Field(
         True, description="a request's answer does not depend on the rest of its batch: the router's and the shared "
-        "expert's float32 GEMMs run in fixed 64-row blocks (docs/SPEC.md §3.5). Off: one GEMM each, faster for large "
-        "batches on a GPU (bench/invariance_cost.py), and a row's bits may then depend on its batch-mates",
+        "expert's float32 GEMMs run in fixed 64-row blocks and cuda-sm90 runs one kernel family at every batch size "
+        "(docs/SPEC.md §3.5). Off: one GEMM each and the streaming decode for few tokens per expert, faster on a GPU "
+        "for large batches and for one token (docs/PERFORMANCE.md), and a row's bits may then depend on its batch-mates",
     )
     torch_threads: int = Field(
         0, ge=0,
