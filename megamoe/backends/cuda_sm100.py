@@ -648,6 +648,11 @@ class CudaSm100Backend(CudaCommonMixin, Backend):
         GEMM work, no contribution (docs/SPEC.md, masked expert ids). A and D hold only the
         T * k routed rows; only the scale factors have 128-row expert blocks. No host
         synchronisation: every size below is known from ``T * top_k`` (CUDA-graph safe).
+
+        ``batch_invariant`` changes nothing here: the glue is per row (quantization, bias,
+        activation, the slot-order combine), and the plan's N tile (64 or 128 by T * k) splits no
+        K, so a row's sums should not depend on its batch; tests/sm100_gpu/
+        test_sm100_batch_invariance.py checks that on a Blackwell GPU (not yet run).
         """
         if cfg.act_mode == "w4a16":
             return self._reference.moe_forward(prepared.weights, cfg, x, topk_ids, topk_weights)
