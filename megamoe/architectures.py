@@ -97,6 +97,11 @@ class _Rule:
             said = ", ".join(f"{self.where}{k}={v!r}" for k, v in vals.items())
             raise UnknownArchitecture(f"config.json: {said} disagree (both give {field_name})")
 
+    def take_one(self, field_name: str, keys, default):
+        """:meth:`take` from config.json keys that name one value (refused where two of them disagree: :meth:`one_key`)."""
+        self.one_key(field_name, keys)
+        return self.take(field_name, keys, default)
+
     def done(self, w13_layout: str = "gate-up", notes=(), requires=()) -> ArchitectureRouting:
         return ArchitectureRouting(self.model_type, dict(self.fields), list(self.choices), w13_layout,
                                    list(notes), dict(self.stated), tuple(requires))
@@ -121,8 +126,7 @@ def _v3_like(hf: dict, model_type: str, defaults: dict, where: str = "") -> Arch
                                   f"(sigmoid, correction bias, group-limited top-k)")
     r.fix("scoring", "sigmoid", model_type + (f", config.json {where}scoring_func" if scoring else
                                               f"; config.json has no {where}scoring_func"))
-    r.one_key("num_experts", ("n_routed_experts", "num_local_experts"))
-    r.take("num_experts", ("n_routed_experts", "num_local_experts"), defaults["num_experts"])
+    r.take_one("num_experts", ("n_routed_experts", "num_local_experts"), defaults["num_experts"])
     r.take("top_k", "num_experts_per_tok", defaults["top_k"])
     r.take("n_group", "n_group", defaults["n_group"])
     r.take("topk_group", "topk_group", defaults["topk_group"])
@@ -193,8 +197,7 @@ def _minimax_m2(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     r.fix("topk_group", None, "minimax_m2 has no expert groups")
     r.fix("renormalize", True, "minimax_m2 always normalises the chosen weights")
     r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
-    r.one_key("num_experts", ("num_local_experts", "num_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 256)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 256)
     r.take("top_k", "num_experts_per_tok", 8)
     r.take("intermediate_size", "intermediate_size", 1536)
     return r.done("gate-up", ["the e_score_correction_bias tensor is required (top-k of sigmoid scores + bias)",
@@ -211,8 +214,7 @@ def _qwen2_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     r.silu_only()
     r.fix("scoring", "softmax", "qwen2_moe")
     r.fields.update(routed_scaling_factor=1.0)
-    r.one_key("num_experts", ("num_experts", "num_local_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 60)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 60)
     r.take("top_k", "num_experts_per_tok", 4)
     r.fields["renormalize"] = bool(r.take("renormalize", "norm_topk_prob", False))
     r.take("intermediate_size", "moe_intermediate_size", 1408)
@@ -237,8 +239,7 @@ def _llama4_text(hf: dict, layer: int | None = None, where: str = "", model_type
     r.fix("renormalize", False, f"{model_type} does not normalise the weights")
     r.fix("router_weight_on_input", True, f"{model_type} multiplies the expert's input by the router weight")
     r.fields.update(routed_scaling_factor=1.0, n_group=None, topk_group=None)
-    r.one_key("num_experts", ("num_local_experts", "num_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 16)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 16)
     r.take("top_k", "num_experts_per_tok", 1)
     i = r.take("intermediate_size", "intermediate_size", 8192)
     r.fix("n_shared_experts", 1, f"{model_type} builds one shared expert")
@@ -269,8 +270,7 @@ def _gpt_oss(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     r.fix("scoring", "softmax_topk", "gpt_oss: softmax over the top-k logits (the router's bias added to the logits)")
     r.fix("renormalize", True, "gpt_oss: the softmax over the chosen logits sums to 1")
     r.fields.update(routed_scaling_factor=1.0, n_group=None, topk_group=None, n_shared_experts=0)
-    r.one_key("num_experts", ("num_local_experts", "num_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 128)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 128)
     r.take("top_k", "num_experts_per_tok", 4)
     r.take("intermediate_size", "intermediate_size", 2880)
     r.fix("swiglu_limit", 7.0, "gpt_oss experts clamp gate at 7 and up to [-7, 7]"
@@ -328,8 +328,7 @@ def _deepseek_v4(hf: dict, layer: int | None = None) -> ArchitectureRouting:
                                   f"computes ({', '.join(SCORINGS)})")
     kind, src = _deepseek_v4_kind(hf, layer)
     r.fix("hash_routing", kind == "hash_moe", f"{kind}, {src}")
-    r.one_key("num_experts", ("n_routed_experts", "num_local_experts"))
-    r.take("num_experts", ("n_routed_experts", "num_local_experts"), 256)
+    r.take_one("num_experts", ("n_routed_experts", "num_local_experts"), 256)
     r.take("top_k", "num_experts_per_tok", 6)
     r.fix("n_group", None, "deepseek_v4 has no expert groups")
     r.fix("topk_group", None, "deepseek_v4 has no expert groups")
@@ -359,8 +358,7 @@ def _mixtral(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     r.fix("scoring", "softmax", "mixtral")
     r.fix("renormalize", True, "mixtral always normalises the chosen weights")
     r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
-    r.one_key("num_experts", ("num_local_experts", "num_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 8)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 8)
     r.take("top_k", "num_experts_per_tok", 2)
     r.take("intermediate_size", "intermediate_size", 14336)
     return r.done("gate-up", ["router logits: transformers computes them in the model dtype, megamoe in float32 "
@@ -375,8 +373,7 @@ def _qwen3_moe(hf: dict, layer: int | None = None) -> ArchitectureRouting:
     r.silu_only()
     r.fix("scoring", "softmax", "qwen3_moe")
     r.fields.update(routed_scaling_factor=1.0, n_shared_experts=0)
-    r.one_key("num_experts", ("num_local_experts", "num_experts"))
-    r.take("num_experts", ("num_local_experts", "num_experts"), 128)
+    r.take_one("num_experts", ("num_local_experts", "num_experts"), 128)
     r.take("top_k", "num_experts_per_tok", 8)
     r.fields["renormalize"] = bool(r.take("renormalize", "norm_topk_prob", False))
     r.take("intermediate_size", "moe_intermediate_size", 768)
