@@ -47,6 +47,13 @@ def log_of(server: ServerProcess) -> str:
     return server.log_path.read_text(errors="replace")
 
 
+def exit_1_log(server: ServerProcess) -> str:
+    """The log of a server that stops on its own with status 1 (within 120 s)."""
+    server.proc.wait(120)
+    assert server.proc.returncode == 1, log_of(server)[-3000:]
+    return log_of(server)
+
+
 def weights_pid(server: ServerProcess) -> int:
     found = re.findall(r"weights process \(pid (\d+)\): loading the model once", log_of(server))
     assert len(found) == 1, log_of(server)[-3000:]
@@ -253,9 +260,7 @@ def test_the_weights_process_dying_stops_the_server_with_status_1(tmp_path):
 def test_a_model_that_cannot_be_loaded_stops_the_server_with_status_1(tmp_path):
     srv = start(tmp_path, "bad", "--checkpoint", str(tmp_path / "no-such-checkpoint"), wait=False)
     try:
-        srv.proc.wait(120)
-        assert srv.proc.returncode == 1, log_of(srv)[-3000:]
-        log = log_of(srv)
+        log = exit_1_log(srv)
         assert "[weights] megamoe.service.weights: the model cannot be loaded" in log, log[-3000:]
         assert "no-such-checkpoint" in log
     finally:
@@ -266,9 +271,7 @@ def test_a_prepared_layer_that_cannot_be_shared_stops_the_server_and_names_the_w
     srv = start(tmp_path, "unpicklable", "--backend", "megamoe_test_backends:UnpicklablePreparedBackend",
                 preset="tiny", wait=False)
     try:
-        srv.proc.wait(120)
-        assert srv.proc.returncode == 1, log_of(srv)[-3000:]
-        log = log_of(srv)
+        log = exit_1_log(srv)
         assert "the prepared layer cannot be shared with the instances" in log, log[-3000:]
         assert "serve with --no-share-weights" in log
     finally:
