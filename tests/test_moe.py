@@ -210,7 +210,9 @@ def _one_valid_slot_per_token(gen, t, e, k):
     drawn at random); the others carry the mask value -1 or another id outside [0, e)."""
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     keep = torch.randint(0, k + 1, (t,), generator=gen)  # k: no valid slot at all
+    keep[0], keep[1] = k, 0  # whatever the seed: one token with no valid slot, one with its first
     bad = torch.tensor([-1, e, e + 7, -5])[torch.randint(0, 4, (t, k), generator=gen)]
+    bad[0, 0] = -1  # and the mask value -1 among the masked ids
     masked = torch.arange(k).unsqueeze(0) != keep.unsqueeze(1)
     ids = torch.where(masked, bad, ids).to(torch.int32)
     return ids, masked, keep
