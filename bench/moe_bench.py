@@ -10,6 +10,10 @@ expert's intermediate size I / N (V4-Flash at N = 8: I = 256, so GEMM 1 has N = 
 and GEMM 2 has K = 256), H, E and the routing unchanged; each row records the dispatch plan the
 backend picks at those shapes (``sm90_<mode>_plan``). The partial sums' all-reduce is not timed.
 
+``--top-k K [K ...]``: each preset once per K experts per token (rows ``<preset>/k<K>``), the GEMM shapes
+unchanged: at one token the grid of each GEMM is k experts' row blocks, so its time against k tells whether the
+busiest SM or DRAM sets it (docs/PERFORMANCE.md, Floors).
+
 For each preset (docs/SPEC.md §3) and T: routed experts only (the shared expert and the router
 are identical for every path and left out), uniform random top-k routing, CUDA-graph
 replays timed one by one with CUDA events after warm-up; the median is reported. Between
@@ -469,9 +473,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="the shapes of one of N tensor-parallel ranks: intermediate size I / N per expert "
                          "(V4-Flash at 8: I = 256, GEMM 2 with K = 256)")
+    ap.add_argument("--top-k", type=int, nargs="+", default=None, metavar="K",
+                    help="route each token to K experts, for each K given, in place of the preset's top_k (rows "
+                         "<preset>/k<K>): the same GEMM shapes with more or fewer blocks per SM")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default: bench/results/moe_<gpu>.json, or moe_<gpu>_tp<N>.json with --tp N; "
-                         "<gpu> h100, h200, ... from the device's name)")
+                    help="JSON path (default: bench/results/moe_<gpu>.json, or moe_<gpu>_tp<N>.json with --tp N, "
+                         "moe_<gpu>_topk.json with --top-k; <gpu> h100, h200, ... from the device's name)")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
@@ -485,13 +492,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default: the batch-invariant plan (docs/SPEC.md §3.5)")
     args = ap.parse_args(argv)
     try:
-        args.configs = {p: bench_config(p, args.tp) for p in args.presets}
+        args.configs = {}
+        for p in args.presets:
+            cfg = bench_config(p, args.tp)
+            for k in args.top_k or [None]:
+                if k is None:
+                    args.configs[p] = cfg
+                elif not 1 <= k <= cfg.num_experts:
+                    raise ValueError(f"--top-k {k}: expected 1 to {cfg.num_experts} (the experts of {p})")
+                else:
+                    args.configs[f"{p}/k{k}"] = cfg.with_(top_k=k)
     except ValueError as exc:
         ap.error(str(exc))
     if args.out is None:
         gpu = gpu_tag(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"moe_{gpu}.json" if args.tp == 1 else f"moe_{gpu}_tp{args.tp}.json")
+        suffix = (f"_tp{args.tp}" if args.tp != 1 else "") + ("_topk" if args.top_k else "")
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"moe_{gpu}{suffix}.json")
     return args
 
 
@@ -522,8 +538,7 @@ def main(argv=None) -> int:
     print(TABLE_HEADER.replace("preset", "row   ", 1), flush=True)
 
     results = []
-    for preset in args.presets:
-        base = args.configs[preset]
+    for preset, base in args.configs.items():
         weights = random_weights(base, gen)
         prepared = be.prepare_weights(weights)
         per_expert_nvfp4 = sum(expert_weight_bytes(base).values())

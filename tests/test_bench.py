@@ -66,6 +66,23 @@ def test_tp_flag_builds_the_rank_shapes(bench):
     assert CudaSm90Backend.expert_flops(v4, 64) * 8 == CudaSm90Backend.expert_flops(one.configs["v4-flash"], 64)
 
 
+def test_top_k_flag_runs_each_preset_per_k(bench, capsys):
+    """``--top-k 2 8``: one row label per preset and k, the shapes unchanged, its own results file; a k the
+    preset's experts cannot hold is refused by name."""
+    args = bench.parse_args(["--presets", "v4-flash", "v3", "--top-k", "2", "8", "--tp", "8"])
+    assert list(args.configs) == ["v4-flash/k2", "v4-flash/k8", "v3/k2", "v3/k8"]
+    for label, cfg in args.configs.items():
+        want = bench.bench_config(label.split("/")[0], 8)
+        assert cfg.top_k == int(label.split("/k")[1])
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts) == (
+            want.hidden_size, want.intermediate_size, want.num_experts)
+    assert args.out.endswith("moe_gpu_tp8_topk.json")
+    assert bench.parse_args(["--presets", "v3", "--top-k", "4"]).out.endswith("moe_gpu_topk.json")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--presets", "v4-flash", "--top-k", "257"])
+    assert "--top-k 257: expected 1 to 256 (the experts of v4-flash)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                       ("NVIDIA B200", "b200"), ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090"),
                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("", "gpu")])
@@ -382,3 +399,12 @@ def test_main_writes_the_rates_into_the_record(bench, monkeypatch, tmp_path, cap
     assert sum(ln.startswith("preset") for ln in printed) == 1
     final = printed[printed.index(next(ln for ln in printed if ln.startswith("preset"))):]
     assert [ln.split()[2] for ln in final[1:]] == ["w4a16", "w4a4", "torch"]
+    # --top-k: one row per k, each with the FLOPs and the experts of its own k
+    out_k = tmp_path / "moe_k.json"
+    assert bench.main(["--presets", "tiny", "--tokens", "4", "--top-k", "1", "3", "--out", str(out_k)]) == 0
+    rows = json.loads(out_k.read_text())["results"]
+    assert [r["preset"] for r in rows] == ["tiny/k1", "tiny/k3"]
+    for r, k in zip(rows, (1, 3)):
+        assert r["flops"] == sum(bench.gemm_flops(cfg.with_(top_k=k), 4).values())
+        assert 1 <= r["experts_used"] <= 4 * k and not any(key.endswith("_error") for key in r)
+    assert rows[1]["flops"] == 3 * rows[0]["flops"]
