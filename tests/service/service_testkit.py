@@ -147,6 +147,20 @@ def _decode(raw: bytes, content_type: str):
 
 
 
+def metric_samples(server: "ServerProcess", name: str) -> list:
+    """The samples called ``name`` in ``server``'s ``/metrics``, whichever instance answers it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = server.get("/metrics")
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def json_output(reply, like: torch.Tensor) -> torch.Tensor:
+    """The first output of a 200 JSON infer reply (an ``httpx.Response``), in ``like``'s dtype."""
+    assert reply.status_code == 200, reply.text[:500]
+    out = reply.json()["outputs"][0]
+    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"]).to(like.dtype)
+
 
 def infer_body(layer, tokens: int, seed: int):
     """A JSON infer request of random inputs (FP32 hidden states, routing given) and ``layer``'s output for it."""

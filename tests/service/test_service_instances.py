@@ -19,24 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from service_testkit import HERE, PRESET, REPO, TOKEN, ServerProcess, infer_body
+from service_testkit import HERE, PRESET, REPO, TOKEN, ServerProcess, infer_body, json_output, metric_samples
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = f"/v2/models/{PRESET}/infer"
 INSTANCES = 2
-
-
-def samples(server, name: str) -> list:
-    _, text = server.get("/metrics")
-    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
-
-
-def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
-    assert reply.status_code == 200, reply.text[:500]
-    out = reply.json()["outputs"][0]
-    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"]).to(like.dtype)
 
 
 def start(tmp_path: Path, name: str, *args: str) -> ServerProcess:
@@ -45,7 +33,7 @@ def start(tmp_path: Path, name: str, *args: str) -> ServerProcess:
     srv.wait_for("/v2/health/ready")  # every instance ready
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        ready = samples(srv, "megamoe_instance_ready")
+        ready = metric_samples(srv, "megamoe_instance_ready")
         if len(ready) == INSTANCES and all(s.value == 1.0 for s in ready):
             break
         time.sleep(0.2)
@@ -70,7 +58,7 @@ def log_of(server: ServerProcess) -> str:
 
 
 def instance_pids(server) -> dict[str, str]:
-    return {s.labels["instance"]: s.labels["pid"] for s in samples(server, "megamoe_instance_ready")}
+    return {s.labels["instance"]: s.labels["pid"] for s in metric_samples(server, "megamoe_instance_ready")}
 
 
 def test_both_instances_answer_and_metrics_sum_over_them(multi, layer):
@@ -81,7 +69,7 @@ def test_both_instances_answer_and_metrics_sum_over_them(multi, layer):
     assert status == 200 and config["instance_group"][0]["count"] == INSTANCES, config
 
     def count(code: str) -> float:
-        return sum(s.value for s in samples(multi, "megamoe_requests_total")
+        return sum(s.value for s in metric_samples(multi, "megamoe_requests_total")
                    if s.labels == {"route": "/v2/models/{model_name}/infer", "code": code})
 
     before = count("200")
@@ -96,7 +84,7 @@ def test_both_instances_answer_and_metrics_sum_over_them(multi, layer):
             for j in range(3):
                 body, expected = infer_body(layer, tokens=3 + k, seed=100 * k + j)
                 reply = client.post(INFER, json=body)
-                torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+                torch.testing.assert_close(json_output(reply, expected), expected, rtol=0, atol=0)
                 answered.setdefault(k, set()).add(reply.headers["megamoe-instance"])
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -114,7 +102,7 @@ def test_both_instances_answer_and_metrics_sum_over_them(multi, layer):
     assert set().union(*answered.values()) == {str(i) for i in range(INSTANCES)}, answered
     # /metrics, whichever instance answers it, counts the requests of both
     assert count("200") - before == 3 * INSTANCES
-    tokens = sum(s.value for s in samples(multi, "megamoe_tokens_processed_total"))
+    tokens = sum(s.value for s in metric_samples(multi, "megamoe_tokens_processed_total"))
     assert tokens >= 3 * (3 + 4)
 
 
@@ -165,7 +153,7 @@ def test_sigterm_drains_every_instance_and_exits_0(multi, layer):
     seen = set()
     for k, (reply, expected) in replies.items():
         assert isinstance(reply, httpx.Response), (reply, log_of(multi))
-        torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+        torch.testing.assert_close(json_output(reply, expected), expected, rtol=0, atol=0)
         seen.add(reply.headers["megamoe-instance"])
     assert seen == {str(i) for i in range(INSTANCES)}, seen
     assert "drained and exited" in log_of(multi)
@@ -184,7 +172,7 @@ def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
         srv.wait_for("/v2/health/live")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the loading one has reported its (not ready) gauge too
-            ready = {s.labels["instance"]: s.value for s in samples(srv, "megamoe_instance_ready")}
+            ready = {s.labels["instance"]: s.value for s in metric_samples(srv, "megamoe_instance_ready")}
             if len(ready) == INSTANCES and 1.0 in ready.values():  # one ready, the other loading
                 break
             time.sleep(0.1)
@@ -193,18 +181,18 @@ def test_connections_go_to_the_ready_instance_only(tmp_path, layer):
         # the server is not ready while it runs an instance short: the ready one says so
         status, body = srv.get("/v2/health/ready")
         assert status == 503 and "1 of 2 instances ready" in body["error"], body
-        assert [s.value for s in samples(srv, "megamoe_ready")] == [0.0]
+        assert [s.value for s in metric_samples(srv, "megamoe_ready")] == [0.0]
         for k in range(3):  # connections kept open: still every one to the ready instance
             client = httpx.Client(base_url=srv.url, headers=AUTH, timeout=30)
             clients.append(client)
             body, expected = infer_body(layer, tokens=2, seed=300 + k)
             reply = client.post(INFER, json=body)
-            torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+            torch.testing.assert_close(json_output(reply, expected), expected, rtol=0, atol=0)
             assert reply.headers["megamoe-instance"] == first, (k, reply.headers)
         gate.touch()
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            ready = {s.labels["instance"]: s.value for s in samples(srv, "megamoe_instance_ready")}
+            ready = {s.labels["instance"]: s.value for s in metric_samples(srv, "megamoe_instance_ready")}
             if list(ready.values()) == [1.0] * INSTANCES:
                 break
             time.sleep(0.2)

@@ -21,9 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from service_testkit import TOKEN, ServerProcess, infer_body
+from service_testkit import TOKEN, ServerProcess, infer_body, json_output, metric_samples
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 
@@ -34,13 +33,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = f"/v2/models/{PRESET}/infer"
 
 
-def samples(server: ServerProcess, name: str) -> list:
-    _, text = server.get("/metrics")
-    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
-
-
 def instance_pids(server: ServerProcess) -> dict[str, int]:
-    return {s.labels["instance"]: int(s.labels["pid"]) for s in samples(server, "megamoe_instance_ready")}
+    return {s.labels["instance"]: int(s.labels["pid"]) for s in metric_samples(server, "megamoe_instance_ready")}
 
 
 def log_of(server: ServerProcess) -> str:
@@ -66,7 +60,7 @@ def wait_all_ready(server: ServerProcess, timeout_s: float = 150, not_pids: set[
     ready = []
     while time.monotonic() < deadline:
         try:
-            ready = samples(server, "megamoe_instance_ready")
+            ready = metric_samples(server, "megamoe_instance_ready")
         except OSError:
             ready = []
         pids = {s.labels["instance"]: int(s.labels["pid"]) for s in ready}
@@ -120,12 +114,6 @@ def layer_bytes(layer) -> int:
     return sum(storage_bytes(iter_tensors((layer.weights, layer._prepared, layer.dense_float32()))).values())
 
 
-def output_of(reply: httpx.Response, like: torch.Tensor) -> torch.Tensor:
-    assert reply.status_code == 200, reply.text[:500]
-    out = reply.json()["outputs"][0]
-    return torch.tensor(out["data"], dtype=torch.float32).reshape(out["shape"]).to(like.dtype)
-
-
 def answer_on_every_instance(server: ServerProcess, layer, seed: int, infer: str = INFER) -> set[str]:
     """Requests on one keep-alive connection per instance (opened at once: the parent spreads them), each
     answer compared bit for bit with ``layer``'s; returns the instances that answered."""
@@ -138,7 +126,7 @@ def answer_on_every_instance(server: ServerProcess, layer, seed: int, infer: str
             for j in range(2):
                 body, expected = infer_body(layer, tokens=3 + k, seed=seed + 10 * k + j)
                 reply = clients[k].post(infer, json=body)
-                torch.testing.assert_close(output_of(reply, expected), expected, rtol=0, atol=0)
+                torch.testing.assert_close(json_output(reply, expected), expected, rtol=0, atol=0)
                 answered[k] = reply.headers["megamoe-instance"]
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
