@@ -163,7 +163,7 @@ void register_sm90(nb::module_& m) {
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
          std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray h_quant_scale,
          int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream, OptArray slot_experts,
-         OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift) {
+         OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift, bool offsets_settled) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         auto refuse = [](const char* err) {
           if (err) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
@@ -209,6 +209,7 @@ void register_sm90(nb::module_& m) {
           a.bias = ptr<const float>(*bias, "bias", 4);
         }
         a.epilogue = epilogue;
+        a.offsets_settled = offsets_settled;
         if (out && elem_type(*out, "out") == ElemType::kBFloat16) {
           a.out_bf16 = ptr<uint16_t>(*out, "out", 2);
         } else {
@@ -279,13 +280,16 @@ void register_sm90(nb::module_& m) {
       nb::arg("h_quant_scale").none() = nb::none(), nb::arg("max_total_rows"),
       nb::arg("plan"), nb::arg("stream"), nb::arg("slot_experts").none() = nb::none(),
       nb::arg("entry_row_out").none() = nb::none(), nb::arg("bias").none() = nb::none(),
-      nb::arg("swiglu_alpha") = 1.0f, nb::arg("swiglu_up_shift") = 0.0f,
+      nb::arg("swiglu_alpha") = 1.0f, nb::arg("swiglu_up_shift") = 0.0f, nb::arg("offsets_settled") = false,
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
       "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
       "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input; the "
       "silu_mul GEMM then writes the token's entry_row into entry_row_out (j, or -1 when dropped). bias: float32 [E, N] "
       "added to each weight row's scaled product (silu_mul: gate rows then up rows, before the activation); "
-      "swiglu_alpha, swiglu_up_shift: h = (up + shift) * gate * sigmoid(alpha * gate) (gpt-oss: 1.702, 1).");
+      "swiglu_alpha, swiglu_up_shift: h = (up + shift) * gate * sigmoid(alpha * gate) (gpt-oss: 1.702, 1). "
+      "offsets_settled: expert_offsets and act_rows were complete before the last kernel queued on the stream started "
+      "(the MoE forward, two or more kernels after the align kernel): the wgmma kernels then issue their first weight "
+      "loads before they wait for that kernel (programmatic dependent launch); leave it False otherwise.");
 
   m.def(
       "sm90_moe_combine",

@@ -191,9 +191,9 @@ __device__ __forceinline__ int expert_tile_of_block(const GroupedGemmCommon& a, 
   for (int base = 0; base < E; base += kThreads) {
     const int e = base + tid;
     int row_begin = 0, rows = 0;
-    if (e < E) {
-      row_begin = a.expert_offsets[e];
-      rows = a.expert_offsets[e + 1] - row_begin;
+    if (e < E) {  // through L2: with settled offsets the wgmma kernels scan before their PDL wait (pdl.cuh rule 3)
+      row_begin = __ldcg(a.expert_offsets + e);
+      rows = __ldcg(a.expert_offsets + e + 1) - row_begin;
     }
     const int own = (rows + kTile - 1) / kTile;  // tiles of expert e
     int v = own;

@@ -61,12 +61,13 @@
 #include "cp_async.cuh"
 #include "gemm_common.cuh"
 #include "megamoe/sm90_kernels.h"
+#include "pdl.cuh"
 #include "tma.cuh"
 #include "wgmma_ops.cuh"
 
 namespace megamoe::sm90 {
 
-// kWgK, the token tiles kTile32 / 64 / 128, kWgMaxExperts, wg_stage_k, wg_min_stage_k: megamoe/sm90_plan.h
+// kWgK, the token tiles kTile8 / 32 / 64 / 128, kWgMaxExperts, wg_stage_k, wg_min_stage_k: megamoe/sm90_plan.h
 
 // Four warpgroups per SM everywhere (independent warpgroups overlap one's barrier waits, loads and
 // dequantization with the others' MMAs). kMaxN 32: K 256 per stage, 3 stages (the memory-bound
@@ -76,8 +77,9 @@ namespace megamoe::sm90 {
 // (launch_wg_gemm picks): about 192 KB of ring in tiles 64 and 128.
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
-// that two 128-row blocks read from L2.
-__host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kTile32 ? 128 : 256; }
+// that two 128-row blocks read from L2. Tile 8 (a small tile-32 grid, plan_tile8): 64 rows (one warpgroup), K 256,
+// 4 stages, four blocks per SM.
+__host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kTile8 ? 64 : max_n == kTile32 ? 128 : 256; }
 template <int kMaxN, int kStageK = wg_stage_k(kMaxN)>
 struct WgCfg {
   static constexpr int kKS = kStageK;      // K per stage
@@ -85,8 +87,8 @@ struct WgCfg {
   static constexpr int kSub = kKS / kWgK;  // 64-element blocks (SW128 activation sub-tiles) per stage
   static constexpr int kRows = wg_rows(kMaxN);  // weight rows per block (64 per warpgroup)
   static constexpr int kThreads = 2 * kRows;    // kRows / 64 warpgroups
-  static constexpr int kMinBlocks = kRows == 128 ? 2 : 1;
-  static constexpr int kStages = kMaxN == kTile32 ? 3 : kMaxN == kTile64 ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
+  static constexpr int kMinBlocks = wg_blocks_per_sm(kMaxN);
+  static constexpr int kStages = kMaxN == kTile8 ? 4 : kMaxN == kTile32 ? 3 : kMaxN == kTile64 ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
   static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
@@ -111,9 +113,10 @@ struct WgCfg {
                                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
   __host__ __device__ static constexpr int wswz(int r) { return kKS == 256 ? (r & 7) : kKS == 128 ? ((r >> 1) & 3) : 0; }
   // Token widths the kernel instantiates (wgmma n), narrowest first; a block runs the narrowest that holds its tile
-  // (tile 128: 32, 48, ..., 128 in steps of 16; tile 64: 8, 16, 32, 40, 48, 56, 64; tile 32: 8, 16, 32), so a tile's
-  // wgmmas run fewer than 16 (tile 128, from 32 tokens) or 8 (tile 64, from 32 tokens) token columns past its tokens.
-  static constexpr int kNumWidths = kMaxN == kTile128 ? 7 : kMaxN == kTile64 ? 7 : 3;
+  // (tile 128: 32, 48, ..., 128 in steps of 16; tile 64: 8, 16, 32, 40, 48, 56, 64; tile 32: 8, 16, 32; tile 8: 8),
+  // so a tile's wgmmas run fewer than 16 (tile 128, from 32 tokens) or 8 (tile 64, from 32 tokens) token columns past
+  // its tokens.
+  static constexpr int kNumWidths = kMaxN == kTile128 ? 7 : kMaxN == kTile64 ? 7 : kMaxN == kTile32 ? 3 : 1;
   __host__ __device__ static constexpr int width(int i) {
     return kMaxN == kTile128 ? 16 * (i + 2) : kMaxN == kTile64 ? (i < 3 ? 8 << i : 8 * (i + 2)) : 8 << i;
   }
@@ -194,9 +197,14 @@ __host__ __device__ inline int wg_row_blocks(const GroupedGemmCommon& a) {
 __host__ __device__ constexpr int wg_max_items(int max_n, bool act_tma, bool quant_h) {
   return (max_n == kTile64 || max_n == kTile32) && act_tma && !quant_h ? 2 : 1;
 }
+// The host launches a paired grid (row_blocks / 2 rounded up) only where wg_items is 2 and the plan pairs
+// (plan_pair_row_blocks); the kernel reads the pairing off its grid (wg_block_items).
 template <int kMaxN, int kStageK>
 __host__ __device__ constexpr int wg_items(int64_t K, bool act_tma, bool quant_h) {
   return wg_max_items(kMaxN, act_tma, quant_h) > 1 && (K / kStageK) % WgCfg<kMaxN, kStageK>::kChunkStages == 0 ? 2 : 1;
+}
+__host__ __device__ constexpr int wg_block_items(int max_items, int row_blocks, unsigned grid_x) {
+  return max_items > 1 && int(grid_x) < row_blocks ? 2 : 1;
 }
 
 // kSiluMul epilogue with a.h_quant_gs (W4A4 with a static scale for h): h quantized to NVFP4 and written as its exact
@@ -340,7 +348,8 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmCommon& a, const fl
 template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
-                                        int expert, int row_begin, int rows, int m0, int rb0, int items) {
+                                        int expert, int row_begin, int rows, int m0, int rb0, int items,
+                                        bool pre_wait) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   constexpr int S = Cfg::kStages, kKS = Cfg::kKS, kB = Cfg::kSub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
@@ -371,7 +380,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   // Stage gk: k-tile kt of row block rb0 + it; its scale chunk kt / kChunkStages goes to scale slot
   // (gk / kChunkStages) % kScSlots, the chunks of all items counted in one sequence (num_k_tiles % kChunkStages == 0
   // when items > 1: wg_items), as the loop below steps through the slots.
-  auto issue_tma = [&](int slot, int gk) {
+  // issue_weights: the stage's expected bytes (activations included) and its weight and scale boxes; issue_act: its
+  // activation box (kActTma). The prologue of a block that has not waited for the grid before it (pre_wait) issues the
+  // first in its PDL prologue and the second after the wait.
+  auto issue_weights = [&](int slot, int gk) {
     const int it = kMaxItems > 1 && gk >= num_k_tiles ? 1 : 0, kt = gk - it * num_k_tiles;
     const int rb = rb0 + it;
     const int wrow0 = silu_mul ? rb * (Cfg::kRows / 2) : rb * Cfg::kRows;
@@ -390,9 +402,19 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
       tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
       if (silu_mul) tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
     }
-    // the stage's kB activation sub-tiles as one box of a 3-D view {64 elements, rows, K / 64}: sub-tile j lands at
-    // sa + j * N * 128 (kActSub)
-    if constexpr (kActTma) tma_load_3d(sa, &maps.act[kWidth], 0, row_begin + m0, kt * kB, bar);
+  };
+  // the stage's kB activation sub-tiles as one box of a 3-D view {64 elements, rows, K / 64}: sub-tile j lands at
+  // sa + j * N * 128 (kActSub)
+  auto issue_act = [&](int slot, int gk) {
+    if constexpr (kActTma) {
+      const int kt = gk % num_k_tiles;
+      tma_load_3d(stages_s + uint32_t(slot) * Cfg::kStageBytes, &maps.act[kWidth], 0, row_begin + m0, kt * kB,
+                  bars + 8 * slot);
+    }
+  };
+  auto issue_tma = [&](int slot, int gk) {
+    issue_weights(slot, gk);
+    issue_act(slot, gk);
   };
 
   // Copied rows (!kActTma: gathered, or an activation view TMA cannot read): this thread's activation copies,
@@ -447,7 +469,10 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   // tile kt + A (A = S - 1 ahead), so thread 0 issues that tile's boxes right there.
   constexpr int A = S - 1;
   if (tid == 0)
-    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_tma(s, s);
+    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_weights(s, s);
+  if (pre_wait) griddep_sync_and_release();
+  if (tid == 0)
+    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_act(s, s);
 #pragma unroll
   for (int s = 0; s < A; ++s)
     if (s < total) load_act(s, s);
@@ -576,17 +601,18 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
 template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCommon& a, const WgMaps& maps,
                                                  uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
-                                                 int expert, int row_begin, int rows, int m0, int rb0, int items) {
+                                                 int expert, int row_begin, int rows, int m0, int rb0, int items,
+                                                 bool pre_wait) {
   using Cfg = WgCfg<kMaxN, kStageK>;
   if constexpr (I + 1 < Cfg::kNumWidths) {
     if (count > Cfg::width(I)) {
       wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars, freed, expert,
-                                                                row_begin, rows, m0, rb0, items);
+                                                                row_begin, rows, m0, rb0, items, pre_wait);
       return;
     }
   }
   wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, freed, expert, row_begin,
-                                                          rows, m0, rb0, items);
+                                                          rows, m0, rb0, items, pre_wait);
 }
 
 // The kernel reads the common part of the arguments only: WgmmaGemmArgs' own fields (tile, stage K, TMA rows, the
@@ -594,7 +620,9 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCom
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmCommon a, const __grid_constant__ WgMaps maps) {
-  static_assert(kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128, "token tiles of 32, 64 or 128");
+  static_assert(kMaxN == kTile8 || kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128,
+                "token tiles of 8, 32, 64 or 128");
+  static_assert(!(kQuantH && kMaxN == kTile8), "h is quantized by blocks of 128 rows or more (wg_epilogue_h_nvfp4)");
   static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 7, "WgMaps holds one activation map per width");
   using Cfg = WgCfg<kMaxN, kStageK>;
   extern __shared__ uint8_t wg_smem_raw[];
@@ -619,22 +647,32 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
     tma_prefetch_map(&maps.w);
     tma_prefetch_map(&maps.s);
   }
+  // Programmatic dependent launch (pdl.cuh): with settled offsets (GroupedGemmCommon::offsets_settled, the forward's
+  // GEMMs) the block finds its tile in expert_offsets and issues its first stages' weight boxes before it waits for the
+  // grid before it (whose tail it overlaps: pdl.cuh rule 3), else it waits first. Either way it releases its
+  // dependents once it has waited.
+  const bool pre_wait = a.offsets_settled;
+  if (!pre_wait) griddep_sync_and_release();
 
   // Which expert and which token tile of it (the scan's barriers also publish the mbarriers).
   const int num_tiles =
       expert_tile_of_block<Cfg::kThreads, kMaxN>(a, a.num_experts, blockIdx.y, warp_sums, found, tid, warp, lane);
-  if (int(blockIdx.y) >= num_tiles) return;
+  if (int(blockIdx.y) >= num_tiles) {
+    if (pre_wait) griddep_sync_and_release();
+    return;
+  }
   const ExpertTile et = *found;
   const int expert = et.expert, row_begin = et.row_begin, rows = et.rows, m0 = et.m0;
   const int count = min(rows - m0, kMaxN);  // tokens in this tile (block-uniform)
   // row blocks rb0 .. rb0 + items - 1 of the tile (wg_items)
-  const int per_block = wg_items<kMaxN, kStageK>(a.K, kActTma, kQuantH);
+  const int row_blocks = wg_row_blocks<kMaxN>(a);
+  const int per_block = wg_block_items(wg_max_items(kMaxN, kActTma, kQuantH), row_blocks, gridDim.x);
   const int rb0 = int(blockIdx.x) * per_block;
-  const int items = min(per_block, wg_row_blocks<kMaxN>(a) - rb0);
+  const int items = min(per_block, row_blocks - rb0);
 
   wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
-                                                         row_begin, rows, m0, rb0, items);
+                                                         row_begin, rows, m0, rb0, items, pre_wait);
 }
 
 }  // namespace megamoe::sm90

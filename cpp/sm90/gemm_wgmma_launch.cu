@@ -2,6 +2,7 @@
 // tile, stage K and TMA or copied activation rows (WgmmaGemmArgs: the plan's), its TMA tensor maps (encoded on the
 // host), its shared-memory attributes and its grid.
 #include "gemm_wgmma.cuh"
+#include "pdl.cuh"
 
 namespace megamoe::sm90 {
 
@@ -92,39 +93,55 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
   const bool act_tma = a.act_tma;
   // copied rows run the tile's smallest K per stage (tile 64: K 128, tile 128: K 64; plan_stage_k)
   constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
-  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot; wgmma_gemm_args_error)
+  // instantiated with TMA rows only (W4A4's gemm1 input is staged per slot; wgmma_gemm_args_error), and not in tile 8
+  // (plan_tile8 is asked without it)
+  constexpr bool kQuantOk = kMaxN != kTile8;
   const bool quant = a.h_quant_gs != nullptr;
+  if (!kQuantOk && quant) return cudaErrorInvalidValue;
   WgMaps maps{};
   cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, maps);
   if (err != cudaSuccess) return err;
   if (quant) {
-    err = wg_set_attributes<kMaxN, kStageK, true, true>();
+    if constexpr (kQuantOk) err = wg_set_attributes<kMaxN, kStageK, true, true>();
   } else if constexpr (kTmaOnly) {
     err = wg_set_attributes<kMaxN, kStageK, true, false>();
   } else {
     err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
   }
   if (err != cudaSuccess) return err;
-  const int per_block = wg_items<kMaxN, kStageK>(a.K, act_tma, quant);  // quant runs the kActTma kernel
-  const unsigned gx = unsigned((wg_row_blocks<kMaxN>(a) + per_block - 1) / per_block);
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts (at most
   // 65535: wgmma_gemm_args_error).
   const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
+  // Row blocks in pairs where the kernel can (wg_items; quant runs the kActTma kernel) and the plan pairs them: the
+  // kernel reads the pairing off gridDim.x (wg_block_items).
+  const int sm = sm_count();
+  const int64_t tiles_bound = wg_tiles_bound(kMaxN, a.max_total_rows, a.grid_experts);
+  const int row_blocks = wg_row_blocks<kMaxN>(a);
+  const bool pair = wg_items<kMaxN, kStageK>(a.K, act_tma, quant) == 2 &&
+                    plan_pair_row_blocks(kMaxN, row_blocks, tiles_bound, sm);
+  const unsigned gx = unsigned(pair ? (row_blocks + 1) / 2 : row_blocks);
   const dim3 grid(gx, unsigned(tiles));
-  const GroupedGemmCommon& c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
+  const GroupedGemmCommon c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
+  // a grid of one wave with programmatic dependent launch (plan_pdl_launch; the kernel follows pdl.cuh's protocol)
+  const bool pdl = plan_pdl_launch(kMaxN, tiles_bound * gx, sm);
+  auto launch = [&](auto kernel) -> cudaError_t {
+    if (pdl) return pdl_launch(kernel, grid, Cfg::kThreads, Cfg::kSmem, stream, c, maps);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+    return cudaGetLastError();
+  };
   if (quant) {
-    wg_gemm_kernel<kMaxN, kStageK, true, true><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+    if constexpr (kQuantOk) return launch(wg_gemm_kernel<kMaxN, kStageK, true, true>);
   } else if (act_tma) {
-    wg_gemm_kernel<kMaxN, kStageK, true, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+    return launch(wg_gemm_kernel<kMaxN, kStageK, true, false>);
   } else if constexpr (!kTmaOnly) {
-    wg_gemm_kernel<kMaxN, kStageK, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+    return launch(wg_gemm_kernel<kMaxN, kStageK, false, false>);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;  // (not reached: the rules above and the plan leave no other case)
 }
 
 // The instance of the arguments' stage K (plan_stage_k): tile 128 steps K by 128 (4 stages) when K allows it and the
 // activation rows come by TMA, else by 64 (8 stages: the copied-rows loop of K 128 spills); tile 64 likewise by 256
-// (3 stages) or 128 (6 stages); tile 32 by 256.
+// (3 stages) or 128 (6 stages); tiles 32 and 8 by 256.
 template <int kMaxN>
 inline cudaError_t launch_wg_gemm(const WgmmaGemmArgs& a, cudaStream_t stream) {
   constexpr int kStageK = wg_stage_k(kMaxN), kMinStageK = wg_min_stage_k(kMaxN);
@@ -139,7 +156,14 @@ cudaError_t launch_wgmma_gemm(const WgmmaGemmArgs& a, cudaStream_t stream) {
   // E <= 1024, scale rows of 16-byte multiples, aligned weights): under them every case below has its instantiation
   if (wgmma_gemm_args_error(a)) return cudaErrorInvalidValue;
   switch (a.tile) {
-    case kTile32: return launch_wg_gemm<kTile32>(a, stream);
+    case kTile32: {
+      // a small grid on one-token blocks (plan_tile8; they have no quantizing epilogue)
+      const int64_t e = a.grid_experts, rows = a.max_total_rows;
+      if (!a.h_quant_gs && plan_tile8(wg_tiles_bound(kTile8, rows, e) * wg_row_blocks<kTile8>(a),
+                                      wg_tiles_bound(kTile32, rows, e) * wg_row_blocks<kTile32>(a), sm_count()))
+        return launch_wg_gemm<kTile8>(a, stream);
+      return launch_wg_gemm<kTile32>(a, stream);
+    }
     case kTile64: return launch_wg_gemm<kTile64>(a, stream);
     case kTile128: return launch_wg_gemm<kTile128>(a, stream);
     default: return cudaErrorInvalidValue;  // (refused by the rules above)

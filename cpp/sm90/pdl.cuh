@@ -15,7 +15,8 @@
 //      outputs of N-1 and earlier before its wait, through L2 (ld.global.cg, never the
 //      non-coherent path), e.g. gemm2 reads the align kernel's expert list to prefetch
 //      its weights while gemm1 drains.
-// Kernels not written for the protocol (wgmma, common quantize) are launched normally: a
+// The wgmma GEMMs follow it and are launched with PDL where their grid is one wave (plan_pdl_launch), normally
+// otherwise. Kernels not written for the protocol (common quantize) are launched normally: a
 // normal launch waits for everything before it, and a PDL kernel after such a kernel starts
 // at that kernel's completion (implicit trigger), so mixing is safe.
 #pragma once

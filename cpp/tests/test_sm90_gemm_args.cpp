@@ -302,6 +302,46 @@ int main() {
     report("wgmma quantized h of copied rows", megamoe::sm90::wgmma_gemm_args_error(a), "read by TMA");
   }
 
+  {
+    // The launcher's grid choices at the shapes docs/PERFORMANCE.md works through (132 SMs): one token of v4-flash
+    // (k = 6 of 256 experts, I = 2048, H = 4096) and v3 (k = 8, I = 2048, H = 7168), and eight tokens of v4-flash.
+    using megamoe::sm90::kTile8;
+    using megamoe::sm90::kTile32;
+    using megamoe::sm90::plan_pair_row_blocks;
+    using megamoe::sm90::plan_tile8;
+    using megamoe::sm90::wg_tiles_bound;
+    auto truth = [](const char* what, bool got, bool want) {
+      ++checks;
+      if (got != want) {
+        std::printf("FAIL %s: %d, expected %d\n", what, int(got), int(want));
+        ++failures;
+      }
+    };
+    truth("tiles bound: one row each", wg_tiles_bound(kTile32, 6, 6) == 6, true);
+    truth("tiles bound: rows / tile + experts", wg_tiles_bound(kTile32, 100, 2) == 6, true);
+    truth("tiles bound of tile 8", wg_tiles_bound(kTile8, 48, 48) == 48 && wg_tiles_bound(kTile8, 64, 2) == 10, true);
+    // gemm2 of tile 32 (128-row blocks): v4-flash one token 6 x 32 blocks fit 132 SMs x 2: unpaired; v3 6 x 56 and
+    // v4-flash at eight tokens (48 tiles) do not: pairs
+    truth("v4-flash T=1 gemm2 unpaired", plan_pair_row_blocks(kTile32, 32, 6, 132), false);
+    truth("v3 T=1 gemm2 paired", plan_pair_row_blocks(kTile32, 56, 8, 132), true);
+    truth("v4-flash T=8 gemm2 paired", plan_pair_row_blocks(kTile32, 32, 48, 132), true);
+    truth("one block per SM in tile 64", plan_pair_row_blocks(megamoe::sm90::kTile64, 16, 9, 132), true);
+    // tile 8: 64-row blocks (gemm1's silu_mul blocks: 32 columns of I; gemm2: 64 of H) against tile 32's 128-row ones
+    truth("v4-flash T=1 gemm1 on tile 8", plan_tile8(6 * 64, 6 * 32, 132), true);    // 3 per SM, not 2 x 2
+    truth("v4-flash T=1 gemm2 on tile 8", plan_tile8(6 * 64, 6 * 32, 132), true);
+    truth("v3 T=1 gemm1 stays tile 32", plan_tile8(8 * 64, 8 * 32, 132), false);     // 4 per SM either way
+    truth("v3 T=1 gemm2 stays tile 32", plan_tile8(8 * 112, 8 * 56, 132), false);    // more than 4 per SM
+    truth("two experts on tile 8", plan_tile8(2 * 64, 2 * 32, 132), true);           // 1 of 64 rows, not 1 of 128
+    truth("v4-flash T=8 stays tile 32", plan_tile8(wg_tiles_bound(kTile8, 48, 48) * 64, 48 * 32, 132), false);
+    // programmatic dependent launch for a grid of one wave: 4 blocks per SM in tile 8, 2 in tile 32, 1 in tiles 64, 128
+    using megamoe::sm90::plan_pdl_launch;
+    truth("pdl: tile 8 at 528 blocks", plan_pdl_launch(kTile8, 528, 132), true);
+    truth("pdl: tile 8 at 529 blocks", plan_pdl_launch(kTile8, 529, 132), false);
+    truth("pdl: v3 T=1 gemm2, 8 x 28 pairs", plan_pdl_launch(kTile32, 8 * 28, 132), true);
+    truth("pdl: tile 32 at 265 blocks", plan_pdl_launch(kTile32, 265, 132), false);
+    truth("pdl: tile 128 at 133 blocks", plan_pdl_launch(megamoe::sm90::kTile128, 133, 132), false);
+  }
+
   std::printf("sm90 grouped-GEMM arguments: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -530,8 +530,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             return self._one_token(prepared, cfg, x, topk_ids, topk_weights, ws, plan, stream)
         ext.sm90_moe_align(topk_ids, e, ws.expert_offsets, ws.active, ws.num_active, ws.row_token, ws.entry_row,
                            stream, scratch=ws.align_scratch)  # (the launcher picks one or several blocks)
+        # offsets_settled: a kernel (gemm1: the staging or quantizing of its input; gemm2: gemm1) lies between the
+        # align kernel and each GEMM, so its wgmma kernel may read them before its programmatic-dependent-launch wait
         common = dict(expert_offsets=ws.expert_offsets, active_experts=ws.active, num_active=ws.num_active,
-                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream)
+                      grid_experts=grid_experts, max_total_rows=r, plan=plan, stream=stream, offsets_settled=True)
         if plan.gather_x:
             a1_rows, a_gs, per_e, a_rs = ws.row_token, None, False, None
             if plan.kernel == ext.Sm90GemmKernel.stream:

@@ -78,6 +78,38 @@ def test_moe_v4_flash_shape_decode_and_prefill(gen):
         assert c >= 0.9999
 
 
+def _wgmma_kernels(fn) -> list[str]:
+    """The names of the wgmma GEMM kernels that fn() runs, one per launch (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "wg_gemm_kernel<" in e.name]
+
+
+@pytest.mark.parametrize("mode,dynamic", [("w4a16", False), ("w4a4", False), ("w4a4", True)])
+def test_one_token_runs_on_64_row_blocks_where_the_busiest_sm_gains(mode, dynamic, gen):
+    """One token of V4-Flash's shape (k = 6, H = 4096, I = 2048): each GEMM's grid is 6 x 64 blocks of 64 rows
+    (tile 8) or 6 x 32 of 128 (tile 32); on 132 SMs tile 8 puts 3 of 64 rows on the busiest SM where tile 32 puts 2 of
+    128, so the launcher runs tile 8 (plan_tile8), except for a GEMM that quantizes h (W4A4 with a static scale:
+    gemm1). V3's (k = 8, H = 7168) puts 4 of 64 rows or 2 of 128: tile 32 stays. Both within cosine 0.9999 of the
+    torch backend (the bits equal tile 32's: tests/gpu/test_gpu_batch_invariance.py)."""
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for preset, k, expect in (("v4-flash", 6, 384 <= 4 * sm and -(-384 // sm) < 2 * -(-192 // sm)),
+                              ("v3", 8, False)):
+        gpu, ref = _layers(preset, num_experts=32, act_mode=mode, dynamic_act_scale=dynamic)
+        assert gpu.config.top_k == k
+        x, ids, w = _route(gpu, 1, gen)
+        names = _wgmma_kernels(lambda: gpu.forward(x, ids, w))
+        tile8 = [n for n in names if "wg_gemm_kernel<8," in n]
+        want = (2 if mode == "w4a16" or dynamic else 1) if expect else 0
+        assert len(names) == 2 and len(tile8) == want, (preset, sorted(names))
+        c = cosine(gpu.forward(x, ids, w).float(), ref.forward(x, ids, w).float())
+        print(f"{preset} {mode} dynamic={dynamic} T=1: {sorted(names)}, cosine {c:.7f}")
+        assert c >= 0.9999, (preset, c)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_nan_padding_rows_do_not_leak(dynamic, gen):
     """docs/FIELD_BUGS.md row 6: padded (graph) rows full of NaN/Inf leave the real rows bit-identical."""

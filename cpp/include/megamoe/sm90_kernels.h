@@ -99,6 +99,11 @@ struct GroupedGemmCommon {
                                       // h_gs_per_expert, else [1]) and written as its exact bf16 decode (e2m1 *
                                       // e4m3 scale: W4A4's gemm2 input, bit for bit what quantize_nvfp4 writes of h)
   bool h_gs_per_expert = false;
+  // expert_offsets (and act_rows) were complete before the kernel ahead of this one in the stream started (the MoE
+  // forward's GEMMs: the align kernel is at least two kernels back): the wgmma kernels, launched with programmatic
+  // dependent launch, then find their tile and issue their first stages' weight loads before they wait for that kernel
+  // (pdl.cuh rule 3), else they wait first. The streaming kernels do not read it.
+  bool offsets_settled = false;
 };
 
 // The streaming kernels (GemmKernel::kStream; cpp/sm90/gemm_stream.cuh): grid.y runs over expert slots.

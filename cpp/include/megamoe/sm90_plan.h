@@ -6,18 +6,55 @@
 
 namespace megamoe::sm90 {
 
-// Token tiles of the wgmma kernels (GemmKernel::kWgmma32 / 64 / 128: the largest token count of one block).
-constexpr int kTile32 = 32, kTile64 = 64, kTile128 = 128;
+// Token tiles of the wgmma kernels (GemmKernel::kWgmma32 / 64 / 128: the largest token count of one block), and
+// kTile8, the one-token blocks that run a tile-32 GEMM whose grid is small (plan_tile8): 64 weight rows (one
+// warpgroup) x up to 8 tokens, four blocks per SM.
+constexpr int kTile8 = 8, kTile32 = 32, kTile64 = 64, kTile128 = 128;
 constexpr int kWgK = 64;              // K of one SW128 activation sub-tile of the wgmma kernels (a stage holds 1, 2 or 4)
 constexpr int kWgMaxExperts = 1024;   // the plan's bound on E for the wgmma kernels: every block scans all E token counts
 // K per stage of a wgmma tile: the largest it runs (wg_stage_k), and the smallest (its fallback, wg_min_stage_k: the K
 // granularity the plan and the launch require). plan_stage_k: the one a GEMM of reduction length k runs, the largest
 // when k is a multiple of it and the activation rows come by TMA (act_tma), else the smallest.
 constexpr int wg_stage_k(int max_n) { return max_n == kTile128 ? 128 : 256; }
-constexpr int wg_min_stage_k(int max_n) { return max_n == kTile32 ? 256 : max_n == kTile64 ? 128 : kWgK; }
+constexpr int wg_min_stage_k(int max_n) { return max_n <= kTile32 ? 256 : max_n == kTile64 ? 128 : kWgK; }
 constexpr int plan_stage_k(int max_n, int64_t k, bool act_tma) {
   return k % wg_stage_k(max_n) == 0 && act_tma ? wg_stage_k(max_n) : wg_min_stage_k(max_n);
 }
+
+// Row blocks in pairs (wgmma tiles 32 and 64 with TMA rows: wg_items): a pair saves one block launch, expert scan and
+// first wait, but runs its two row blocks one after the other on one SM. When every block of the unpaired grid is
+// resident at once (at most tiles_bound token tiles x row_blocks blocks, wg_blocks_per_sm of them per SM), the pairs
+// would put two row blocks in turn on one SM while other SMs idle or hold one: the grid runs unpaired (one token:
+// v4-flash gemm2 is 6 x 32 row blocks, 96 pairs on 96 of 132 SMs, or 192 blocks on all of them). Either way each
+// row of the output sums its K in the same order (batch invariance holds).
+constexpr int wg_blocks_per_sm(int tile) { return tile == kTile8 ? 4 : tile == kTile32 ? 2 : 1; }
+// Whether a grid of `blocks` blocks of the tile is resident at once (one wave).
+constexpr bool wg_one_wave(int tile, int64_t blocks, int sm_count) {
+  return blocks <= int64_t(sm_count) * wg_blocks_per_sm(tile);
+}
+constexpr bool plan_pair_row_blocks(int tile, int64_t row_blocks, int64_t tiles_bound, int sm_count) {
+  return !wg_one_wave(tile, tiles_bound * row_blocks, sm_count);
+}
+// Upper bound of the token tiles of a grouped GEMM of `rows` rows over `experts` experts (each tile holds a row).
+constexpr int64_t wg_tiles_bound(int tile, int64_t rows, int64_t experts) {
+  const int64_t t = (rows + tile - 1) / tile + experts;
+  return t < rows ? t : rows;
+}
+// A tile-32 GEMM (no quantizing epilogue) runs on one-token blocks (kTile8) where all of their grid is resident at once
+// and it puts fewer weight bytes on the busiest SM: units8 blocks of 64 rows (tiles of 8 x row blocks of 64 rows) against
+// blocks32 of 128 rows (unpaired). At one token, where every SM holds one or two of tile 32's blocks, the SM with two
+// sets the time (v4-flash gemm1: 192 blocks of 128 rows, 60 SMs with two; as 384 blocks of 64 rows at most three per SM:
+// three quarters of the bytes). A row sums its K in the same order with the same wgmma (n8) in both: the bits are
+// tile 32's.
+constexpr bool plan_tile8(int64_t units8, int64_t blocks32, int sm_count) {
+  const int64_t sm = sm_count;
+  return wg_one_wave(kTile8, units8, sm_count) && (units8 + sm - 1) / sm < 2 * ((blocks32 + sm - 1) / sm);
+}
+// A wgmma grid of one wave (at most `blocks` blocks) is launched with programmatic dependent launch (pdl.cuh): its
+// blocks start, and with settled offsets issue their first weight loads, while the kernel before it finishes (one
+// token: v3 85 against 90 us on an H100). A grid of more waves is launched normally: its first wave has no tail to
+// overlap, and v4-flash and v3 at T = 2048 ran 1-3% slower with it.
+constexpr bool plan_pdl_launch(int tile, int64_t blocks, int sm_count) { return wg_one_wave(tile, blocks, sm_count); }
 
 // From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
 // its k grouped rows; W4A4 where a token's slots quantize alike: quantized once) instead of gathered per slot (a
