@@ -184,16 +184,17 @@ struct ExpertTile {
 // (shared memory). Returns the total tile count; *found is set when tile is below it. Call with all kThreads
 // threads: its __syncthreads also publish what the block wrote to shared memory before the call. warp = tid >> 5
 // and lane = tid & 31 come from the caller.
-template <int kThreads, int kTile>
+// kL2: the offsets are read through L2 (ld.global.cg), as a PDL kernel reads them before its wait (pdl.cuh rule 3).
+template <int kThreads, int kTile, bool kL2 = false>
 __device__ __forceinline__ int expert_tile_of_block(const GroupedGemmCommon& a, int E, int tile, int32_t* warp_sums,
                                                     ExpertTile* found, int tid, int warp, int lane) {
   int carry = 0;
   for (int base = 0; base < E; base += kThreads) {
     const int e = base + tid;
     int row_begin = 0, rows = 0;
-    if (e < E) {  // through L2: with settled offsets the wgmma kernels scan before their PDL wait (pdl.cuh rule 3)
-      row_begin = __ldcg(a.expert_offsets + e);
-      rows = __ldcg(a.expert_offsets + e + 1) - row_begin;
+    if (e < E) {
+      row_begin = kL2 ? __ldcg(a.expert_offsets + e) : a.expert_offsets[e];
+      rows = (kL2 ? __ldcg(a.expert_offsets + e + 1) : a.expert_offsets[e + 1]) - row_begin;
     }
     const int own = (rows + kTile - 1) / kTile;  // tiles of expert e
     int v = own;

@@ -345,7 +345,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmCommon& a, const fl
 // rb0 + gk / num_k_tiles, so the copies of the second row block's first stages are issued during the first's last
 // stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).
 // The epilogue of each row block writes global memory only.
-template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0, int rb0, int items,
@@ -381,8 +381,8 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   // (gk / kChunkStages) % kScSlots, the chunks of all items counted in one sequence (num_k_tiles % kChunkStages == 0
   // when items > 1: wg_items), as the loop below steps through the slots.
   // issue_weights: the stage's expected bytes (activations included) and its weight and scale boxes; issue_act: its
-  // activation box (kActTma). The prologue of a block that has not waited for the grid before it (pre_wait) issues the
-  // first in its PDL prologue and the second after the wait.
+  // activation box (kActTma). The prologue of a block that has not waited for the grid before it (kPdl and pre_wait)
+  // issues the first before the wait and the second after it.
   auto issue_weights = [&](int slot, int gk) {
     const int it = kMaxItems > 1 && gk >= num_k_tiles ? 1 : 0, kt = gk - it * num_k_tiles;
     const int rb = rb0 + it;
@@ -407,7 +407,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   // sa + j * N * 128 (kActSub)
   auto issue_act = [&](int slot, int gk) {
     if constexpr (kActTma) {
-      const int kt = gk % num_k_tiles;
+      const int it = kMaxItems > 1 && gk >= num_k_tiles ? 1 : 0, kt = gk - it * num_k_tiles;
       tma_load_3d(stages_s + uint32_t(slot) * Cfg::kStageBytes, &maps.act[kWidth], 0, row_begin + m0, kt * kB,
                   bars + 8 * slot);
     }
@@ -468,11 +468,15 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   // activation rows: every thread waits on the empty barrier of tile kt - 1 anyway before its cp.async copies of
   // tile kt + A (A = S - 1 ahead), so thread 0 issues that tile's boxes right there.
   constexpr int A = S - 1;
-  if (tid == 0)
-    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_weights(s, s);
-  if (pre_wait) griddep_sync_and_release();
-  if (tid == 0)
-    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_act(s, s);
+  if constexpr (kPdl) {
+    if (tid == 0)
+      for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_weights(s, s);
+    if (pre_wait) griddep_sync_and_release();
+    if (tid == 0)
+      for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_act(s, s);
+  } else if (tid == 0) {
+    for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_tma(s, s);
+  }
 #pragma unroll
   for (int s = 0; s < A; ++s)
     if (s < total) load_act(s, s);
@@ -598,7 +602,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
 }
 
 // wg_tile of the narrowest instantiated width (WgCfg::width(i), i >= I) that holds `count` tokens.
-template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCommon& a, const WgMaps& maps,
                                                  uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
                                                  int expert, int row_begin, int rows, int m0, int rb0, int items,
@@ -606,18 +610,20 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCom
   using Cfg = WgCfg<kMaxN, kStageK>;
   if constexpr (I + 1 < Cfg::kNumWidths) {
     if (count > Cfg::width(I)) {
-      wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars, freed, expert,
-                                                                row_begin, rows, m0, rb0, items, pre_wait);
+      wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH, kPdl>(count, a, maps, stages, scales, bars, freed,
+                                                                      expert, row_begin, rows, m0, rb0, items,
+                                                                      pre_wait);
       return;
     }
   }
-  wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH>(a, maps, stages, scales, bars, freed, expert, row_begin,
-                                                          rows, m0, rb0, items, pre_wait);
+  wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH, kPdl>(a, maps, stages, scales, bars, freed, expert,
+                                                                row_begin, rows, m0, rb0, items, pre_wait);
 }
 
 // The kernel reads the common part of the arguments only: WgmmaGemmArgs' own fields (tile, stage K, TMA rows, the
 // bounds of the TMA view and the grid) chose this instance, its tensor maps and its grid on the host.
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+// kPdl: launched with programmatic dependent launch (plan_pdl_launch), following pdl.cuh's protocol.
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmCommon a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kTile8 || kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128,
@@ -647,16 +653,16 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
     tma_prefetch_map(&maps.w);
     tma_prefetch_map(&maps.s);
   }
-  // Programmatic dependent launch (pdl.cuh): with settled offsets (GroupedGemmCommon::offsets_settled, the forward's
-  // GEMMs) the block finds its tile in expert_offsets and issues its first stages' weight boxes before it waits for the
-  // grid before it (whose tail it overlaps: pdl.cuh rule 3), else it waits first. Either way it releases its
-  // dependents once it has waited.
-  const bool pre_wait = a.offsets_settled;
-  if (!pre_wait) griddep_sync_and_release();
+  // Programmatic dependent launch (kPdl, pdl.cuh): with settled offsets (GroupedGemmCommon::offsets_settled, the
+  // forward's GEMMs) the block finds its tile in expert_offsets and issues its first stages' weight boxes before it
+  // waits for the grid before it (whose tail it overlaps: pdl.cuh rule 3), else it waits first. Either way it releases
+  // its dependents once it has waited.
+  const bool pre_wait = kPdl && a.offsets_settled;
+  if (kPdl && !pre_wait) griddep_sync_and_release();
 
   // Which expert and which token tile of it (the scan's barriers also publish the mbarriers).
-  const int num_tiles =
-      expert_tile_of_block<Cfg::kThreads, kMaxN>(a, a.num_experts, blockIdx.y, warp_sums, found, tid, warp, lane);
+  const int num_tiles = expert_tile_of_block<Cfg::kThreads, kMaxN, kPdl>(a, a.num_experts, blockIdx.y, warp_sums,
+                                                                          found, tid, warp, lane);
   if (int(blockIdx.y) >= num_tiles) {
     if (pre_wait) griddep_sync_and_release();
     return;
@@ -670,7 +676,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int rb0 = int(blockIdx.x) * per_block;
   const int items = min(per_block, row_blocks - rb0);
 
-  wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH>(count, a, maps, stages, scales, bars,
+  wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH, kPdl>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
                                                          row_begin, rows, m0, rb0, items, pre_wait);
 }

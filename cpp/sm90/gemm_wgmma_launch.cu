@@ -73,23 +73,42 @@ inline cudaError_t wg_encode_maps(const WgmmaGemmArgs& a, WgMaps& maps) {
   return cudaSuccess;
 }
 
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 inline cudaError_t wg_set_attributes() {
   static bool attr_set = false;
   if (attr_set) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
+  constexpr auto kernel = wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, kPdl>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
   if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
-    err = cudaFuncSetAttribute(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH>,
-                               cudaFuncAttributePreferredSharedMemoryCarveout,
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   if (err == cudaSuccess) attr_set = true;
   return err;
 }
 
+// One instance's launch: with programmatic dependent launch (its kPdl instance, tiles 8 and 32 only: plan_pdl_launch)
+// or normally.
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
+inline cudaError_t wg_launch(bool pdl, dim3 grid, cudaStream_t stream, const GroupedGemmCommon& c,
+                             const WgMaps& maps) {
+  using Cfg = WgCfg<kMaxN, kStageK>;
+  if constexpr (kMaxN <= kTile32) {
+    if (pdl) {
+      const cudaError_t err = wg_set_attributes<kMaxN, kStageK, kActTma, kQuantH, true>();
+      if (err != cudaSuccess) return err;
+      return pdl_launch(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, true>, grid, Cfg::kThreads, Cfg::kSmem,
+                        stream, c, maps);
+    }
+  }
+  const cudaError_t err = wg_set_attributes<kMaxN, kStageK, kActTma, kQuantH, false>();
+  if (err != cudaSuccess) return err;
+  wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+  return cudaGetLastError();
+}
+
 template <int kMaxN, int kStageK>
 inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream) {
-  using Cfg = WgCfg<kMaxN, kStageK>;
   const bool act_tma = a.act_tma;
   // copied rows run the tile's smallest K per stage (tile 64: K 128, tile 128: K 64; plan_stage_k)
   constexpr bool kTmaOnly = kStageK != wg_min_stage_k(kMaxN);
@@ -99,15 +118,7 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
   const bool quant = a.h_quant_gs != nullptr;
   if (!kQuantOk && quant) return cudaErrorInvalidValue;
   WgMaps maps{};
-  cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, maps);
-  if (err != cudaSuccess) return err;
-  if (quant) {
-    if constexpr (kQuantOk) err = wg_set_attributes<kMaxN, kStageK, true, true>();
-  } else if constexpr (kTmaOnly) {
-    err = wg_set_attributes<kMaxN, kStageK, true, false>();
-  } else {
-    err = act_tma ? wg_set_attributes<kMaxN, kStageK, true, false>() : wg_set_attributes<kMaxN, kStageK, false, false>();
-  }
+  const cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, maps);
   if (err != cudaSuccess) return err;
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts (at most
   // 65535: wgmma_gemm_args_error).
@@ -121,20 +132,14 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
                     plan_pair_row_blocks(kMaxN, row_blocks, tiles_bound, sm);
   const unsigned gx = unsigned(pair ? (row_blocks + 1) / 2 : row_blocks);
   const dim3 grid(gx, unsigned(tiles));
-  const GroupedGemmCommon c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
-  // a grid of one wave with programmatic dependent launch (plan_pdl_launch; the kernel follows pdl.cuh's protocol)
+  const GroupedGemmCommon& c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
   const bool pdl = plan_pdl_launch(kMaxN, tiles_bound * gx, sm);
-  auto launch = [&](auto kernel) -> cudaError_t {
-    if (pdl) return pdl_launch(kernel, grid, Cfg::kThreads, Cfg::kSmem, stream, c, maps);
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
-    return cudaGetLastError();
-  };
   if (quant) {
-    if constexpr (kQuantOk) return launch(wg_gemm_kernel<kMaxN, kStageK, true, true>);
+    if constexpr (kQuantOk) return wg_launch<kMaxN, kStageK, true, true>(pdl, grid, stream, c, maps);
   } else if (act_tma) {
-    return launch(wg_gemm_kernel<kMaxN, kStageK, true, false>);
+    return wg_launch<kMaxN, kStageK, true, false>(pdl, grid, stream, c, maps);
   } else if constexpr (!kTmaOnly) {
-    return launch(wg_gemm_kernel<kMaxN, kStageK, false, false>);
+    return wg_launch<kMaxN, kStageK, false, false>(pdl, grid, stream, c, maps);
   }
   return cudaErrorInvalidValue;  // (not reached: the rules above and the plan leave no other case)
 }

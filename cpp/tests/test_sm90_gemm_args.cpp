@@ -340,6 +340,8 @@ int main() {
     truth("pdl: v3 T=1 gemm2, 8 x 28 pairs", plan_pdl_launch(kTile32, 8 * 28, 132), true);
     truth("pdl: tile 32 at 265 blocks", plan_pdl_launch(kTile32, 265, 132), false);
     truth("pdl: tile 128 at 133 blocks", plan_pdl_launch(megamoe::sm90::kTile128, 133, 132), false);
+    truth("pdl: never tiles 64 and 128", plan_pdl_launch(megamoe::sm90::kTile64, 100, 132) ||
+                                             plan_pdl_launch(megamoe::sm90::kTile128, 1, 132), false);
   }
 
   std::printf("sm90 grouped-GEMM arguments: %d checks, %d failed\n", checks, failures);

@@ -50,11 +50,14 @@ constexpr bool plan_tile8(int64_t units8, int64_t blocks32, int sm_count) {
   const int64_t sm = sm_count;
   return wg_one_wave(kTile8, units8, sm_count) && (units8 + sm - 1) / sm < 2 * ((blocks32 + sm - 1) / sm);
 }
-// A wgmma grid of one wave (at most `blocks` blocks) is launched with programmatic dependent launch (pdl.cuh): its
-// blocks start, and with settled offsets issue their first weight loads, while the kernel before it finishes (one
-// token: v3 85 against 90 us on an H100). A grid of more waves is launched normally: its first wave has no tail to
-// overlap, and v4-flash and v3 at T = 2048 ran 1-3% slower with it.
-constexpr bool plan_pdl_launch(int tile, int64_t blocks, int sm_count) { return wg_one_wave(tile, blocks, sm_count); }
+// A grid of tile 8 or 32 that is one wave (at most `blocks` blocks: decode) is launched with programmatic dependent
+// launch (pdl.cuh), on the kernel's kPdl instance: its blocks start, and with settled offsets find their tile and issue
+// their first weight loads, while the kernel before it finishes (one token of v3 on an H100: 88 against 93 us). Every
+// other grid runs the instance and launch it had before: the prologue reordered for PDL, in every instance, ran
+// v3 at T = 2048 3% slower.
+constexpr bool plan_pdl_launch(int tile, int64_t blocks, int sm_count) {
+  return tile <= kTile32 && wg_one_wave(tile, blocks, sm_count);
+}
 
 // From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
 // its k grouped rows; W4A4 where a token's slots quantize alike: quantized once) instead of gathered per slot (a
