@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import backend_or_skip, capture_graph, cosine
+from _helpers import backend_or_skip, capture_graph, cosine, min_cosine_vs_torch
 from _helpers import routed_inputs as _inputs
 from _helpers import sm90_and_torch_layers as _pair
 from test_field_bugs import SHAPES as CPU_SHAPES
@@ -51,7 +51,7 @@ def test_masked_ids_contribute_nothing(mode, t, gen):
     exp = _fwd(ref, x, ids, torch.where(mask, torch.zeros((), device="cuda"), w))  # weight 0 instead
     c = cosine(out, exp)
     print(f"masked ids {mode} T={t}: cosine vs torch backend {c:.7f}")
-    assert c >= 0.9999 or (t == 1 and float(exp.abs().max()) == 0.0)
+    assert c >= min_cosine_vs_torch(mode, t) or (t == 1 and float(exp.abs().max()) == 0.0)
     # a masked slot's weight is never read: NaN there changes no bit
     nan_w = torch.where(mask, torch.full((), float("nan"), device="cuda"), w)
     assert torch.equal(_fwd(gpu, x, masked, nan_w), out)
@@ -92,7 +92,7 @@ def test_odd_shapes_every_column(h, i, e, k, mode, gen):
         exp = _fwd(ref, x, ids, w)
         c = cosine(out, exp)
         print(f"odd shape H={h} I={i} E={e} k={k} {mode} T={t}: cosine {c:.7f}")
-        assert torch.isfinite(out).all() and c >= 0.9999, (t, c)
+        assert torch.isfinite(out).all() and c >= min_cosine_vs_torch(mode, t), (t, c)
         if t >= 127:
             # W4A4 quantizes h again for L2: an fp32 sum in another order can land h on the other side of
             # an e2m1 rounding point or move a block's e4m3 scale, so a column over ~128 tokens may differ

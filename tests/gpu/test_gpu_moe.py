@@ -6,7 +6,7 @@ import pytest
 import torch
 
 
-from _helpers import backend_or_skip, capture_graph, cosine, rel_err
+from _helpers import backend_or_skip, capture_graph, cosine, min_cosine_vs_torch, rel_err
 from _helpers import routed_inputs as _route
 from _helpers import sm90_and_torch_layers as _layers
 
@@ -20,14 +20,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_vs_torch(gpu, ref, t, gen, label):
     """t routed random tokens through both layers: the output must be finite and within cosine 0.9999
-    of the torch backend's. Returns x, ids, w and both outputs (float32)."""
+    of the torch backend's (W4A4 below 64 tokens: min_cosine_vs_torch). Returns x, ids, w and both outputs
+    (float32)."""
     x, ids, w = _route(gpu, t, gen)
     out = gpu.forward(x, ids, w).float()
     exp = ref.forward(x, ids, w).float()
     c, r = cosine(out, exp), rel_err(out, exp)
     print(f"{label} T={t}: cosine vs torch backend {c:.7f}, rel_err {r:.2e}")
     assert torch.isfinite(out).all()
-    assert c >= 0.9999, (t, c, r)
+    assert c >= min_cosine_vs_torch(gpu.config.act_mode, t), (t, c, r)
     return x, ids, w, out, exp
 
 
@@ -65,7 +66,7 @@ def test_moe_t_sweep_odd_shapes(gen):
         c = cosine(out, exp)
         worst = min(worst, (c, t))
         assert torch.isfinite(out).all(), t
-        assert c >= 0.9999, (t, c)
+        assert c >= min_cosine_vs_torch(gpu.config.act_mode, t), (t, c)
     print(f"T sweep 1..300: worst cosine {worst[0]:.7f} at T={worst[1]}")
 
 
@@ -75,7 +76,7 @@ def test_moe_v4_flash_shape_decode_and_prefill(gen):
         x, ids, w = _route(gpu, t, gen)
         c = cosine(gpu.forward(x, ids, w).float(), ref.forward(x, ids, w).float())
         print(f"v4-flash(E=32) T={t}: cosine {c:.7f}")
-        assert c >= 0.9999
+        assert c >= min_cosine_vs_torch(gpu.config.act_mode, t)
 
 
 def _wgmma_kernels(fn) -> list[str]:
@@ -93,8 +94,9 @@ def test_one_token_runs_on_64_row_blocks_where_the_busiest_sm_gains(mode, dynami
     """One token of V4-Flash's shape (k = 6, H = 4096, I = 2048): each GEMM's grid is 6 x 64 blocks of 64 rows
     (tile 8) or 6 x 32 of 128 (tile 32); on 132 SMs tile 8 puts 3 of 64 rows on the busiest SM where tile 32 puts 2 of
     128, so the launcher runs tile 8 (plan_tile8), except for a GEMM that quantizes h (W4A4 with a static scale:
-    gemm1). V3's (k = 8, H = 7168) puts 4 of 64 rows or 2 of 128: tile 32 stays. Both within cosine 0.9999 of the
-    torch backend (the bits equal tile 32's: tests/gpu/test_gpu_batch_invariance.py)."""
+    gemm1). V3's (k = 8, H = 7168) puts 4 of 64 rows or 2 of 128: tile 32 stays. Both near the
+    torch backend (min_cosine_vs_torch; the bits equal tile 32's: tests/gpu/test_gpu_batch_invariance.py)."""
+    backend_or_skip("cuda-sm90")
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for preset, k, expect in (("v4-flash", 6, 384 <= 4 * sm and -(-384 // sm) < 2 * -(-192 // sm)),
                               ("v3", 8, False)):
@@ -107,7 +109,7 @@ def test_one_token_runs_on_64_row_blocks_where_the_busiest_sm_gains(mode, dynami
         assert len(names) == 2 and len(tile8) == want, (preset, sorted(names))
         c = cosine(gpu.forward(x, ids, w).float(), ref.forward(x, ids, w).float())
         print(f"{preset} {mode} dynamic={dynamic} T=1: {sorted(names)}, cosine {c:.7f}")
-        assert c >= 0.9999, (preset, c)
+        assert c >= min_cosine_vs_torch(mode, 1), (preset, c)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -349,7 +351,7 @@ def test_moe_wgmma_t_sweep_partial_tiles(kernel, shape, gen, forced_kernel):
         exp = ref.forward(x, ids, w, validate=False).float()
         c = cosine(out.float(), exp)
         assert torch.isfinite(out).all(), t
-        assert c >= 0.9999, (t, c)
+        assert c >= min_cosine_vs_torch(gpu.config.act_mode, t), (t, c)
         assert torch.equal(gpu.forward(x, ids, w, validate=False), out), t
 
 
@@ -372,7 +374,7 @@ def test_moe_v4_flash_switch_pocket(t, gen):
     gpu, ref = _layers("v4-flash", num_experts=64)
     x, ids, w = _route(gpu, t // 4, gen)
     c = cosine(gpu.forward(x, ids, w).float(), ref.forward(x, ids, w).float())
-    assert c >= 0.9999, (t, c)
+    assert c >= min_cosine_vs_torch(gpu.config.act_mode, t // 4), (t, c)
 
 
 def test_device_holds_the_routed_experts_once(gen):
