@@ -100,9 +100,10 @@ struct GroupedGemmCommon {
                                       // e4m3 scale: W4A4's gemm2 input, bit for bit what quantize_nvfp4 writes of h)
   bool h_gs_per_expert = false;
   // expert_offsets (and act_rows) were complete before the kernel ahead of this one in the stream started (the MoE
-  // forward's GEMMs: the align kernel is at least two kernels back): the wgmma kernels, launched with programmatic
-  // dependent launch, then find their tile and issue their first stages' weight loads before they wait for that kernel
-  // (pdl.cuh rule 3), else they wait first. The streaming kernels do not read it.
+  // forward's GEMMs: the align kernel is at least two kernels back): the wgmma kernels launched with programmatic
+  // dependent launch (one-wave grids of tiles 8 and 32: plan_pdl_launch) then find their tile and issue their first
+  // stages' weight loads before they wait for that kernel (pdl.cuh rule 3), else they wait first. The streaming kernels
+  // do not read it.
   bool offsets_settled = false;
 };
 

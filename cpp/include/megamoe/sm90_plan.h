@@ -40,12 +40,12 @@ constexpr int64_t wg_tiles_bound(int tile, int64_t rows, int64_t experts) {
   const int64_t t = (rows + tile - 1) / tile + experts;
   return t < rows ? t : rows;
 }
-// A tile-32 GEMM (no quantizing epilogue) runs on one-token blocks (kTile8) where all of their grid is resident at once
-// and it puts fewer weight bytes on the busiest SM: units8 blocks of 64 rows (tiles of 8 x row blocks of 64 rows) against
-// blocks32 of 128 rows (unpaired). At one token, where every SM holds one or two of tile 32's blocks, the SM with two
-// sets the time (v4-flash gemm1: 192 blocks of 128 rows, 60 SMs with two; as 384 blocks of 64 rows at most three per SM:
-// three quarters of the bytes). A row sums its K in the same order with the same wgmma (n8) in both: the bits are
-// tile 32's.
+// A tile-32 GEMM (no quantizing epilogue) runs on one-token blocks (kTile8) where all of their grid is resident at
+// once and it puts fewer weight bytes on the busiest SM: units8 blocks of 64 rows (tiles of 8 x row blocks of 64
+// rows) against blocks32 of 128 rows (unpaired). At one token, where every SM holds one or two of tile 32's blocks,
+// the SM with two sets the time (v4-flash gemm1: 192 blocks of 128 rows, 60 SMs with two; as 384 blocks of 64 rows at
+// most three per SM: three quarters of the bytes). A row sums its K in the same order with the same wgmma (n8) in
+// both: the bits are tile 32's.
 constexpr bool plan_tile8(int64_t units8, int64_t blocks32, int sm_count) {
   const int64_t sm = sm_count;
   return wg_one_wave(kTile8, units8, sm_count) && (units8 + sm - 1) / sm < 2 * ((blocks32 + sm - 1) / sm);
