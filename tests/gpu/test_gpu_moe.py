@@ -263,7 +263,7 @@ def test_one_token_without_align_equals_the_align_path(mode, top_k, gen, monkeyp
         assert torch.equal(_bits(o1), _bits(o2)), case
         if case != "all dropped":
             c = cosine(o1.float(), ref.forward(x, ids, w, validate=False).float())
-            assert c >= 0.9999, (case, c)
+            assert c >= min_cosine_vs_torch(act_mode, 1), (case, c)
         else:
             assert torch.equal(o1, torch.zeros_like(o1)), case
 
@@ -306,7 +306,7 @@ def test_w4a4_h_quantized_in_l1_equals_the_quantizer(kernel, shape, gen, forced_
             assert torch.equal(outs[0], outs[1]), (t, xin.dtype)
         if t in (7, 300):
             c = cosine(outs[0].float(), ref.forward(x, ids, w, validate=False).float())
-            assert c >= 0.9999, (t, c)
+            assert c >= min_cosine_vs_torch(ws_cfg.act_mode, t), (t, c)
 
 
 # ---------------------------------------------------------------- every kernel of the plan, forced
