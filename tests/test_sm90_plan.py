@@ -147,9 +147,9 @@ def test_backend_asks_the_plan(monkeypatch):
 
 def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
     """One token runs without the align kernel (the GEMMs read topk_ids themselves, gemm1 writes entry_row) exactly
-    when its kernels are instantiated for it: on the one-tile streaming kernel, H and I multiples of 64, W4A16 with
-    bf16 x (plan.gather_x) or W4A4 with a static scale for h (plan.h_operand: gemm1 quantizes h). The backend reads
-    the plan's answer."""
+    when its kernels take the slots: the one-tile streaming kernel with H and I multiples of 64, or wgmma tile 32 (its
+    tile-8 and tile-32 kPdl instances), W4A16 with bf16 x (plan.gather_x) or W4A4 with a static scale for h
+    (plan.h_operand: gemm1 quantizes h). The backend reads the plan's answer."""
     from megamoe.backends import cuda_sm90
 
     def skip(tokens=1, **kw):
@@ -163,14 +163,19 @@ def test_one_token_skips_the_align_kernel_only_where_its_kernels_run():
     assert not skip(k_gemm1=4128)  # H % 64 != 0
     assert not skip(k_gemm2=2080)  # I % 64 != 0
     assert not skip(gather_input=False)  # fp16 / fp32 x: staged per grouped row
-    assert not skip(kernel=kind("wgmma32"))
+    assert skip(kernel=kind("wgmma32")) and skip(batch_invariant=True)  # (the invariant plan runs tile 32 here)
+    assert skip(kernel=kind("wgmma32"), w4a16=False, h_static_scale=True)
+    assert not skip(kernel=kind("wgmma32"), w4a16=False)  # a dynamic scale for h
+    assert not skip(kernel=kind("wgmma32"), gather_input=False)  # fp16 / fp32 x
+    assert not skip(kernel=kind("wgmma64")) and not skip(kernel=kind("wgmma128"))
+    assert not skip(batch_invariant=True, k_gemm1=4224)  # K a multiple of 128 only: tile 64
+    assert not skip(tokens=2, batch_invariant=True)
     assert not skip(tokens_per_pass=16)
     for gather_input in (True, False):  # x of any dtype: quantized into the slots' rows first
         assert skip(w4a16=False, gather_input=gather_input, h_static_scale=True)
     assert not skip(w4a16=False)  # a dynamic scale for h: the quantizer of h reads grouped rows
     assert not skip(tokens=2, w4a16=False, h_static_scale=True)
     assert not skip(w4a16=False, h_static_scale=True, k_gemm1=4128)
-    assert not skip(w4a16=False, h_static_scale=True, kernel=kind("wgmma32"))
 
 
 def test_token_order_from_the_threshold_where_a_tokens_slots_stage_alike():
@@ -263,7 +268,11 @@ def test_batch_invariant_plan_runs_one_kernel_family_at_every_token_count(w4a16,
     wgmma_ok = k_gemm1 % 64 == 0 and k_gemm2 % 64 == 0 and num_experts <= 1024
     assert fams == {"wgmma" if wgmma_ok else "stream"}
     one = plan(0, tokens=1, batch_invariant=True, **shape)
-    assert not one.without_align or not wgmma_ok  # one token runs the wgmma path through align
+    # one token skips the align kernel on the invariant plan's own kernels: wgmma tile 32 (both K multiples of 256),
+    # or the streaming kernel where the wgmma kernels cannot run (K % 64 == 0 there)
+    tile32 = wgmma_ok and k_gemm1 % 256 == 0 and k_gemm2 % 256 == 0
+    streams_one_tile = not wgmma_ok and k_gemm1 % 64 == 0 and k_gemm2 % 64 == 0
+    assert one.without_align == (tile32 or streams_one_tile), (shape, one)
     for tpe in counts:  # above the decode range the invariant plan is the measured one, field by field
         fast = plan(tpe, tokens=500, **shape)
         inv = plan(tpe, tokens=500, batch_invariant=True, **shape)

@@ -224,40 +224,18 @@ void register_sm90(nb::module_& m) {
           a.h_quant_gs = ptr<const float>(*h_quant_scale, "h_quant_scale", 4);
           a.h_gs_per_expert = n != 1;
         }
-        const void* slots = nullptr;  // one token, no align kernel: slot j is row j (StreamGemmArgs::slot_experts)
-        bool slots_int64 = false;
-        if (slot_experts) {
+        if (slot_experts) {  // one token, no align kernel: slot j is row j (GroupedGemmCommon::slot_experts)
           const int bits = slot_experts->dtype().bits;
           if (slot_experts->dtype().code != uint8_t(nb::dlpack::dtype_code::Int) || (bits != 32 && bits != 64))
             throw std::invalid_argument("grouped_gemm: slot_experts must be int32 or int64, got " +
                                         dtype_name(slot_experts->dtype()));
-          slots = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
-          slots_int64 = bits == 64;
+          a.slot_experts = ptr<const void>(*slot_experts, "slot_experts", bits / 8);  // (contiguous)
+          a.slot_experts_int64 = bits == 64;
         }
-        int32_t* entry_rows = opt_ptr<int32_t>(entry_row_out, "entry_row_out", 4);
-        const cudaStream_t st = stream_of(stream);
-        refuse(sm90::gemm_kernel_error(plan.kernel));
-        if (plan.kernel != sm90::GemmKernel::kStream) {  // wgmma32 / 64 / 128: the plan's tile, stage K, TMA rows
-          sm90::WgmmaGemmArgs w;
-          static_cast<sm90::GroupedGemmCommon&>(w) = a;
-          w.act_num_rows = int64_t(act.shape(0));
-          w.max_total_rows = max_total_rows;
-          w.tile = plan.token_tile;
-          sm90::plan_wgmma_stage(w);
-          refuse(sm90::wgmma_gemm_args_error(w, slots != nullptr, entry_rows != nullptr));
-          check(sm90::launch_wgmma_gemm(w, st), "grouped_gemm");
-          return;
-        }
-        sm90::StreamGemmArgs s;
-        static_cast<sm90::GroupedGemmCommon&>(s) = a;
-        s.active_experts = active;
-        s.num_active = n_active;
-        s.tokens_per_pass = plan.tokens_per_pass;
-        s.slot_experts = slots;
-        s.slot_experts_int64 = slots_int64;
-        s.entry_row_out = entry_rows;
-        refuse(sm90::stream_gemm_args_error(s));
-        if (slot_experts) {  // the rules hold: the silu_mul GEMM writes out_operand, the store GEMM out
+        a.entry_row_out = opt_ptr<int32_t>(entry_row_out, "entry_row_out", 4);
+        // With slots, after the family's rules (the silu_mul GEMM writes out_operand, the store GEMM out): the sizes.
+        auto check_slots = [&] {
+          if (!slot_experts) return;
           const int64_t n_slots = grid_experts;
           const int64_t rows_out = int64_t((epilogue == sm90::Epilogue::kSiluMul ? *out_operand : *out).shape(0));
           if (numel(*slot_experts) < n_slots || max_total_rows < n_slots || rows_out < n_slots ||
@@ -267,7 +245,28 @@ void register_sm90(nb::module_& m) {
                                         "activation row j and writes output row j (and entry_row_out[j]): each needs "
                                         "grid_experts = " + std::to_string(n_slots) +
                                         " entries or rows (and max_total_rows as many)");
+        };
+        const cudaStream_t st = stream_of(stream);
+        refuse(sm90::gemm_kernel_error(plan.kernel));
+        if (plan.kernel != sm90::GemmKernel::kStream) {  // wgmma32 / 64 / 128: the plan's tile, stage K, TMA rows
+          sm90::WgmmaGemmArgs w;
+          static_cast<sm90::GroupedGemmCommon&>(w) = a;
+          w.act_num_rows = int64_t(act.shape(0));
+          w.max_total_rows = max_total_rows;
+          w.tile = plan.token_tile;
+          sm90::plan_wgmma_stage(w);
+          refuse(sm90::wgmma_gemm_args_error(w));
+          check_slots();
+          check(sm90::launch_wgmma_gemm(w, st), "grouped_gemm");
+          return;
         }
+        sm90::StreamGemmArgs s;
+        static_cast<sm90::GroupedGemmCommon&>(s) = a;
+        s.active_experts = active;
+        s.num_active = n_active;
+        s.tokens_per_pass = plan.tokens_per_pass;
+        refuse(sm90::stream_gemm_args_error(s));
+        check_slots();
         check(sm90::launch_stream_gemm(s, st), "grouped_gemm");
       },
       nb::kw_only(), nb::arg("act"), nb::arg("act_rows").none() = nb::none(),
@@ -283,7 +282,8 @@ void register_sm90(nb::module_& m) {
       nb::arg("swiglu_alpha") = 1.0f, nb::arg("swiglu_up_shift") = 0.0f, nb::arg("offsets_settled") = false,
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
       "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
-      "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input; the "
+      "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input "
+      "(the one-tile streaming kernel, or wgmma tile 32); the "
       "silu_mul GEMM then writes the token's entry_row into entry_row_out (j, or -1 when dropped). bias: float32 [E, N] "
       "added to each weight row's scaled product (silu_mul: gate rows then up rows, before the activation); "
       "swiglu_alpha, swiglu_up_shift: h = (up + shift) * gate * sigmoid(alpha * gate) (gpt-oss: 1.702, 1). "

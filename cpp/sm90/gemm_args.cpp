@@ -12,13 +12,14 @@ namespace {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The rules of the common part. slot_experts: the rows are one token's slots (StreamGemmArgs::slot_experts) instead
-// of moe_align's grouped rows; entry_row_out: the GEMM is asked to write the token's entry_row.
-const char* common_error(const GroupedGemmCommon& a, bool slot_experts, bool entry_row_out) {
+// The rules of the common part, the one-token rows (slot_experts) included: both families run them (the one-tile
+// streaming kernel and wgmma tile 32) with the same inputs.
+const char* common_error(const GroupedGemmCommon& a) {
   if (a.K <= 0 || a.K % 16 != 0) return "K must be a positive multiple of 16";
   if (a.N <= 0) return "N (weight rows) must be positive";
   if (!a.act || !a.w_data || !a.w_scale || !a.w_global_scale) return "act, w_data, w_scale and w_global_scale are needed";
-  if (bool(a.expert_offsets) == slot_experts)
+  const bool slots = a.slot_experts != nullptr;
+  if (bool(a.expert_offsets) == slots)
     return "give expert_offsets (grouped rows of moe_align) or slot_experts (one token's expert ids, row j = slot j), "
            "not both";
   if (a.grid_experts <= 0 || a.grid_experts > 65535) return "grid_experts must be in [1, 65535]";
@@ -33,8 +34,15 @@ const char* common_error(const GroupedGemmCommon& a, bool slot_experts, bool ent
   if (!silu_mul && (a.swiglu_clamp || a.swiglu_alpha != 1.f || a.swiglu_up_shift != 0.f))
     return "swiglu_limit, swiglu_alpha and swiglu_up_shift shape the silu_mul epilogue only";
   if (a.h_quant_gs && !(silu_mul && a.out_operand)) return "h_quant_scale (h quantized to NVFP4) needs out_operand";
-  if (entry_row_out && !(slot_experts && silu_mul))
+  if (a.entry_row_out && !(slots && silu_mul))
     return "entry_row_out is written by the silu_mul GEMM with slot_experts only";
+  if (slots) {
+    if (!silu_mul && a.act_rows) return "slot_experts: the store GEMM reads staged rows (no act_rows)";
+    if (silu_mul && !a.out_operand) return "slot_experts: the silu_mul GEMM writes h into out_operand";
+    if (silu_mul && bool(a.act_rows) == bool(a.h_quant_gs))
+      return "slot_experts: the silu_mul GEMM either gathers act through act_rows or reads staged rows with "
+             "h_quant_scale";
+  }
   return nullptr;
 }
 
@@ -51,8 +59,7 @@ const char* gemm_kernel_error(GemmKernel kernel) {
 }
 
 const char* stream_gemm_args_error(const StreamGemmArgs& a) {
-  if (const char* err = common_error(a, a.slot_experts != nullptr, a.entry_row_out != nullptr)) return err;
-  const bool silu_mul = a.epilogue == Epilogue::kSiluMul;
+  if (const char* err = common_error(a)) return err;
   const int nt = a.tokens_per_pass / 8;
   if (a.tokens_per_pass % 8 != 0 || (nt != 1 && nt != 2 && nt != 4 && nt != 8))
     return "the streaming kernel takes 8, 16, 32 or 64 tokens per pass";
@@ -60,23 +67,18 @@ const char* stream_gemm_args_error(const StreamGemmArgs& a) {
     if (nt != 1 || a.K % 64 != 0)
       return "slot_experts runs on the one-tile streaming kernel (8 tokens per pass) with K % 64 == 0";
     if (a.active_experts || a.num_active) return "slot_experts: every grid slot is a slot (no active_experts or num_active)";
-    if (!silu_mul && a.act_rows) return "slot_experts: the store GEMM reads staged rows (no act_rows)";
-    if (silu_mul && !a.out_operand) return "slot_experts: the silu_mul GEMM writes h into out_operand";
-    if (silu_mul && bool(a.act_rows) == bool(a.h_quant_gs))
-      return "slot_experts: the silu_mul GEMM either gathers act through act_rows or reads staged rows with "
-             "h_quant_scale";
   } else if (nt == 1 && a.h_quant_gs && a.act_rows) {
     return "h_quant_scale needs activation rows without act_rows on the one-tile streaming kernel";
   }
   return nullptr;
 }
 
-const char* wgmma_gemm_args_error(const WgmmaGemmArgs& a, bool slot_experts, bool entry_row_out) {
-  if (const char* err = common_error(a, slot_experts, entry_row_out)) return err;
-  if (slot_experts) return "slot_experts runs on the one-tile streaming kernel only";
+const char* wgmma_gemm_args_error(const WgmmaGemmArgs& a) {
+  if (const char* err = common_error(a)) return err;
   const int tile = a.tile;
   if (tile != kTile32 && tile != kTile64 && tile != kTile128)
     return "the wgmma kernels take token tiles of 32, 64 or 128 (the plan's token_tile)";
+  if (a.slot_experts && tile != kTile32) return "slot_experts runs on wgmma tile 32 (or the one-tile streaming kernel)";
   if (a.K % wg_min_stage_k(tile) != 0) return "K is not a multiple of this wgmma tile's K per stage (the plan's)";
   if (a.num_experts > kWgMaxExperts) return "the wgmma kernels take at most 1024 experts";
   if (scale_row_bytes(a) % 16 != 0 || scale_row_bytes(a) < a.K / 16)

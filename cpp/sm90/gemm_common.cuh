@@ -173,6 +173,14 @@ __device__ __forceinline__ bool expert_of_slot(const int32_t* active_experts, co
   return rows > 0;
 }
 
+// GroupedGemmCommon::slot_experts (one token, no align kernel): the expert id of slot `slot`, or -1 when dropped
+// (outside [0, E)). The load goes through L2 (ld.global.cg): the GEMMs read it before their PDL wait.
+__device__ __forceinline__ int slot_expert_id(const GroupedGemmCommon& a, int slot) {
+  const int64_t id = a.slot_experts_int64 ? int64_t(__ldcg(static_cast<const long long*>(a.slot_experts) + slot))
+                                          : int64_t(__ldcg(static_cast<const int*>(a.slot_experts) + slot));
+  return id >= 0 && id < a.num_experts ? int(id) : -1;
+}
+
 struct ExpertTile {
   int expert, row_begin, rows, m0;
 };

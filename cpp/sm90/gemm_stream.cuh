@@ -51,14 +51,6 @@ __device__ __forceinline__ uint4 load_act(const uint16_t* row, int64_t col, bool
 }
 
 
-// StreamGemmArgs::slot_experts (one token, no align kernel): the expert id of slot `slot`, or -1 when dropped
-// (outside [0, E)). The load goes through L2 (ld.global.cg): the streaming gemm2 reads it before its PDL wait.
-__device__ __forceinline__ int slot_expert_id(const StreamGemmArgs& a, int slot) {
-  const int64_t id = a.slot_experts_int64 ? int64_t(__ldcg(static_cast<const long long*>(a.slot_experts) + slot))
-                                          : int64_t(__ldcg(static_cast<const int*>(a.slot_experts) + slot));
-  return id >= 0 && id < a.num_experts ? int(id) : -1;
-}
-
 // PDL prologue of the streaming kernels (launched with the PDL attribute, see pdl.cuh).
 // The down-projection GEMM (kStore) first asks L2 to fetch this block's weight rows (data and
 // scales, contiguous ranges of one expert), which depend on nothing computed in this forward
@@ -381,7 +373,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(StreamGemmA
 // kQuantH (W4A4 with a static scale for h, staged rows): the kSiluMul epilogue quantizes h and writes its NVFP4
 // decode as the gemm2 operand (stream_h_nvfp4); an instantiation of its own, so that the others keep their registers.
 // One block: weight-row block rb (32 rows, or 16 gate + 16 up columns) of expert slot `slot`, all its tokens.
-// kDirect (StreamGemmArgs::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
+// kDirect (GroupedGemmCommon::slot_experts): slot j is row j of expert slot_experts[j], no row when that id is dropped;
 // the first weight-row block of each slot writes a.entry_row_out[j] when set.
 template <bool kVec, bool kFused, bool kQuantH, bool kDirect = false>  // kVec: K % 64 == 0 (16-byte aligned weight
                                                                        // rows, whole slices)

@@ -620,6 +620,16 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCom
                                                                 row_begin, rows, m0, rb0, items, pre_wait);
 }
 
+// One token's slots (GroupedGemmCommon::slot_experts): the tile of block row y is slot y's row (grouped row y, one
+// token) of expert slot_experts[y], into *found (thread 0; a block barrier publishes it and the mbarriers). Returns the
+// grid's tiles as expert_tile_of_block does: all of grid.y, or none when the slot's id is dropped.
+__device__ __forceinline__ int wg_slot_tile(const GroupedGemmCommon& a, ExpertTile* found, int tid) {
+  const int slot = int(blockIdx.y), expert = slot_expert_id(a, slot);
+  if (tid == 0) *found = ExpertTile{expert, slot, 1, 0};
+  __syncthreads();
+  return expert >= 0 ? int(gridDim.y) : 0;
+}
+
 // The kernel reads the common part of the arguments only: WgmmaGemmArgs' own fields (tile, stage K, TMA rows, the
 // bounds of the TMA view and the grid) chose this instance, its tensor maps and its grid on the host.
 // kPdl: launched with programmatic dependent launch (plan_pdl_launch), following pdl.cuh's protocol.
@@ -660,11 +670,18 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const bool pre_wait = kPdl && a.offsets_settled;
   if (kPdl && !pre_wait) griddep_sync_and_release();
 
-  // Which expert and which token tile of it (the scan's barriers also publish the mbarriers).
-  const int num_tiles = expert_tile_of_block<Cfg::kThreads, kMaxN, kPdl>(a, a.num_experts, blockIdx.y, warp_sums,
-                                                                          found, tid, warp, lane);
+  // Which expert and which token tile of it (the scan's barriers also publish the mbarriers). One token's slots
+  // (a.slot_experts; the kPdl instances only, as launch_wg_gemm_k launches them): block row y is slot y, grouped row y
+  // of expert slot_experts[y] (wg_slot_tile), none when that id is dropped; slot y's first block writes
+  // entry_row_out[y] (y, or -1) once it has waited (pdl.cuh rule 1).
+  bool slots = false;
+  if constexpr (kPdl) slots = a.slot_experts != nullptr;
+  const int num_tiles = slots ? wg_slot_tile(a, found, tid)
+                              : expert_tile_of_block<Cfg::kThreads, kMaxN, kPdl>(a, a.num_experts, blockIdx.y,
+                                                                                 warp_sums, found, tid, warp, lane);
   if (int(blockIdx.y) >= num_tiles) {
     if (pre_wait) griddep_sync_and_release();
+    if (slots && a.entry_row_out && blockIdx.x == 0 && tid == 0) a.entry_row_out[blockIdx.y] = -1;
     return;
   }
   const ExpertTile et = *found;
@@ -679,6 +696,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH, kPdl>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
                                                          row_begin, rows, m0, rb0, items, pre_wait);
+  if (slots && a.entry_row_out && blockIdx.x == 0 && tid == 0) a.entry_row_out[row_begin] = row_begin;
 }
 
 }  // namespace megamoe::sm90

@@ -121,8 +121,10 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
   const cudaError_t err = wg_encode_maps<kMaxN, kStageK>(a, maps);
   if (err != cudaSuccess) return err;
   // Upper bound of token tiles over all experts: sum ceil(t_e / kMaxN) <= rows / kMaxN + active experts (at most
-  // 65535: wgmma_gemm_args_error).
-  const int64_t tiles = (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
+  // 65535: wgmma_gemm_args_error); one token's slots (slot_experts): one block row each.
+  const bool slots = a.slot_experts != nullptr;
+  if (slots && kMaxN > kTile32) return cudaErrorInvalidValue;  // (refused by the rules)
+  const int64_t tiles = slots ? a.grid_experts : (a.max_total_rows + kMaxN - 1) / kMaxN + a.grid_experts;
   // Row blocks in pairs where the kernel can (wg_items; quant runs the kActTma kernel) and the plan pairs them: the
   // kernel reads the pairing off gridDim.x (wg_block_items).
   const int sm = sm_count();
@@ -133,7 +135,8 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
   const unsigned gx = unsigned(pair ? (row_blocks + 1) / 2 : row_blocks);
   const dim3 grid(gx, unsigned(tiles));
   const GroupedGemmCommon& c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
-  const bool pdl = plan_pdl_launch(kMaxN, tiles_bound * gx, sm);
+  // the slots are read by the kPdl instances only (tiles 8 and 32: wgmma_gemm_args_error)
+  const bool pdl = slots || plan_pdl_launch(kMaxN, tiles_bound * gx, sm);
   if (quant) {
     if constexpr (kQuantOk) return wg_launch<kMaxN, kStageK, true, true>(pdl, grid, stream, c, maps);
   } else if (act_tma) {

@@ -48,10 +48,13 @@ GemmPlan plan_moe_gemms(const GemmProblem& p) {
     }
     plan.tokens_per_pass = tpp;
   }
-  // One token without the align kernel: the one-tile streaming kernels that take slot_experts (K % 64 == 0), for
-  // W4A16 gathering bf16 x, or W4A4 quantizing h in gemm1 (a dynamic scale for h needs its quantizer's grouped rows).
-  plan.without_align = p.tokens == 1 && kernel == GemmKernel::kStream && plan.tokens_per_pass == 8 &&
-                       p.k_gemm1 % 64 == 0 && p.k_gemm2 % 64 == 0 && (p.w4a16 ? plan.gather_x : plan.h_operand);
+  // One token without the align kernel: the kernels that take slot_experts (the one-tile streaming ones with
+  // K % 64 == 0, and wgmma tile 32: its tile-8 and tile-32 kPdl instances), for W4A16 gathering bf16 x, or W4A4
+  // quantizing h in gemm1 (a dynamic scale for h needs its quantizer's grouped rows).
+  const bool slot_kernel = kernel == GemmKernel::kWgmma32 ||
+                           (kernel == GemmKernel::kStream && plan.tokens_per_pass == 8 && p.k_gemm1 % 64 == 0 &&
+                            p.k_gemm2 % 64 == 0);
+  plan.without_align = p.tokens == 1 && slot_kernel && (p.w4a16 ? plan.gather_x : plan.h_operand);
   plan.token_order = p.tokens > 0 && p.tokens >= p.token_order_from && (p.w4a16 || p.slots_quantize_alike);
   return plan;
 }

@@ -63,12 +63,10 @@ static void expect(const char* what, const StreamGemmArgs& a, const char* needle
   report(what, megamoe::sm90::stream_gemm_args_error(a), needle);
 }
 
-// As the binding checks them: plan_wgmma_stage sets the kernel instance, then the rules; slot_experts and
-// entry_row_out: the streaming kernels' one-token inputs were given.
-static void expect(const char* what, WgmmaGemmArgs a, const char* needle, bool slot_experts = false,
-                   bool entry_row_out = false) {
+// As the binding checks them: plan_wgmma_stage sets the kernel instance, then the rules.
+static void expect(const char* what, WgmmaGemmArgs a, const char* needle) {
   megamoe::sm90::plan_wgmma_stage(a);
-  report(what, megamoe::sm90::wgmma_gemm_args_error(a, slot_experts, entry_row_out), needle);
+  report(what, megamoe::sm90::wgmma_gemm_args_error(a), needle);
 }
 
 static void broken(const char* what, const std::function<void(StreamGemmArgs&)>& f, const char* needle,
@@ -108,7 +106,7 @@ static StreamGemmArgs one_token_gemm1() {
   return a;
 }
 
-// one_token_gemm1's common part on a wgmma plan (tile 32): the binding refuses its slot_experts and entry_row_out.
+// one_token_gemm1's common part on a wgmma plan (tile 32: its kPdl instances read the slots).
 static WgmmaGemmArgs one_token_gemm1_on_wgmma() {
   WgmmaGemmArgs a;
   static_cast<GroupedGemmCommon&>(a) = one_token_gemm1();
@@ -154,7 +152,6 @@ int main() {
   expect("streaming gemm2", gemm2(), nullptr);
   expect("wgmma gemm1", wgmma_gemm1(), nullptr);
   expect("wgmma gemm2", wgmma_gemm2(), nullptr);
-  expect("one token's gemm1", one_token_gemm1(), nullptr);
   {
     StreamGemmArgs a = gemm1();  // gpt-oss: biases on both GEMMs, its activation on gemm1
     a.bias = fake<const float>(0xB0000);
@@ -196,8 +193,6 @@ int main() {
          "h_quant_scale (h quantized to NVFP4) needs out_operand");
 
   // the streaming kernels
-  broken("offsets and slots", [](StreamGemmArgs& a) { a.expert_offsets = fake<const int32_t>(0x20000); }, "not both",
-         one_token_gemm1);
   broken("slots with active experts", [](StreamGemmArgs& a) { a.active_experts = fake<const int32_t>(0xB0000); },
          "no active_experts or num_active", one_token_gemm1);
   broken("slots with num_active", [](StreamGemmArgs& a) { a.num_active = fake<const int32_t>(0xC0000); },
@@ -209,14 +204,6 @@ int main() {
   broken("slots with 16 tokens per pass", [](StreamGemmArgs& a) { a.tokens_per_pass = 16; }, "K % 64 == 0",
          one_token_gemm1);
   broken("slots with K % 64", [](StreamGemmArgs& a) { a.K = 1040; }, "K % 64 == 0", one_token_gemm1);
-  broken("slots: fp32 h", [](StreamGemmArgs& a) { a.out_operand = nullptr; a.out = fake<float>(0x60000); },
-         "writes h into out_operand", one_token_gemm1);
-  broken("slots: gather and quantized h", [](StreamGemmArgs& a) { a.h_quant_gs = fake<const float>(0x90000); },
-         "either gathers act", one_token_gemm1);
-  broken("slots: store GEMM gathering",
-         [](StreamGemmArgs& a) { a.epilogue = Epilogue::kStore; a.out_operand = nullptr; a.entry_row_out = nullptr;
-                                 a.out = fake<float>(0x60000); a.w_gs_per_expert = 1; },
-         "the store GEMM reads staged rows", one_token_gemm1);
   broken("gather with quantized h, one tile",
          [](StreamGemmArgs& a) { a.out = nullptr; a.out_operand = fake<uint16_t>(0x80000);
                                  a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
@@ -226,10 +213,50 @@ int main() {
                                  a.h_quant_gs = fake<const float>(0x90000); a.act_rows = fake<const int32_t>(0x90000); },
          nullptr);
 
-  // the wgmma kernels: the one-token inputs of the streaming kernels refused (after the common rules)
-  expect("slots on wgmma", one_token_gemm1_on_wgmma(), "slot_experts runs on the one-tile streaming kernel", true, true);
-  expect("offsets and slots on wgmma", wgmma_gemm1(), "not both", true, false);
-  expect("entry_row_out without slots on wgmma", wgmma_gemm1(), "entry_row_out", false, true);
+  // one token's slots, the rules both families share: on the streaming gemm1 and on wgmma tile 32
+  auto one_token = [](const char* what, const std::function<void(GroupedGemmCommon&)>& f, const char* needle) {
+    StreamGemmArgs s = one_token_gemm1();
+    f(s);
+    expect((std::string(what) + " (streaming)").c_str(), s, needle);
+    WgmmaGemmArgs w = one_token_gemm1_on_wgmma();
+    f(w);
+    expect((std::string(what) + " (wgmma)").c_str(), w, needle);
+  };
+  one_token("one token's gemm1", [](GroupedGemmCommon&) {}, nullptr);
+  one_token("one token's W4A4 gemm1", [](GroupedGemmCommon& a) { a.act_rows = nullptr;
+                                                                  a.h_quant_gs = fake<const float>(0x90000); },
+            nullptr);
+  one_token("one token's gemm2",
+            [](GroupedGemmCommon& a) { a.epilogue = Epilogue::kStore; a.out_operand = nullptr; a.entry_row_out = nullptr;
+                                       a.act_rows = nullptr; a.out_bf16 = fake<uint16_t>(0x60000); a.N = 512;
+                                       a.w_gs_per_expert = 1; },
+            nullptr);
+  one_token("slots: fp32 h", [](GroupedGemmCommon& a) { a.out_operand = nullptr; a.out = fake<float>(0x60000); },
+            "writes h into out_operand");
+  one_token("slots: gather and quantized h", [](GroupedGemmCommon& a) { a.h_quant_gs = fake<const float>(0x90000); },
+            "either gathers act");
+  one_token("slots: staged rows, h not quantized", [](GroupedGemmCommon& a) { a.act_rows = nullptr; },
+            "either gathers act");
+  one_token("slots: store GEMM gathering",
+            [](GroupedGemmCommon& a) { a.epilogue = Epilogue::kStore; a.out_operand = nullptr; a.entry_row_out = nullptr;
+                                       a.out = fake<float>(0x60000); a.w_gs_per_expert = 1; },
+            "the store GEMM reads staged rows");
+  one_token("offsets and slots", [](GroupedGemmCommon& a) { a.expert_offsets = fake<const int32_t>(0x20000); },
+            "not both");
+
+  // the wgmma kernels: the slots on tile 32 only (its kPdl instances, tile 8 included, read them)
+  for (int tile : {kTile64, kTile128}) {
+    WgmmaGemmArgs a = one_token_gemm1_on_wgmma();
+    a.tile = tile;
+    expect(("slots on wgmma tile " + std::to_string(tile)).c_str(), a, "slot_experts runs on wgmma tile 32");
+  }
+  {
+    WgmmaGemmArgs a = wgmma_gemm1();
+    a.out = nullptr;
+    a.out_operand = fake<uint16_t>(0x80000);
+    a.entry_row_out = fake<int32_t>(0xA0000);
+    expect("entry_row_out without slots on wgmma", a, "entry_row_out");
+  }
   broken_wg("wgmma K step", [](WgmmaGemmArgs& a) { a.K = 1088; }, "K per stage");
   broken_wg("wgmma tile 128 K step 64", [](WgmmaGemmArgs& a) { a.K = 1088; a.tile = kTile128;
                                                                a.w_scale_row_bytes = 80; }, nullptr);

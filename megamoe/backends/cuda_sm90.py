@@ -11,12 +11,12 @@ all on the current stream with no host synchronisation (CUDA-graph capturable fo
 fixed T):
 
 1. ``moe_align``      routing results -> rows grouped by expert (one kernel); not for one token on
-                      the one-tile streaming kernel (H and I multiples of 64; W4A16 with bf16 x, or
-                      W4A4 with a static scale for h): there slot j is row j of expert
-                      topk_ids[0, j], which both GEMMs read themselves, and gemm1 writes the token's
-                      entry_row (3 kernels: gemm1, gemm2, combine; W4A4 4, x quantized into the k
-                      rows first: row j with expert topk_ids[0, j]'s static scale, or all with
-                      the row's dynamic one)
+                      the one-tile streaming kernel (H and I multiples of 64) or wgmma tile 32 (W4A16
+                      with bf16 x, or W4A4 with a static scale for h): there slot j is row j of
+                      expert topk_ids[0, j], which both GEMMs read themselves, and gemm1 writes the
+                      token's entry_row (3 kernels: gemm1, gemm2, combine; wgmma W4A16 4, x staged
+                      first; W4A4 4, x quantized into the k rows first: row j with expert
+                      topk_ids[0, j]'s static scale, or all with the row's dynamic one)
 2. gemm1 input        W4A16 with bf16 x up to wgmma tile 32: none (gemm1 gathers its rows
                       through row_token: the streaming kernel from x itself, the wgmma kernel
                       from x staged once as the [T, H] bf16 operand); else bf16 per slot
@@ -576,23 +576,32 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
     @staticmethod
     def _without_align(plan) -> bool:
         """Whether the forward runs without the align kernel (_one_token): the plan's without_align (one token on the
-        one-tile streaming kernel, H and I multiples of 64; W4A16 with bf16 x, or W4A4 with h quantized in gemm1)."""
+        one-tile streaming kernel, H and I multiples of 64, or on wgmma tile 32; W4A16 with bf16 x, or W4A4 with h
+        quantized in gemm1)."""
         return plan.without_align
 
     def _one_token(self, prepared: PreparedSm90, cfg, x, topk_ids, topk_weights, ws, plan, stream) -> torch.Tensor:
-        """One token on the one-tile streaming kernel, without the align kernel: slot j of the grid is row j, of expert
-        topk_ids[0, j] (no row when that id is dropped). W4A16: gemm1 gathers x's row through token0_rows; W4A4: x's row
-        is quantized into row j first (a static scale: expert topk_ids[0, j]'s; the dynamic one: once for all k
-        rows), and gemm1 quantizes h. gemm1 writes h as the gemm2 operand and the token's entry_row; gemm2 writes the y rows, the
-        combine kernel sums them (the same sums and roundings as the align path: bit for bit its output)."""
+        """One token on the one-tile streaming kernel or wgmma tile 32, without the align kernel: slot j of the grid is
+        row j, of expert topk_ids[0, j] (no row when that id is dropped). W4A16: gemm1 gathers x's row through
+        token0_rows (wgmma: x staged once in lane order first); W4A4: x's row is quantized into row j first (a static
+        scale: expert topk_ids[0, j]'s; the dynamic one: once for all k rows), and gemm1 quantizes h. gemm1 writes h
+        as the gemm2 operand and the token's entry_row; gemm2 writes the y rows, the combine kernel sums them (the same
+        sums and roundings as the align path: bit for bit its output)."""
         ext = _ext.ext
         k = cfg.top_k
-        slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream)
+        # offsets_settled (wgmma): the ids were complete before the kernel ahead of each GEMM started (the staging or
+        # quantizing of x waits for whatever wrote them), so its blocks read them before their PDL wait
+        slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream,
+                     offsets_settled=plan.kernel != ext.Sm90GemmKernel.stream)
         gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
                      **self._gemm1_epilogue(prepared, cfg), out_operand=ws.a2,
                      entry_row_out=ws.entry_row, **slots)
         if cfg.act_mode == "w4a16":
-            ext.sm90_grouped_gemm(act=x, act_rows=ws.token0_rows, **gemm1)
+            a1 = x
+            if plan.kernel != ext.Sm90GemmKernel.stream:  # the wgmma kernels read lane-order rows
+                a1 = ws.x_op[:1]
+                ext.sm90_stage_bf16(x, None, None, a1, stream, lane_order=plan.lane_order)
+            ext.sm90_grouped_gemm(act=a1, act_rows=ws.token0_rows, **gemm1)
             a2_gs = None
         else:
             static_scale = prepared.w13_input_scale

@@ -190,10 +190,12 @@ def test_fused_w4a16_equals_staged(shape, gen):
                 assert c >= 0.9999, (t, c)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["streaming", "wgmma"])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4 one x scale", "w4a4 dynamic x", "w4a4 fp32 x"])
 @pytest.mark.parametrize("top_k", [1, 3, 8, 10])
-def test_one_token_without_align_equals_the_align_path(mode, top_k, gen, monkeypatch):
-    """One token on the one-tile streaming kernel: no align kernel (slot j of the grid is row j of expert
+def test_one_token_without_align_equals_the_align_path(mode, top_k, invariant, gen, monkeypatch):
+    """One token on the one-tile streaming kernel (batch invariance off) or on wgmma tile 32 (the batch-invariant
+    plan; tile 8 or 32 by plan_tile8): no align kernel (slot j of the grid is row j of expert
     topk_ids[0, j]; L1 writes the token's entry_row; the combine kernel reads it). W4A16 with bf16 x; W4A4 with
     static scales for h (L1 quantizes h), x quantized per slot with its expert's static scale (per-expert scales,
     one scale for all experts) or once with its dynamic scale, bf16 or fp32 x. Against the same forward through the
@@ -216,11 +218,12 @@ def test_one_token_without_align_equals_the_align_path(mode, top_k, gen, monkeyp
         gpu = MoELayer(w, gpu.config, backend="cuda-sm90")
         ref = MoELayer(gpu.weights, gpu.config, backend="torch", device="cuda")
     be, cfg = gpu.backend, gpu.config
-    gpu.batch_invariant = False  # the one-token path streams: the plan takes it only when invariance is off
+    gpu.batch_invariant = invariant  # streaming decode only with invariance off; wgmma tile 32 with it on
     x_dtype = torch.float32 if mode == "w4a4 fp32 x" else torch.bfloat16
     plan = be.plan(1, cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, act_mode == "w4a16",
-                   x_dtype == torch.bfloat16, act_mode == "w4a4", 1, batch_invariant=False)
+                   x_dtype == torch.bfloat16, act_mode == "w4a4", 1, batch_invariant=invariant)
     assert plan.without_align
+    assert plan.kernel == _ext.ext.Sm90GemmKernel.__members__["wgmma32" if invariant else "stream"], plan
     align = _ext.ext.sm90_moe_align
     cases = ["routed", "int64", "duplicate", "dropped", "all dropped"] if top_k > 1 else ["routed", "int64", "dropped"]
     for case in cases:

@@ -56,8 +56,8 @@ enum class Epilogue : int {
 
 // The arguments of one grouped GEMM, one struct per kernel family: GroupedGemmCommon holds what both families read
 // (the activations and their gather, the expert grouping, the weights and their scales, the epilogue and its outputs),
-// StreamGemmArgs adds what only the streaming kernels read (gemm_stream.cuh: tokens per pass, the expert slots, the
-// weight prefetch, the one-token path without the align kernel), WgmmaGemmArgs what only the wgmma kernels read
+// StreamGemmArgs adds what only the streaming kernels read (gemm_stream.cuh: tokens per pass, the active experts, the
+// weight prefetch), WgmmaGemmArgs what only the wgmma kernels read
 // (gemm_wgmma.cuh and its launch: the token tile, stage K, TMA or copied activation rows, the bounds of the TMA view
 // and of the grid). The binding (bind_sm90.cpp sm90_grouped_gemm) builds the struct of the plan's kernel family,
 // checks it once against the rules of cpp/sm90/gemm_args.cpp (stream_gemm_args_error, wgmma_gemm_args_error: the
@@ -105,6 +105,15 @@ struct GroupedGemmCommon {
   // stages' weight loads before they wait for that kernel (pdl.cuh rule 3), else they wait first. The streaming kernels
   // do not read it.
   bool offsets_settled = false;
+  // One token without the align kernel (GemmPlan::without_align: the one-tile streaming kernel with K % 64 == 0, or
+  // wgmma tile 32, which runs it as tile 8 or 32 on its kPdl instances): slot j of the grid is grouped row j, of
+  // expert slot_experts[j] (the token's topk_ids: int32, or int64 with slot_experts_int64; an id outside [0, E) is
+  // dropped: slot j has no row); expert_offsets (and the streaming kernels' active_experts and num_active) are not
+  // read. With entry_row_out (kSiluMul), slot j also writes entry_row_out[j] = j, or -1 when dropped: the align
+  // kernel's entry_row of the token, which the combine kernel reads.
+  bool slot_experts_int64 = false;
+  const void* slot_experts = nullptr;
+  int32_t* entry_row_out = nullptr;
 };
 
 // The streaming kernels (GemmKernel::kStream; cpp/sm90/gemm_stream.cuh): grid.y runs over expert slots.
@@ -114,18 +123,10 @@ struct StreamGemmArgs : GroupedGemmCommon {
   int tokens_per_pass = 8;                  // 8, 16, 32 or 64 (the plan's)
   int prefetch_blocks = 0;  // set by launch_stream_gemm: kStore blocks with linear index below this prefetch their
                             // weights into L2 before the PDL wait (4 x SMs: about one wave)
-  // One token without the align kernel (the one-tile streaming kernel with K % 64 == 0 only): grid.y slot j is
-  // grouped row j, of expert slot_experts[j] (the token's topk_ids: int32, or int64 with slot_experts_int64; an id
-  // outside [0, E) is dropped: slot j has no row); expert_offsets, active_experts and num_active are not read. With
-  // entry_row_out (kSiluMul), slot j also writes entry_row_out[j] = j, or -1 when dropped: the align kernel's
-  // entry_row of the token, which the combine kernel reads.
-  const void* slot_experts = nullptr;
-  bool slot_experts_int64 = false;
-  int32_t* entry_row_out = nullptr;
 };
 
 // The wgmma kernels (GemmKernel::kWgmma32 / 64 / 128; cpp/sm90/gemm_wgmma.cuh): grid.y runs over the token tiles of
-// all experts. tile, act_tma and stage_k name the kernel instance (its template arguments); plan_wgmma_stage sets
+// all experts, or over one token's slots (slot_experts). tile, act_tma and stage_k name the kernel instance (its template arguments); plan_wgmma_stage sets
 // the last two by the plan's rule.
 struct WgmmaGemmArgs : GroupedGemmCommon {
   int64_t act_num_rows = 0;    // rows of act (the TMA view's bound; 0: max_total_rows)
@@ -138,10 +139,8 @@ struct WgmmaGemmArgs : GroupedGemmCommon {
 
 // Every rule the arguments of a family's launcher must follow, written once: nullptr when they do, else what is wrong
 // (the binding throws it with the call's name; the launcher returns cudaErrorInvalidValue). cpp/sm90/gemm_args.cpp.
-// wgmma_gemm_args_error: slot_experts and entry_row_out say that the caller was given the streaming kernels' one-token
-// inputs, which the wgmma kernels refuse (with the rule's message, after the rules both families share).
 const char* stream_gemm_args_error(const StreamGemmArgs& args);
-const char* wgmma_gemm_args_error(const WgmmaGemmArgs& args, bool slot_experts = false, bool entry_row_out = false);
+const char* wgmma_gemm_args_error(const WgmmaGemmArgs& args);
 // The plan's kernel names a family: nullptr for stream, wgmma32, wgmma64 and wgmma128, else the message.
 const char* gemm_kernel_error(GemmKernel kernel);
 // Sets args.act_tma (contiguous rows, no act_rows, of a 16-byte aligned act: read by TMA) and args.stage_k (the plan's
@@ -149,8 +148,8 @@ const char* gemm_kernel_error(GemmKernel kernel);
 void plan_wgmma_stage(WgmmaGemmArgs& args);
 
 // The launchers: a switch on the arguments (streaming: tokens per pass, K % 64, gathered or staged rows, the
-// quantizing epilogue, direct slots; wgmma: tile, stage K, TMA or copied rows, the quantizing epilogue), after a
-// guard that returns cudaErrorInvalidValue where the family's rules do not hold.
+// quantizing epilogue, direct slots; wgmma: tile, stage K, TMA or copied rows, the quantizing epilogue, direct
+// slots), after a guard that returns cudaErrorInvalidValue where the family's rules do not hold.
 cudaError_t launch_stream_gemm(const StreamGemmArgs& args, cudaStream_t stream);
 cudaError_t launch_wgmma_gemm(const WgmmaGemmArgs& args, cudaStream_t stream);
 

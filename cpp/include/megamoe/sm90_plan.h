@@ -113,8 +113,8 @@ struct GemmPlan {
   int stage_k_gemm1 = 0, stage_k_gemm2 = 0;
   bool copied_rows_gemm1 = false;
   // One token (GemmProblem::tokens == 1) runs without the align kernel: on the one-tile streaming kernel with both K
-  // multiples of 64, W4A16 gathering bf16 x (gather_x) or W4A4 with h quantized in gemm1 (h_operand); slot j is row j
-  // of expert topk_ids[0, j] and gemm1 writes the token's entry_row.
+  // multiples of 64 or on wgmma tile 32, W4A16 gathering bf16 x (gather_x) or W4A4 with h quantized in gemm1
+  // (h_operand); slot j is row j of expert topk_ids[0, j] and gemm1 writes the token's entry_row.
   bool without_align = false;
   // The per-slot gemm1 input (where not gathered) is written in token order (scatter through entry_row) rather than
   // gathered slot by slot: from GemmProblem::token_order_from tokens, W4A16, or W4A4 whose slots quantize alike.
