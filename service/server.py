@@ -544,7 +544,10 @@ class ServiceServer(uvicorn.Server):
             self.service_state.connection_closed()
 
     def handle_exit(self, sig, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
+        # A second Ctrl-C forces the exit of a server of its own. An instance of several is stopped by its parent: a
+        # terminal's Ctrl-C reaches the whole process group, so the instance gets SIGINT beside the parent's SIGTERM,
+        # in either order, and both only start the drain.
+        if self.should_exit and sig == signal.SIGINT and self.channel is None:
             self.force_exit = True
             return
         self.service_state.begin_shutdown()

@@ -539,6 +539,29 @@ def _sigterm_run(layer, clients: int = 16, load_s: float = 0.3) -> dict:
     return counts
 
 
+@pytest.mark.parametrize("order", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
+                                   (signal.SIGINT, signal.SIGINT)])
+def test_a_repeated_ctrl_c_forces_the_exit_of_a_server_of_its_own_only(served_layer, order, tmp_path, monkeypatch):
+    """A second SIGINT forces a lone server's exit (no drain); an instance of several (service/instances.py) gets the
+    terminal's SIGINT beside its parent's SIGTERM, in either order, and only drains: a forced exit there tore its
+    shutdown down with a traceback in the log."""
+    settings = ServiceSettings(host="127.0.0.1", port=free_port(), preset=PRESET, backend="torch",
+                               selftest_level="off", log_level="warning")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # as the parent sets it for its instances
+    parent, child = socket.socketpair()
+    try:
+        for instance in (None, (0, child)):
+            server = build_server(settings, layer=served_layer, instance=instance)
+            for sig in order:
+                server.handle_exit(sig, None)
+            assert server.should_exit and server.service_state.draining
+            forced = instance is None and order[1] == signal.SIGINT
+            assert server.force_exit == forced, (instance, order)
+    finally:
+        parent.close()
+        child.close()
+
+
 def test_no_request_lost_at_sigterm_under_keep_alive_load(served_layer):
     totals = {"ok": 0, "refused": 0, "lost": 0, "other": 0, "why": []}
     t0 = time.monotonic()
