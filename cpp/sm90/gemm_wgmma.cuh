@@ -78,7 +78,8 @@ namespace megamoe::sm90 {
 // Weight rows per block: tile 32 128 rows (2 warpgroups, two blocks per SM); tiles 64 and 128 256 rows (4 warpgroups,
 // one block per SM), so that the 4 warpgroups of an SM share one activation tile: half the activation bytes per FLOP
 // that two 128-row blocks read from L2. Tile 8 (a small tile-32 grid, plan_tile8): 64 rows (one warpgroup), K 256,
-// 4 stages, four blocks per SM.
+// 5 stages, three blocks per SM (a fourth would hold the SM's only spare slot, and at one token the deeper ring
+// keeps more bytes in flight: v4-flash 42.1 -> 40.9 us on an H100, docs/PERFORMANCE.md).
 __host__ __device__ constexpr int wg_rows(int max_n) { return max_n == kTile8 ? 64 : max_n == kTile32 ? 128 : 256; }
 template <int kMaxN, int kStageK = wg_stage_k(kMaxN)>
 struct WgCfg {
@@ -88,7 +89,7 @@ struct WgCfg {
   static constexpr int kRows = wg_rows(kMaxN);  // weight rows per block (64 per warpgroup)
   static constexpr int kThreads = 2 * kRows;    // kRows / 64 warpgroups
   static constexpr int kMinBlocks = wg_blocks_per_sm(kMaxN);
-  static constexpr int kStages = kMaxN == kTile8 ? 4 : kMaxN == kTile32 ? 3 : kMaxN == kTile64 ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
+  static constexpr int kStages = kMaxN == kTile8 ? 5 : kMaxN == kTile32 ? 3 : kMaxN == kTile64 ? (kKS == 256 ? 3 : 6) : kKS == 64 ? 8 : 4;
   static constexpr int kABytes = kMaxN * 128 * kSub;
   static constexpr int kWBytes = kRows * kKS / 2;  // rows of kKS / 2 bytes (TMA boxes, swizzled: wswz)
   static constexpr int kStageBytes = (kABytes + kWBytes + 1023) / 1024 * 1024;  // A tiles 1024-aligned
@@ -97,7 +98,7 @@ struct WgCfg {
   // are issued once every warp finished stage (c + kScSlots) * kChunkStages - kStages: at least the chunk's
   // last stage c * kChunkStages + kChunkStages - 1.
   static constexpr int kChunkStages = 256 / kKS;
-  static constexpr int kScSlots = kChunkStages >= kStages - 1 ? 2 : 2 * kChunkStages >= kStages - 1 ? 3 : 4;
+  static constexpr int kScSlots = (kStages - 1 + kChunkStages - 1) / kChunkStages + 1;
   static_assert((kScSlots - 1) * kChunkStages >= kStages - 1, "a scale slot is reloaded while a stage still reads it");
   static constexpr int kScBytes = kRows * 16;
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +

@@ -356,14 +356,15 @@ int main() {
     // tile 8: 64-row blocks (gemm1's silu_mul blocks: 32 columns of I; gemm2: 64 of H) against tile 32's 128-row ones
     truth("v4-flash T=1 gemm1 on tile 8", plan_tile8(6 * 64, 6 * 32, 132), true);    // 3 per SM, not 2 x 2
     truth("v4-flash T=1 gemm2 on tile 8", plan_tile8(6 * 64, 6 * 32, 132), true);
-    truth("v3 T=1 gemm1 stays tile 32", plan_tile8(8 * 64, 8 * 32, 132), false);     // 4 per SM either way
-    truth("v3 T=1 gemm2 stays tile 32", plan_tile8(8 * 112, 8 * 56, 132), false);    // more than 4 per SM
+    truth("v3 T=1 gemm1 stays tile 32", plan_tile8(8 * 64, 8 * 32, 132), false);     // 512 blocks: not one wave
+    truth("v3 T=1 gemm2 stays tile 32", plan_tile8(8 * 112, 8 * 56, 132), false);    // nor 896
+    truth("one wave of tile 8 ends at 3 per SM", plan_tile8(396, 198, 132) && !plan_tile8(397, 199, 132), true);
     truth("two experts on tile 8", plan_tile8(2 * 64, 2 * 32, 132), true);           // 1 of 64 rows, not 1 of 128
     truth("v4-flash T=8 stays tile 32", plan_tile8(wg_tiles_bound(kTile8, 48, 48) * 64, 48 * 32, 132), false);
-    // programmatic dependent launch for a grid of one wave: 4 blocks per SM in tile 8, 2 in tile 32, 1 in tiles 64, 128
+    // programmatic dependent launch for a grid of one wave: 3 blocks per SM in tile 8, 2 in tile 32, 1 in tiles 64, 128
     using megamoe::sm90::plan_pdl_launch;
-    truth("pdl: tile 8 at 528 blocks", plan_pdl_launch(kTile8, 528, 132), true);
-    truth("pdl: tile 8 at 529 blocks", plan_pdl_launch(kTile8, 529, 132), false);
+    truth("pdl: tile 8 at 396 blocks", plan_pdl_launch(kTile8, 396, 132), true);
+    truth("pdl: tile 8 at 397 blocks", plan_pdl_launch(kTile8, 397, 132), false);
     truth("pdl: v3 T=1 gemm2, 8 x 28 pairs", plan_pdl_launch(kTile32, 8 * 28, 132), true);
     truth("pdl: tile 32 at 265 blocks", plan_pdl_launch(kTile32, 265, 132), false);
     truth("pdl: tile 128 at 133 blocks", plan_pdl_launch(megamoe::sm90::kTile128, 133, 132), false);

@@ -8,7 +8,7 @@ namespace megamoe::sm90 {
 
 // Token tiles of the wgmma kernels (GemmKernel::kWgmma32 / 64 / 128: the largest token count of one block), and
 // kTile8, the one-token blocks that run a tile-32 GEMM whose grid is small (plan_tile8): 64 weight rows (one
-// warpgroup) x up to 8 tokens, four blocks per SM.
+// warpgroup) x up to 8 tokens, three blocks per SM.
 constexpr int kTile8 = 8, kTile32 = 32, kTile64 = 64, kTile128 = 128;
 constexpr int kWgK = 64;              // K of one SW128 activation sub-tile of the wgmma kernels (a stage holds 1, 2 or 4)
 constexpr int kWgMaxExperts = 1024;   // the plan's bound on E for the wgmma kernels: every block scans all E token counts
@@ -27,7 +27,7 @@ constexpr int plan_stage_k(int max_n, int64_t k, bool act_tma) {
 // would put two row blocks in turn on one SM while other SMs idle or hold one: the grid runs unpaired (one token:
 // v4-flash gemm2 is 6 x 32 row blocks, 96 pairs on 96 of 132 SMs, or 192 blocks on all of them). Either way each
 // row of the output sums its K in the same order (batch invariance holds).
-constexpr int wg_blocks_per_sm(int tile) { return tile == kTile8 ? 4 : tile == kTile32 ? 2 : 1; }
+constexpr int wg_blocks_per_sm(int tile) { return tile == kTile8 ? 3 : tile == kTile32 ? 2 : 1; }
 // Whether a grid of `blocks` blocks of the tile is resident at once (one wave).
 constexpr bool wg_one_wave(int tile, int64_t blocks, int sm_count) {
   return blocks <= int64_t(sm_count) * wg_blocks_per_sm(tile);
