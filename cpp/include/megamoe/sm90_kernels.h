@@ -126,8 +126,8 @@ struct StreamGemmArgs : GroupedGemmCommon {
 };
 
 // The wgmma kernels (GemmKernel::kWgmma32 / 64 / 128; cpp/sm90/gemm_wgmma.cuh): grid.y runs over the token tiles of
-// all experts, or over one token's slots (slot_experts). tile, act_tma and stage_k name the kernel instance (its template arguments); plan_wgmma_stage sets
-// the last two by the plan's rule.
+// all experts, or over one token's slots (slot_experts). tile, act_tma and stage_k name the kernel instance (its
+// template arguments); plan_wgmma_stage sets the last two by the plan's rule.
 struct WgmmaGemmArgs : GroupedGemmCommon {
   int64_t act_num_rows = 0;    // rows of act (the TMA view's bound; 0: max_total_rows)
   int64_t max_total_rows = 0;  // host bound on expert_offsets[E] (sizes the grid)
