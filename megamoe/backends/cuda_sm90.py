@@ -589,10 +589,10 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         sums and roundings as the align path: bit for bit its output)."""
         ext = _ext.ext
         k = cfg.top_k
-        # offsets_settled (wgmma): the ids were complete before the kernel ahead of each GEMM started (the staging or
-        # quantizing of x waits for whatever wrote them), so its blocks read them before their PDL wait
+        # offsets_settled: the ids were complete before the kernel ahead of each GEMM started (the staging or
+        # quantizing of x waits for whatever wrote them), so a wgmma GEMM's blocks read them before their PDL wait
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream,
-                     offsets_settled=plan.kernel != ext.Sm90GemmKernel.stream)
+                     offsets_settled=True)
         gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
                      **self._gemm1_epilogue(prepared, cfg), out_operand=ws.a2,
                      entry_row_out=ws.entry_row, **slots)
