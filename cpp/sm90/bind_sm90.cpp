@@ -163,7 +163,8 @@ void register_sm90(nb::module_& m) {
          OptArray a_global_scale, bool a_gs_per_expert, OptArray a_row_scale, sm90::Epilogue epilogue,
          std::optional<float> swiglu_limit, OptArray out, OptArray out_operand, OptArray h_quant_scale,
          int64_t max_total_rows, const sm90::GemmPlan& plan, uintptr_t stream, OptArray slot_experts,
-         OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift, bool offsets_settled) {
+         OptArray entry_row_out, OptArray bias, float swiglu_alpha, float swiglu_up_shift, bool offsets_settled,
+         bool w_tiled) {
         if (w_data.ndim() != 3 || w_scale.ndim() != 3) throw std::invalid_argument("grouped_gemm: weights [E, N, K/2]");
         auto refuse = [](const char* err) {
           if (err) throw std::invalid_argument(std::string("grouped_gemm: ") + err);
@@ -210,6 +211,7 @@ void register_sm90(nb::module_& m) {
         }
         a.epilogue = epilogue;
         a.offsets_settled = offsets_settled;
+        a.w_tiled = w_tiled;
         if (out && elem_type(*out, "out") == ElemType::kBFloat16) {
           a.out_bf16 = ptr<uint16_t>(*out, "out", 2);
         } else {
@@ -280,6 +282,7 @@ void register_sm90(nb::module_& m) {
       nb::arg("plan"), nb::arg("stream"), nb::arg("slot_experts").none() = nb::none(),
       nb::arg("entry_row_out").none() = nb::none(), nb::arg("bias").none() = nb::none(),
       nb::arg("swiglu_alpha") = 1.0f, nb::arg("swiglu_up_shift") = 0.0f, nb::arg("offsets_settled") = false,
+      nb::arg("w_tiled") = false,
       "One grouped GEMM of the MoE forward with the kernel and tiling of `plan` (sm90_plan); keywords only. With "
       "slot_experts (one token's topk_ids, int32 or int64) instead of expert_offsets, no align kernel: slot j is row j "
       "of expert slot_experts[j] (none when that id is outside [0, E)), activation row j (or act_rows[j]) its input "
@@ -289,7 +292,9 @@ void register_sm90(nb::module_& m) {
       "swiglu_alpha, swiglu_up_shift: h = (up + shift) * gate * sigmoid(alpha * gate) (gpt-oss: 1.702, 1). "
       "offsets_settled: expert_offsets and act_rows were complete before the last kernel queued on the stream started "
       "(the MoE forward, two or more kernels after the align kernel): the wgmma kernels then issue their first weight "
-      "loads before they wait for that kernel (programmatic dependent launch); leave it False otherwise.");
+      "loads before they wait for that kernel (programmatic dependent launch); leave it False otherwise. "
+      "w_tiled: w_data and w_scale are in the tiled order (sm90_tiled: K % 256 == 0, N % 32 == 0, silu_mul I % 32 == "
+      "0), the shapes still [E, N, K/2] and [E, N, K/16].");
 
   m.def(
       "sm90_moe_combine",

@@ -107,8 +107,9 @@ __device__ __forceinline__ void stream_weight_rows(const StreamGemmArgs& a, int 
         rvalid[mt][hh] = n < N;
       }
       if (!rvalid[mt][hh]) n = 0;
-      wrow[mt][hh] = wd + n * row_bytes;
-      srow[mt][hh] = ws + n * srs;
+      // tiled weights (a.w_tiled): the row's first 128 code bytes and 16 scale bytes (its chunk 0)
+      wrow[mt][hh] = wd + (a.w_tiled ? sm90_weight_tile_offset(n, 0, row_bytes, 128) : n * row_bytes);
+      srow[mt][hh] = ws + (a.w_tiled ? sm90_weight_tile_offset(n, 0, srs, 16) : n * srs);
     }
   }
 }
@@ -116,13 +117,18 @@ __device__ __forceinline__ void stream_weight_rows(const StreamGemmArgs& a, int 
 // Weight words (wv[mt][hh][i]: elements 8i..8i+7 of the slice) and the 4 packed scale codes of K slice
 // s (64 elements) of the lane's 4 rows; zeros for invalid rows and past the end of K.
 // kVec: K % 64 == 0 (16-byte aligned rows, whole slices); else 8-byte loads, one scale block at a time.
+// wstep, sstep (kVec): bytes from a row's chunk of 4 slices (256 elements) to its next, of the codes (128 row-major,
+// 32 * 128 tiled) and of the scale codes (16, 32 * 16); the slice's 32 and 4 bytes are at (s % 4) * 32 and * 4 of
+// its chunk in both orders.
 // (slices and Kb by reference: the multi-tile kernels then compile as with this body written in place.)
 template <bool kVec>
 __device__ __forceinline__ void load_weight_slice(int64_t s, const int64_t& slices, const int64_t& Kb,
                                                   const uint8_t* const (&wrow)[2][2],
                                                   const uint8_t* const (&srow)[2][2], const bool (&rvalid)[2][2],
-                                                  uint32_t (&wv)[2][2][8], uint32_t (&sc)[2][2]) {
+                                                  int64_t wstep, int64_t sstep, uint32_t (&wv)[2][2][8],
+                                                  uint32_t (&sc)[2][2]) {
   const bool svalid = s < slices;
+  const int64_t wo = (s >> 2) * wstep + (s & 3) * 32, so = (s >> 2) * sstep + (s & 3) * 4;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -131,9 +137,9 @@ __device__ __forceinline__ void load_weight_slice(int64_t s, const int64_t& slic
         uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
         uint32_t sv = 0;
         if (rvalid[mt][hh] && svalid) {
-          x0 = ldg_stream(wrow[mt][hh] + s * 32);
-          x1 = ldg_stream(wrow[mt][hh] + s * 32 + 16);
-          sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + s * 4));
+          x0 = ldg_stream(wrow[mt][hh] + wo);
+          x1 = ldg_stream(wrow[mt][hh] + wo + 16);
+          sv = __ldg(reinterpret_cast<const uint32_t*>(srow[mt][hh] + so));
         }
         wv[mt][hh][0] = x0.x; wv[mt][hh][1] = x0.y; wv[mt][hh][2] = x0.z; wv[mt][hh][3] = x0.w;
         wv[mt][hh][4] = x1.x; wv[mt][hh][5] = x1.y; wv[mt][hh][6] = x1.z; wv[mt][hh][7] = x1.w;
@@ -310,6 +316,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(StreamGemmA
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
   stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
+  const int64_t wstep = a.w_tiled ? kWTileRows * 128 : 128, sstep = a.w_tiled ? kWTileRows * 16 : 16;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
@@ -334,7 +341,7 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(StreamGemmA
     // lanes past the last slice load zeros.
     for (int64_t s0 = warp * 4; s0 < slices; s0 += 16) {
       const int64_t s = s0 + tig;
-      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wv, sc);
+      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wstep, sstep, wv, sc);
 #pragma unroll
       for (int c0 = 0; c0 < 8; c0 += kChunkWords) {
         uint4 av[NT][kChunkWords];
@@ -398,6 +405,7 @@ __device__ __forceinline__ void stream_nt1_item(const StreamGemmArgs& a, unsigne
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
   stream_weight_rows(a, expert, rb, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
+  const int64_t wstep = a.w_tiled ? kWTileRows * 128 : 128, sstep = a.w_tiled ? kWTileRows * 16 : 16;
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
@@ -418,7 +426,7 @@ __device__ __forceinline__ void stream_nt1_item(const StreamGemmArgs& a, unsigne
       const bool svalid = s < slices;
       uint32_t wv[2][2][8];
       uint32_t sc[2][2];
-      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wv, sc);
+      load_weight_slice<kVec>(s, slices, Kb, wrow, srow, rvalid, wstep, sstep, wv, sc);
       uint4 av[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {

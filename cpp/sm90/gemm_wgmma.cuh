@@ -395,13 +395,27 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
     const uint32_t sa = stages_s + uint32_t(slot) * Cfg::kStageBytes, sw = sa + Cfg::kABytes;
     // kStore: the R rows are contiguous, one box each for the weights and the scales (the maps' boxes are of R rows);
     // kSiluMul: gate and up rows, two boxes of R / 2 rows each
-    tma_load_3d(sw, &maps.w, kt * (kKS / 2), wrow0, expert, bar);
-    if (silu_mul) tma_load_3d(sw + (Cfg::kRows / 2) * (kKS / 2), &maps.w, kt * (kKS / 2), wrow1, expert, bar);
+    // tiled weights (a.w_tiled): 5-D boxes {bytes of the stage in its chunk, 32 rows, chunk, row groups, expert}
+    const int wb = kt * (kKS / 2);
+    const uint32_t sw1 = sw + (Cfg::kRows / 2) * (kKS / 2);
+    if (a.w_tiled) {
+      tma_load_5d(sw, &maps.w, wb % 128, 0, wb / 128, wrow0 / kWTileRows, expert, bar);
+      if (silu_mul) tma_load_5d(sw1, &maps.w, wb % 128, 0, wb / 128, wrow1 / kWTileRows, expert, bar);
+    } else {
+      tma_load_3d(sw, &maps.w, wb, wrow0, expert, bar);
+      if (silu_mul) tma_load_3d(sw1, &maps.w, wb, wrow1, expert, bar);
+    }
     if (chunk) {
       const int c = kt / Cfg::kChunkStages;
       const uint32_t ss = scales_s + uint32_t((gk / Cfg::kChunkStages) % Cfg::kScSlots) * Cfg::kScBytes;
-      tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
-      if (silu_mul) tma_load_3d(ss + (Cfg::kRows / 2) * 16, &maps.s, c * 16, wrow1, expert, bar);
+      const uint32_t ss1 = ss + (Cfg::kRows / 2) * 16;
+      if (a.w_tiled) {
+        tma_load_5d(ss, &maps.s, 0, 0, c, wrow0 / kWTileRows, expert, bar);
+        if (silu_mul) tma_load_5d(ss1, &maps.s, 0, 0, c, wrow1 / kWTileRows, expert, bar);
+      } else {
+        tma_load_3d(ss, &maps.s, c * 16, wrow0, expert, bar);
+        if (silu_mul) tma_load_3d(ss1, &maps.s, c * 16, wrow1, expert, bar);
+      }
     }
   };
   // the stage's kB activation sub-tiles as one box of a 3-D view {64 elements, rows, K / 64}: sub-tile j lands at

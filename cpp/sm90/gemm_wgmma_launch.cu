@@ -43,14 +43,33 @@ inline cudaError_t wg_encode_maps(const WgmmaGemmArgs& a, WgMaps& maps) {
   const uint64_t E = uint64_t(a.num_experts), N = uint64_t(a.N), K = uint64_t(a.K);
   // weight and scale boxes: kSiluMul R / 2 rows (gate and up rows apart), kStore all R rows of the block
   const int box_rows = a.epilogue == Epilogue::kSiluMul ? Cfg::kRows / 2 : Cfg::kRows;
-  {
-    const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
-    const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(box_rows), 1};
-    const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides, box,
-                                              Cfg::kWSwizzle);
+  if (a.w_tiled) {
+    // {bytes of a chunk, 32 rows, K / 256 chunks, N / 32 groups, E} (kWTileRows, kWTileK; wgmma_gemm_args_error
+    // checked the shape): a box of R / 32 groups x 32 rows x kKS / 2 bytes lands as R rows of kKS / 2 bytes, as the
+    // 3-D box of the row-major order does
+    constexpr uint64_t kR = kWTileRows, kW = kWTileK / 2, kS = kWTileK / 16;
+    const uint64_t chunks = K / kWTileK, groups = N / kR;
+    const uint32_t gbox = uint32_t(box_rows / kWTileRows);
+    {
+      const uint64_t dims[5] = {kW, kR, chunks, groups, E}, strides[4] = {kW, kR * kW, chunks * kR * kW, N * K / 2};
+      const uint32_t box[5] = {uint32_t(Cfg::kKS / 2), uint32_t(kR), 1, gbox, 1};
+      const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, a.w_data, dims, strides,
+                                                box, Cfg::kWSwizzle);
+      if (err != cudaSuccess) return err;
+    }
+    const uint64_t dims[5] = {kS, kR, chunks, groups, E}, strides[4] = {kS, kR * kS, chunks * kR * kS, N * K / 16};
+    const uint32_t box[5] = {uint32_t(kS), uint32_t(kR), 1, gbox, 1};
+    const cudaError_t err = encode_tensor_map(&maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, a.w_scale, dims, strides, box,
+                                              CU_TENSOR_MAP_SWIZZLE_NONE);
     if (err != cudaSuccess) return err;
-  }
-  {
+  } else {
+    {
+      const uint64_t dims[3] = {K / 2, N, E}, strides[2] = {K / 2, N * K / 2};
+      const uint32_t box[3] = {uint32_t(Cfg::kKS / 2), uint32_t(box_rows), 1};
+      const cudaError_t err = encode_tensor_map(&maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, a.w_data, dims, strides,
+                                                box, Cfg::kWSwizzle);
+      if (err != cudaSuccess) return err;
+    }
     const uint64_t srs = uint64_t(scale_row_bytes(a));
     const uint64_t dims[3] = {K / 16, N, E}, strides[2] = {srs, N * srs};
     const uint32_t box[3] = {16, uint32_t(box_rows), 1};

@@ -3,7 +3,8 @@
 Weights stay NVFP4 in device memory (4.5 bits per weight: the packed codes with the bits of every
 32-bit word permuted once by ``prepare_weights`` into the sm90 word layout, :func:`sm90_word_layout`,
 and each e4m3 block scale stored once as the byte code the kernels decode with two integer
-instructions, :func:`sm90_weights`; the device's only copy of them: MoELayer keeps
+instructions, :func:`sm90_weights`; where K % 256 == 0 and the rows come in groups of 32, the bytes of each 32
+rows x 256 elements stored together, :func:`sm90_tiled`; the device's only copy of them: MoELayer keeps
 its standard-layout copy in host memory, ``copies_routed_weights``); the
 grouped GEMMs dequantize them in registers, exactly, to bf16 and run bf16 tensor-core MMAs with
 fp32 accumulation (cpp/sm90). Pipeline of one forward,
@@ -65,8 +66,8 @@ from megamoe.backends.base import Backend
 from megamoe.backends.cuda_common import (GS_PER_EXPERT, GS_SINGLE, GS_PER_ROW_DYNAMIC, CudaCommonMixin, common_ext,
                                           current_stream, quantize_rows)
 
-__all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_scale_code", "sm90_weights", "sm90_word_layout",
-           "sm90_word_layout_inverse"]
+__all__ = ["CudaSm90Backend", "PreparedSm90", "sm90_scale_code", "sm90_tileable", "sm90_tiled", "sm90_untiled",
+           "sm90_weights", "sm90_word_layout", "sm90_word_layout_inverse"]
 
 
 
@@ -235,6 +236,46 @@ def sm90_weights(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return sm90_word_layout(_fold_scale_signs(data, scale)), sm90_scale_rows(sm90_scale_code(scale))
 
 
+# The tiled order (cpp/include/megamoe/sm90_kernels.h, GroupedGemmCommon::w_tiled): rows in groups of 32, K in chunks
+# of 256 elements, the bytes of each 32 rows x 256 elements contiguous.
+SM90_TILE_ROWS, SM90_TILE_K = 32, 256
+
+
+def sm90_tileable(rows: int, k: int, halves: int = 1) -> bool:
+    """Whether weights of ``rows`` rows (in ``halves`` equal parts: 2 for w13's gate and up rows) and reduction length
+    ``k`` can be laid out in the tiled order: K a multiple of 256, each part's rows a multiple of 32."""
+    return k > 0 and rows > 0 and k % SM90_TILE_K == 0 and rows % (SM90_TILE_ROWS * halves) == 0
+
+
+def _tile_permute(t: torch.Tensor, chunk: int, forward: bool) -> torch.Tensor:
+    *lead, n, b = t.shape
+    if n % SM90_TILE_ROWS or b % chunk:
+        raise ValueError(f"sm90_tiled: rows {n} and bytes per row {b} must be multiples of {SM90_TILE_ROWS} and {chunk}")
+    groups, chunks = n // SM90_TILE_ROWS, b // chunk
+    if forward:  # [.., groups, 32, chunks, chunk] -> [.., groups, chunks, 32, chunk]
+        v = t.reshape(*lead, groups, SM90_TILE_ROWS, chunks, chunk).transpose(-3, -2)
+    else:
+        v = t.reshape(*lead, groups, chunks, SM90_TILE_ROWS, chunk).transpose(-3, -2)
+    return v.contiguous().reshape(t.shape)
+
+
+def sm90_tiled(data: torch.Tensor, scale_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights as :func:`sm90_weights` makes them (codes ``[..., N, K/2]``, scale codes ``[..., N, K/16]``; K % 256
+    == 0, N % 32 == 0) -> new tensors of the same shapes holding the same bytes in the tiled order: the 128 code
+    bytes and 16 scale bytes of each row's 256-element chunk c, for the rows of each group of 32, stored together
+    (group g: its chunk 0 for rows 32g..32g+31, then chunk 1, ...), so that one stage of a kernel's weight rows is
+    whole 4 KB runs of memory."""
+    if data.shape[-1] % 128 or scale_rows.shape[-1] * 8 != data.shape[-1] or data.shape[:-1] != scale_rows.shape[:-1]:
+        raise ValueError(f"sm90_tiled: codes {tuple(data.shape)} and scale rows {tuple(scale_rows.shape)} are not "
+                         f"[..., N, K/2] and [..., N, K/16] with K % 256 == 0")
+    return _tile_permute(data, 128, True), _tile_permute(_u8(scale_rows), 16, True)
+
+
+def sm90_untiled(data: torch.Tensor, scale_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`sm90_tiled`."""
+    return _tile_permute(data, 128, False), _tile_permute(_u8(scale_rows), 16, False)
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
@@ -258,6 +299,9 @@ class PreparedSm90:
     w13_input_scale_uniform: bool = False
     b13: torch.Tensor | None = None  # f32 [E, 2I] expert gate/up bias (gpt-oss), added in gemm1's epilogue
     b2: torch.Tensor | None = None   # f32 [E, H] expert down bias, added in gemm2's epilogue (before the weight)
+    # the data and scale codes in the tiled order (sm90_tiled), where the shape allows it (sm90_tileable)
+    w13_tiled: bool = False
+    w2_tiled: bool = False
 
 
 def one_value(t: torch.Tensor | None) -> bool:
@@ -439,6 +483,13 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         in1 = None if w.w13_input_scale is None else w.w13_input_scale.to(dev, torch.float32).contiguous()
         w13_data, w13_scale = sm90_weights(w.w13.data.to(dev), w.w13.scale.to(dev))
         w2_data, w2_scale = sm90_weights(w.w2.data.to(dev), w.w2.scale.to(dev))
+        hidden, inter = w13_data.shape[-1] * 2, w2_data.shape[-1] * 2
+        w13_tiled = sm90_tileable(w13_data.shape[-2], hidden, halves=2)
+        w2_tiled = sm90_tileable(w2_data.shape[-2], inter)
+        if w13_tiled:
+            w13_data, w13_scale = sm90_tiled(w13_data, w13_scale)
+        if w2_tiled:
+            w2_data, w2_scale = sm90_tiled(w2_data, w2_scale)
         return PreparedSm90(
             w13_data=w13_data,
             w13_scale=w13_scale,
@@ -451,6 +502,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             w13_input_scale_uniform=one_value(in1),
             b13=None if w.b13 is None else w.b13.to(dev, torch.float32).contiguous(),
             b2=None if w.b2 is None else w.b2.to(dev, torch.float32).contiguous(),
+            w13_tiled=w13_tiled,
+            w2_tiled=w2_tiled,
         )
 
     MAX_WORKSPACES = 8
@@ -548,7 +601,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                                             plan.lane_order, dst_rows=ws.entry_row[:r] if token_order else None)
             a1, a1_rows = ws.a1, None
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
-                              w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
+                              w_tiled=prepared.w13_tiled, w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, **self._gemm1_epilogue(prepared, cfg),
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
                               h_quant_scale=prepared.w2_input_scale if plan.h_operand and not w4a16 else None,
@@ -560,7 +613,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                                             cfg, prepared.w2_input_scale, stream, plan.lane_order)
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y  # fp16 / fp32 x: fp32 rows (more than bf16's precision)
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
-                              w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
+                              w_tiled=prepared.w2_tiled, w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
                               a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
@@ -593,7 +646,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         # quantizing of x waits for whatever wrote them), so a wgmma GEMM's blocks read them before their PDL wait
         slots = dict(slot_experts=topk_ids.view(-1), grid_experts=k, max_total_rows=k, plan=plan, stream=stream,
                      offsets_settled=True)
-        gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_global_scale=prepared.w13_gs,
+        gemm1 = dict(w_data=prepared.w13_data, w_scale=prepared.w13_scale, w_tiled=prepared.w13_tiled,
+                     w_global_scale=prepared.w13_gs,
                      **self._gemm1_epilogue(prepared, cfg), out_operand=ws.a2,
                      entry_row_out=ws.entry_row, **slots)
         if cfg.act_mode == "w4a16":
@@ -618,7 +672,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a2_gs = prepared.w2_input_scale
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y
         ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
-                              w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
+                              w_tiled=prepared.w2_tiled, w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
                               epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **slots)
         out = torch.empty((1, x.shape[1]), dtype=x.dtype, device=x.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)

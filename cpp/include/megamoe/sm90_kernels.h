@@ -75,6 +75,11 @@ struct GroupedGemmCommon {
                                      // megamoe/backends/cuda_sm90.py sm90_weights, gemm_common.cuh "Scale code")
   int64_t w_scale_row_bytes = 0;     // scale row stride, >= K/16 (0: K/16); the wgmma kernels need a multiple of 16
                                      // (their TMA map; prepare_weights pads the rows: sm90_scale_rows)
+  // w_data and w_scale in the tiled order (sm90_weight_tile_offset; cuda_sm90.py sm90_tiled): the bytes of each
+  // 32 rows x 256 elements of K (4 KB of codes, 512 bytes of scale codes) contiguous, so that a block's weight box
+  // of one stage is whole 4 KB runs of memory instead of 128 bytes of each of its rows. Needs K % 256 == 0 and
+  // N % 32 == 0 (silu_mul: I % 32 == 0) and scale rows of exactly K / 16 bytes.
+  bool w_tiled = false;
   const float* w_global_scale = nullptr;  // [E * w_gs_per_expert] (kSiluMul: 2 per expert, gate then up)
   int w_gs_per_expert = 1;
   const float* a_global_scale = nullptr;  // null: 1.0
@@ -161,6 +166,17 @@ inline
 #endif
 int64_t scale_row_bytes(const GroupedGemmCommon& a) {
   return a.w_scale_row_bytes > 0 ? a.w_scale_row_bytes : a.K / 16;
+}
+
+// The tiled order of the weights (GroupedGemmCommon::w_tiled): rows in groups of kWTileRows, K in chunks of
+// kWTileK elements; chunk c of group g of an expert is kWTileRows rows of its bytes (codes: 128 per row, scale codes:
+// 16), the chunks of a group one after the other, the groups of an expert one after the other.
+constexpr int kWTileRows = 32, kWTileK = 256;
+// Byte offset, from an expert's first byte, of byte b of weight row n (row_bytes: K / 2 for the codes, K / 16 for the
+// scale codes) in the tiled order.
+constexpr int64_t sm90_weight_tile_offset(int64_t n, int64_t b, int64_t row_bytes, int chunk_bytes) {
+  return (n / kWTileRows) * kWTileRows * row_bytes + (b / chunk_bytes) * (kWTileRows * chunk_bytes) +
+         (n % kWTileRows) * chunk_bytes + b % chunk_bytes;
 }
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
