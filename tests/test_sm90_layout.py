@@ -142,8 +142,11 @@ def test_prepare_weights_lays_out_a_copy_and_keeps_the_layers_weights():
     be._device = torch.device("cpu")
     p = be.prepare_weights(w)
     assert torch.equal(w.w13.data, w13) and torch.equal(w.w2.data, w2), "the caller's weights changed"
-    for (gd, gs), (wd, ws) in zip(((p.w13_data, p.w13_scale), (p.w2_data, p.w2_scale)),
-                                  (cuda_sm90.sm90_weights(w13, w.w13.scale), cuda_sm90.sm90_weights(w2, w.w2.scale))):
+    # tiny (H 256, I 128): w13 (K = H) in the tiled order, w2 (K = I = 128, not a multiple of 256) row-major
+    assert (p.w13_tiled, p.w2_tiled) == (True, False)
+    want13 = cuda_sm90.sm90_tiled(*cuda_sm90.sm90_weights(w13, w.w13.scale))
+    want2 = cuda_sm90.sm90_weights(w2, w.w2.scale)
+    for (gd, gs), (wd, ws) in zip(((p.w13_data, p.w13_scale), (p.w2_data, p.w2_scale)), (want13, want2)):
         assert torch.equal(gd, wd) and torch.equal(gs, ws)
     assert p.w13_data.data_ptr() != w.w13.data.data_ptr()
     again = be.prepare_weights(w)  # preparing twice starts from the NVFP4 data both times
@@ -229,3 +232,41 @@ def test_sm90_weights_fold_only_the_blocks_that_need_it(monkeypatch):
     assert torch.equal(cuda_sm90.sm90_weights(data, mixed)[0], laid)
     with pytest.raises(ValueError, match="do not match"):
         cuda_sm90.sm90_weights(data, mixed[..., :4])
+
+
+# ---- the tiled order (cuda_sm90.sm90_tiled; cpp/include/megamoe/sm90_kernels.h sm90_weight_tile_offset)
+def tile_offset(n: int, b: int, row_bytes: int, chunk: int) -> int:
+    """sm90_weight_tile_offset, written again: byte b of row n within one expert's tiled bytes."""
+    return (n // 32) * 32 * row_bytes + (b // chunk) * 32 * chunk + (n % 32) * chunk + b % chunk
+
+
+def test_tiled_order_puts_every_byte_where_the_kernels_read_it():
+    g = torch.Generator().manual_seed(SEED)
+    e, n, k = 3, 96, 768
+    data = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(0, 256, (e, n, k // 16), dtype=torch.uint8, generator=g)
+    td, ts = cuda_sm90.sm90_tiled(data, scale)
+    assert td.shape == data.shape and ts.shape == scale.shape
+    assert not torch.equal(td, data), "random rows of 3 chunks: the order must move bytes"
+    for t, src, row_bytes, chunk in ((td, data, k // 2, 128), (ts, scale, k // 16, 16)):
+        _, nn, nbb = torch.meshgrid(torch.arange(e), torch.arange(n), torch.arange(row_bytes), indexing="ij")
+        off = (nn // 32) * 32 * row_bytes + (nbb // chunk) * 32 * chunk + (nn % 32) * chunk + nbb % chunk
+        flat = t.reshape(e, -1)
+        assert torch.equal(flat.gather(1, off.reshape(e, -1)).reshape(src.shape), src)
+        assert tile_offset(33, 130 % row_bytes, row_bytes, chunk) == int(off[0, 33, 130 % row_bytes])
+    back = cuda_sm90.sm90_untiled(td, ts)
+    assert torch.equal(back[0], data) and torch.equal(back[1], scale)
+
+
+@pytest.mark.parametrize("rows,k,halves,ok", [(4096, 4096, 2, True), (7168, 2048, 1, True), (544, 1024, 2, False),
+                                              (1024, 192, 1, False), (1024, 1088, 1, False), (96, 256, 2, False),
+                                              (64, 256, 2, True)])
+def test_tileable_shapes(rows, k, halves, ok):
+    assert cuda_sm90.sm90_tileable(rows, k, halves) == ok
+
+
+def test_tiled_refuses_shapes_it_cannot_tile():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cuda_sm90.sm90_tiled(torch.zeros(40, 128, dtype=torch.uint8), torch.zeros(40, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K % 256 == 0"):
+        cuda_sm90.sm90_tiled(torch.zeros(32, 96, dtype=torch.uint8), torch.zeros(32, 12, dtype=torch.uint8))

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "megamoe/sm90_kernels.h"
 
@@ -191,6 +192,37 @@ int main() {
   common("clamp on the store GEMM", [](GroupedGemmCommon& a) { a.swiglu_clamp = true; }, "silu_mul epilogue only", true);
   common("h quantized without operand", [](GroupedGemmCommon& a) { a.h_quant_gs = fake<const float>(0x90000); },
          "h_quant_scale (h quantized to NVFP4) needs out_operand");
+  // the tiled weight order (w_tiled): K % 256, rows in groups of 32 (silu_mul: each half), scale rows of K / 16
+  common("tiled weights", [](GroupedGemmCommon& a) { a.w_tiled = true; }, nullptr);
+  common("tiled weights, store", [](GroupedGemmCommon& a) { a.w_tiled = true; }, nullptr, true);
+  common("tiled K % 256", [](GroupedGemmCommon& a) { a.w_tiled = true; a.K = 1152; a.w_scale_row_bytes = 80; },
+         "w_tiled weights need K % 256 == 0");
+  common("tiled I % 32", [](GroupedGemmCommon& a) { a.w_tiled = true; a.N = 2 * 48; }, "w_tiled weights need");
+  common("tiled N % 32", [](GroupedGemmCommon& a) { a.w_tiled = true; a.N = 1008; }, "w_tiled weights need", true);
+  common("tiled padded scale rows", [](GroupedGemmCommon& a) { a.w_tiled = true; a.w_scale_row_bytes = 80; },
+         "scale rows of K / 16 bytes");
+  {
+    // sm90_weight_tile_offset: a bijection of [64 rows x 512 bytes] (K 1024) onto itself, each 32 x 128 block whole
+    // and contiguous; the scale codes (64 bytes per row, chunks of 16) alike
+    for (const int chunk : {128, 16}) {
+      const int64_t row_bytes = chunk == 128 ? 512 : 64;
+      std::vector<int> seen(size_t(64 * row_bytes), 0);
+      bool runs = true;
+      for (int64_t n = 0; n < 64; ++n)
+        for (int64_t b = 0; b < row_bytes; ++b) {
+          const int64_t o = megamoe::sm90::sm90_weight_tile_offset(n, b, row_bytes, chunk);
+          if (o >= 0 && o < 64 * row_bytes) ++seen[size_t(o)];
+          const int64_t tile0 = megamoe::sm90::sm90_weight_tile_offset(n - n % 32, b - b % chunk, row_bytes, chunk);
+          runs = runs && o - tile0 == (n % 32) * chunk + b % chunk;
+        }
+      bool bijective = true;
+      for (int v : seen) bijective = bijective && v == 1;
+      report(chunk == 128 ? "tile offsets of the codes" : "tile offsets of the scale codes",
+             bijective && runs ? nullptr : "not a bijection of whole tiles", nullptr);
+    }
+    report("tile offset of row 33, byte 130", megamoe::sm90::sm90_weight_tile_offset(33, 130, 512, 128) == 20610
+           ? nullptr : "wrong offset", nullptr);
+  }
 
   // the streaming kernels
   broken("slots with active experts", [](StreamGemmArgs& a) { a.active_experts = fake<const int32_t>(0xB0000); },
