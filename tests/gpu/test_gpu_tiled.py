@@ -1,7 +1,7 @@
 """The tiled weight order (``cuda_sm90.sm90_tiled``) on a GPU: every kernel, reading a layer's weights in the tiled
 order and in the row-major order, writes the same bits; where the shape does not allow the tiled order, that GEMM
-stays row-major. (The MoE, GEMM and field-bug GPU files check the forward against the reference: with
-``prepare_weights`` they run the tiled order wherever the shape allows it.)"""
+stays row-major. (The MoE, batch-invariance and field-bug GPU files check the forward against the reference through
+``prepare_weights``, so in the tiled order wherever the shape allows it; the GEMM file the row-major order.)"""
 from __future__ import annotations
 
 import dataclasses
