@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from _helpers import SEED
-from megamoe import checkpoint, nvfp4
+from megamoe import _ext, checkpoint, nvfp4
 from megamoe.backends import cuda_sm90
 from megamoe.presets import get_preset
+
+# prepare_weights asks the C++ rule which weights take the tiled order (megamoe._C.sm90_weights_tileable)
+needs_sm90 = pytest.mark.skipif(not _ext.has_part("sm90"),
+                                reason=f"megamoe._C built without sm90 kernels (parts: {_ext.built_parts()})")
 
 M32 = 0xFFFFFFFF
 SLOTS = 0x81C081C0  # kPairSlots
@@ -134,6 +138,7 @@ def test_scale_multiply_of_the_pairs_is_exact():
         assert torch.equal(want.to(torch.bfloat16).float(), want)  # exact in bf16
 
 
+@needs_sm90
 def test_prepare_weights_lays_out_a_copy_and_keeps_the_layers_weights():
     cfg = get_preset("tiny")
     w = checkpoint.synthetic_weights(cfg, seed=SEED % 1000, device="cpu")
@@ -258,11 +263,13 @@ def test_tiled_order_puts_every_byte_where_the_kernels_read_it():
     assert torch.equal(back[0], data) and torch.equal(back[1], scale)
 
 
-@pytest.mark.parametrize("rows,k,halves,ok", [(4096, 4096, 2, True), (7168, 2048, 1, True), (544, 1024, 2, False),
-                                              (1024, 192, 1, False), (1024, 1088, 1, False), (96, 256, 2, False),
-                                              (64, 256, 2, True)])
-def test_tileable_shapes(rows, k, halves, ok):
-    assert cuda_sm90.sm90_tileable(rows, k, halves) == ok
+@needs_sm90
+@pytest.mark.parametrize("rows,k,gate_up,ok", [(4096, 4096, True, True), (7168, 2048, False, True),
+                                               (544, 1024, True, False), (1024, 192, False, False),
+                                               (1024, 1088, False, False), (96, 256, True, False),
+                                               (64, 256, True, True), (96, 256, False, True)])
+def test_tileable_shapes(rows, k, gate_up, ok):
+    assert cuda_sm90.sm90_tileable(rows, k, gate_up) == ok
 
 
 def test_tiled_refuses_shapes_it_cannot_tile():

@@ -110,6 +110,9 @@ void register_sm90(nb::module_& m) {
                ", token_order=" + flag(p.token_order) + ")";
       });
   m.attr("sm90_token_order_from") = sm90::kTokenOrderFrom;
+  m.def("sm90_weights_tileable", &sm90::sm90_weights_tileable, nb::arg("rows"), nb::arg("k"), nb::arg("silu_mul"),
+        "Whether weights of `rows` rows (silu_mul: gate and up halves) and reduction length k can be in the tiled "
+        "order (sm90_tiled): k % 256 == 0, each half's rows a multiple of 32; host only.");
   m.def(
       "sm90_plan",
       [](int64_t tokens_per_expert, int64_t k_gemm1, int64_t k_gemm2, int num_experts, bool w4a16, bool gather_input,

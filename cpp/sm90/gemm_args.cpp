@@ -34,8 +34,7 @@ const char* common_error(const GroupedGemmCommon& a) {
   if (!silu_mul && (a.swiglu_clamp || a.swiglu_alpha != 1.f || a.swiglu_up_shift != 0.f))
     return "swiglu_limit, swiglu_alpha and swiglu_up_shift shape the silu_mul epilogue only";
   if (a.h_quant_gs && !(silu_mul && a.out_operand)) return "h_quant_scale (h quantized to NVFP4) needs out_operand";
-  if (a.w_tiled && (a.K % kWTileK != 0 || a.N % (silu_mul ? 2 * kWTileRows : kWTileRows) != 0 ||
-                    scale_row_bytes(a) != a.K / 16))
+  if (a.w_tiled && (!sm90_weights_tileable(a.N, a.K, silu_mul) || scale_row_bytes(a) != a.K / 16))
     return "w_tiled weights need K % 256 == 0, N % 32 == 0 (silu_mul: I % 32 == 0) and scale rows of K / 16 bytes";
   if (a.entry_row_out && !(slots && silu_mul))
     return "entry_row_out is written by the silu_mul GEMM with slot_experts only";

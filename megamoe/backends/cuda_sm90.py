@@ -236,15 +236,16 @@ def sm90_weights(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return sm90_word_layout(_fold_scale_signs(data, scale)), sm90_scale_rows(sm90_scale_code(scale))
 
 
-# The tiled order (cpp/include/megamoe/sm90_kernels.h, GroupedGemmCommon::w_tiled): rows in groups of 32, K in chunks
-# of 256 elements, the bytes of each 32 rows x 256 elements contiguous.
-SM90_TILE_ROWS, SM90_TILE_K = 32, 256
+# The tiled order (cpp/include/megamoe/sm90_kernels.h, GroupedGemmCommon::w_tiled and sm90_weight_tile_offset): rows
+# in groups of 32, K in chunks of 256 elements, the bytes of each 32 rows x 256 elements contiguous.
+SM90_TILE_ROWS = 32
 
 
-def sm90_tileable(rows: int, k: int, halves: int = 1) -> bool:
-    """Whether weights of ``rows`` rows (in ``halves`` equal parts: 2 for w13's gate and up rows) and reduction length
-    ``k`` can be laid out in the tiled order: K a multiple of 256, each part's rows a multiple of 32."""
-    return k > 0 and rows > 0 and k % SM90_TILE_K == 0 and rows % (SM90_TILE_ROWS * halves) == 0
+def sm90_tileable(rows: int, k: int, gate_up: bool = False) -> bool:
+    """Whether weights of ``rows`` rows (``gate_up``: w13's gate and up halves) and reduction length ``k`` can be laid
+    out in the tiled order: the C++ rule the kernels check (``megamoe._C.sm90_weights_tileable``: K a multiple of 256,
+    each half's rows a multiple of 32)."""
+    return bool(_ext.ext.sm90_weights_tileable(rows, k, gate_up))
 
 
 def _tile_permute(t: torch.Tensor, chunk: int, forward: bool) -> torch.Tensor:
@@ -484,7 +485,7 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
         w13_data, w13_scale = sm90_weights(w.w13.data.to(dev), w.w13.scale.to(dev))
         w2_data, w2_scale = sm90_weights(w.w2.data.to(dev), w.w2.scale.to(dev))
         hidden, inter = w13_data.shape[-1] * 2, w2_data.shape[-1] * 2
-        w13_tiled = sm90_tileable(w13_data.shape[-2], hidden, halves=2)
+        w13_tiled = sm90_tileable(w13_data.shape[-2], hidden, gate_up=True)
         w2_tiled = sm90_tileable(w2_data.shape[-2], inter)
         if w13_tiled:
             w13_data, w13_scale = sm90_tiled(w13_data, w13_scale)

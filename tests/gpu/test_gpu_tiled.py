@@ -64,4 +64,4 @@ def test_tiled_and_row_major_weights_give_the_same_bits(gen, kernel, act_mode, h
 
 def test_v4_flash_and_v3_shapes_are_tiled():
     for h, i in ((4096, 2048), (7168, 2048)):
-        assert cuda_sm90.sm90_tileable(2 * i, h, halves=2) and cuda_sm90.sm90_tileable(h, i)
+        assert cuda_sm90.sm90_tileable(2 * i, h, gate_up=True) and cuda_sm90.sm90_tileable(h, i)

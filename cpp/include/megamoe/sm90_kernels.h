@@ -178,6 +178,11 @@ constexpr int64_t sm90_weight_tile_offset(int64_t n, int64_t b, int64_t row_byte
   return (n / kWTileRows) * kWTileRows * row_bytes + (b / chunk_bytes) * (kWTileRows * chunk_bytes) +
          (n % kWTileRows) * chunk_bytes + b % chunk_bytes;
 }
+// Whether weights of N rows (silu_mul: gate and up halves) and reduction length K can be in the tiled order: K a
+// multiple of kWTileK, each half's rows a multiple of kWTileRows (prepare_weights asks: megamoe._C.sm90_weights_tileable).
+constexpr bool sm90_weights_tileable(int64_t N, int64_t K, bool silu_mul) {
+  return N > 0 && K > 0 && K % kWTileK == 0 && N % (silu_mul ? 2 * kWTileRows : kWTileRows) == 0;
+}
 
 // out[t, c] = sum_j topk_weights[t, j] * y[entry_row[t*k + j], c] (fp32 sum in j order,
 // dropped entries skipped), cast to out_type. y [rows, H], fp32 or (y_bf16) bf16; H % 8 == 0, y and out
