@@ -251,7 +251,8 @@ def sm90_tileable(rows: int, k: int, gate_up: bool = False) -> bool:
 def _tile_permute(t: torch.Tensor, chunk: int, forward: bool) -> torch.Tensor:
     *lead, n, b = t.shape
     if n % SM90_TILE_ROWS or b % chunk:
-        raise ValueError(f"sm90_tiled: rows {n} and bytes per row {b} must be multiples of {SM90_TILE_ROWS} and {chunk}")
+        raise ValueError(f"sm90_tiled: rows {n} and bytes per row {b} must be multiples of {SM90_TILE_ROWS} and "
+                         f"{chunk}")
     groups, chunks = n // SM90_TILE_ROWS, b // chunk
     if forward:  # [.., groups, 32, chunks, chunk] -> [.., groups, chunks, 32, chunk]
         v = t.reshape(*lead, groups, SM90_TILE_ROWS, chunks, chunk).transpose(-3, -2)
@@ -602,8 +603,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                                             plan.lane_order, dst_rows=ws.entry_row[:r] if token_order else None)
             a1, a1_rows = ws.a1, None
         ext.sm90_grouped_gemm(act=a1, act_rows=a1_rows, w_data=prepared.w13_data, w_scale=prepared.w13_scale,
-                              w_tiled=prepared.w13_tiled, w_global_scale=prepared.w13_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, **self._gemm1_epilogue(prepared, cfg),
+                              w_tiled=prepared.w13_tiled, w_global_scale=prepared.w13_gs, a_global_scale=a_gs,
+                              a_gs_per_expert=per_e, a_row_scale=a_rs, **self._gemm1_epilogue(prepared, cfg),
                               out=None if plan.h_operand else ws.h, out_operand=ws.a2 if plan.h_operand else None,
                               h_quant_scale=prepared.w2_input_scale if plan.h_operand and not w4a16 else None,
                               **common)
@@ -613,9 +614,9 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
             a_gs, per_e, a_rs = self._stage(ws.h[:r], None, ws.expert_offsets, ws.a2[:r], ws.a2_rs,
                                             cfg, prepared.w2_input_scale, stream, plan.lane_order)
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y  # fp16 / fp32 x: fp32 rows (more than bf16's precision)
-        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
-                              w_tiled=prepared.w2_tiled, w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e,
-                              a_row_scale=a_rs, epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **common)
+        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale, w_tiled=prepared.w2_tiled,
+                              w_global_scale=prepared.w2_gs, a_global_scale=a_gs, a_gs_per_expert=per_e, a_row_scale=a_rs,
+                              epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **common)
         out = torch.empty((t, h), dtype=x.dtype, device=self.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
         return out
@@ -672,8 +673,8 @@ class CudaSm90Backend(CudaCommonMixin, Backend):
                                   h_quant_scale=prepared.w2_input_scale, **gemm1)
             a2_gs = prepared.w2_input_scale
         y = ws.y16 if x.dtype == torch.bfloat16 else ws.y
-        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale,
-                              w_tiled=prepared.w2_tiled, w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
+        ext.sm90_grouped_gemm(act=ws.a2, w_data=prepared.w2_data, w_scale=prepared.w2_scale, w_tiled=prepared.w2_tiled,
+                              w_global_scale=prepared.w2_gs, a_global_scale=a2_gs, a_gs_per_expert=a2_gs is not None,
                               epilogue=ext.Sm90Epilogue.store, bias=prepared.b2, out=y, **slots)
         out = torch.empty((1, x.shape[1]), dtype=x.dtype, device=x.device)
         ext.sm90_moe_combine(y, ws.entry_row, topk_weights, out, stream)
