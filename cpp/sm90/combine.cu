@@ -48,8 +48,8 @@ __device__ __forceinline__ void store8(T* o, const float (&v)[8]) {
 // and weights, then their partial rows, then the products. kBatch = kSlotBatch where the grid is small (a thread then
 // waits twice per token instead of twice per slot); 1 for large grids, where the waits are hidden by the other
 // threads and the batch's registers (84 instead of about 40 with bf16 rows) cost more than they save
-// (launch_moe_combine picks kBatch by the grid's size).
-// The sums and their order are the same for every kBatch.
+// (launch_moe_combine picks kBatch by the grid's size; above the batched size, bf16 rows go to combine_cols_kernel
+// where the hidden size allows). The sums and their order are the same for every kBatch.
 template <typename T, typename Y, int kBatch>
 __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
                                int64_t hidden, T* out) {
@@ -82,6 +82,40 @@ __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float
   }
 }
 
+// bf16 rows of a hidden size that is a multiple of 8 * 32 * kCombineCols: each warp sums kCombineCols * 32 consecutive
+// 16-byte chunks of one token (lane l: chunks l, l + 32, ...), one slot at a time, so that a slot's read is
+// kCombineCols coalesced 512-byte runs of its row in flight per warp. The sum of each element is combine_kernel's (the
+// same fp32 products, added in j order, dropped entries skipped), so the two give the same bits. 256 threads, at most 64
+// registers (four blocks per SM).
+constexpr int kCombineCols = 4;
+template <typename T>
+__global__ void __launch_bounds__(256, 4) combine_cols_kernel(const __nv_bfloat16* y, const int32_t* entry_row, const float* w, int64_t tokens,
+                                    int top_k, int64_t hidden, T* out) {
+  griddep_sync_and_release();  // no-op unless launched with PDL
+  constexpr int kSeg = 32 * kCombineCols;  // chunks per warp
+  const int64_t segs = hidden / 8 / kSeg, n = tokens * segs;
+  const int lane = int(threadIdx.x & 31);
+  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; gw < n; gw += warps) {
+    const int64_t t = gw / segs, c0 = ((gw - t * segs) * kSeg + lane) * 8;
+    float acc[kCombineCols][8] = {};
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t r = entry_row[t * top_k + j];
+      if (r < 0) continue;
+      const float wj = w[t * top_k + j];
+      uint4 v[kCombineCols][1];
+#pragma unroll
+      for (int c = 0; c < kCombineCols; ++c) load_partial8(y, int64_t(r) * hidden + c0 + c * 256, v[c]);
+#pragma unroll
+      for (int c = 0; c < kCombineCols; ++c)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[c][i] += wj * partial_value(v[c], i);
+    }
+#pragma unroll
+    for (int c = 0; c < kCombineCols; ++c) store8(out + t * hidden + c0 + c * 256, acc[c]);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_row, const float* topk_weights,
@@ -94,7 +128,8 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
   const unsigned grid = grid_of(n, 256);
   // Batched slots up to kCombineBatchedMax threads (decode and small prefill: latency-bound, each thread's waits
   // are the cost), one slot at a time above (bandwidth-bound: the other threads hide the waits, and the batch's
-  // registers would lower occupancy; docs/PERFORMANCE.md, rejected variants).
+  // registers would lower occupancy; docs/PERFORMANCE.md, rejected variants), bf16 rows there kCombineCols chunks per
+  // thread where the hidden size allows (combine_cols_kernel; bench/combine_rate.cu measures all three).
   constexpr int64_t kCombineBatchedMax = int64_t(1) << 16;
   return with_elem_type(out_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -104,8 +139,12 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
                         entry_row, topk_weights, tokens, top_k, hidden, static_cast<T*>(out));
     };
     auto by_batch = [&](auto* ytag) {
-      return n <= kCombineBatchedMax ? launch(ytag, std::integral_constant<int, kSlotBatch>{})
-                                     : launch(ytag, std::integral_constant<int, 1>{});
+      if (n <= kCombineBatchedMax) return launch(ytag, std::integral_constant<int, kSlotBatch>{});
+      if (std::is_same_v<std::remove_pointer_t<decltype(ytag)>, __nv_bfloat16> && hidden % (8 * 32 * kCombineCols) == 0)
+        return pdl_launch(combine_cols_kernel<T>, grid_of(n / kCombineCols, 256), 256, 0, stream,
+                          static_cast<const __nv_bfloat16*>(y), entry_row, topk_weights, tokens, top_k, hidden,
+                          static_cast<T*>(out));
+      return launch(ytag, std::integral_constant<int, 1>{});
     };
     return y_bf16 ? by_batch(static_cast<__nv_bfloat16*>(nullptr)) : by_batch(static_cast<float*>(nullptr));
   });

@@ -298,17 +298,18 @@ def test_combine_reads_bf16_rows_exactly(out_dtype, gen):
         _ext.ext.sm90_moe_combine(y[:, :-4].contiguous().cuda(), entry_row.cuda(), w, out.cuda(), stream)
 
 
-@pytest.mark.parametrize("k", [6, 12])
-def test_combine_same_bits_batched_or_not(k, gen):
+@pytest.mark.parametrize("k,h", [(6, 1024), (12, 1024), (6, 1032)])
+def test_combine_same_bits_batched_or_not(k, h, gen):
     """The combine reads a token's slots in batches of 8 where its grid is small (up to 2^16 threads) and one slot
-    at a time above; the sums and their order are the same. The first tokens of a combine past the switch equal a
-    combine of those tokens alone (below it) bit for bit, bf16 and fp32 rows, dropped entries among the ids; k = 12:
-    a full batch and a partial one."""
+    at a time above, bf16 rows there 4 chunks per thread where the hidden size is a multiple of 1024; the sums and
+    their order are the same. The first tokens of a combine past the switch equal a combine of those tokens alone
+    (below it) bit for bit, bf16 and fp32 rows, dropped entries among the ids; k = 12: a full batch and a partial
+    one; h = 1032: bf16 rows one chunk per thread."""
     backend_or_skip("cuda-sm90")
     from megamoe import _ext
     from megamoe.backends.cuda_common import current_stream
 
-    t, h, e, few = 1100, 1024, 40, 64  # 1100 * 1024 / 8 = 140800 threads; 64 tokens: 8192
+    t, e, few = 1100, 40, 64  # 1100 * 1024 / 8 = 140800 threads; 64 tokens: 8192
     ids = torch.randint(-1, e + 2, (t, k), generator=gen).int()
     _, _, _, _, entry_row = _align(ids.cuda(), e, None)
     y = (torch.randn((t * k, h), generator=gen) * torch.exp(torch.randn((t * k, 1), generator=gen))).to(torch.bfloat16)
