@@ -102,8 +102,8 @@ float combine_us(const __nv_bfloat16* y, const int32_t* entry_row, const float* 
 }
 
 // The scatter's pattern with no element reordering: each token's 16-byte chunks copied as they are into its k rows.
-__global__ void scatter_copy_kernel(const uint4* src, int64_t tokens, const int32_t* dst_rows, int top_k, int64_t chunks,
-                                    uint4* dst) {
+__global__ void scatter_copy_kernel(const uint4* src, int64_t tokens, const int32_t* dst_rows, int top_k,
+                                    int64_t chunks, uint4* dst) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= tokens * chunks) return;
   const int64_t t = idx / chunks, c = idx - t * chunks;
@@ -185,7 +185,8 @@ bool run_preset(const char* preset, int64_t tokens, int k, int64_t hidden, doubl
           }));
   }
   check("combine, launch_moe_combine's pick", median_us([&] {
-          CHECK(launch_moe_combine(y, true, entry_row, w, tokens, k, hidden, out, megamoe::ElemType::kBFloat16, nullptr));
+          CHECK(launch_moe_combine(y, true, entry_row, w, tokens, k, hidden, out, megamoe::ElemType::kBFloat16,
+                                   nullptr));
         }));
 
   const unsigned sgrid = grid_of(tokens * (hidden / 8), 256);

@@ -82,15 +82,16 @@ __global__ void combine_kernel(const Y* y, const int32_t* entry_row, const float
   }
 }
 
-// bf16 rows of a hidden size that is a multiple of 8 * 32 * kCombineCols: each warp sums kCombineCols * 32 consecutive
-// 16-byte chunks of one token (lane l: chunks l, l + 32, ...), one slot at a time, so that a slot's read is
-// kCombineCols coalesced 512-byte runs of its row in flight per warp. The sum of each element is combine_kernel's (the
-// same fp32 products, added in j order, dropped entries skipped), so the two give the same bits. 256 threads, at most 64
-// registers (four blocks per SM).
+// bf16 rows of a hidden size that is a multiple of 8 * 32 * kCombineCols: each warp sums kCombineCols * 32
+// consecutive 16-byte chunks of one token (lane l: chunks l, l + 32, ...), one slot at a time, so that a slot's read
+// is kCombineCols coalesced 512-byte runs of its row in flight per warp. The sum of each element is combine_kernel's
+// (the same fp32 products, added in j order, dropped entries skipped), so the two give the same bits. 256 threads, at
+// most 64 registers (four blocks per SM).
 constexpr int kCombineCols = 4;
 template <typename T>
-__global__ void __launch_bounds__(256, 4) combine_cols_kernel(const __nv_bfloat16* y, const int32_t* entry_row, const float* w, int64_t tokens,
-                                    int top_k, int64_t hidden, T* out) {
+__global__ void __launch_bounds__(256, 4)
+    combine_cols_kernel(const __nv_bfloat16* y, const int32_t* entry_row, const float* w, int64_t tokens, int top_k,
+                        int64_t hidden, T* out) {
   griddep_sync_and_release();  // no-op unless launched with PDL
   constexpr int kSeg = 32 * kCombineCols;  // chunks per warp
   const int64_t segs = hidden / 8 / kSeg, n = tokens * segs;
@@ -140,7 +141,8 @@ cudaError_t launch_moe_combine(const void* y, bool y_bf16, const int32_t* entry_
     };
     auto by_batch = [&](auto* ytag) {
       if (n <= kCombineBatchedMax) return launch(ytag, std::integral_constant<int, kSlotBatch>{});
-      if (std::is_same_v<std::remove_pointer_t<decltype(ytag)>, __nv_bfloat16> && hidden % (8 * 32 * kCombineCols) == 0)
+      using Y = std::remove_pointer_t<decltype(ytag)>;
+      if (std::is_same_v<Y, __nv_bfloat16> && hidden % (8 * 32 * kCombineCols) == 0)
         return pdl_launch(combine_cols_kernel<T>, grid_of(n / kCombineCols, 256), 256, 0, stream,
                           static_cast<const __nv_bfloat16*>(y), entry_row, topk_weights, tokens, top_k, hidden,
                           static_cast<T*>(out));
