@@ -15,13 +15,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <ctime>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "../cpp/sm90/combine.cu"
 #include "../cpp/sm90/stage.cu"
+#include "bench_record.h"
 
 using namespace megamoe::sm90;
 
@@ -224,16 +224,8 @@ bool run_preset(const char* preset, int64_t tokens, int k, int64_t hidden, doubl
 using namespace combine_rate;
 
 int main(int argc, char** argv) {
-  int sms = 0, driver = 0, runtime = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaDriverGetVersion(&driver));
-  CHECK(cudaRuntimeGetVersion(&runtime));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    std::fprintf(stderr, "needs a Hopper GPU (sm_90a), found %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
-    return 1;
-  }
+  HopperDevice dev;
+  if (!query_hopper(dev)) return 1;
   // The copy ceiling: 2 GiB device to device (read + write), as bench/moe_bench.py measures it.
   const size_t copy_bytes = size_t(1) << 31;
   void *a, *b;
@@ -243,34 +235,25 @@ int main(int argc, char** argv) {
   CHECK(cudaFree(a));
   CHECK(cudaFree(b));
   const double copy_tbps = 2.0 * copy_bytes / (copy_us * 1e-6) / 1e12;
-  std::printf("%s, %d SMs: copy %.2f TB/s (read + write)\n", prop.name, sms, copy_tbps);
+  std::printf("%s, %d SMs: copy %.2f TB/s (read + write)\n", dev.prop.name, dev.sms, copy_tbps);
   if (argc > 1) {
-    g_json = std::fopen(argv[1], "w");
-    if (!g_json) {
-      std::perror(argv[1]);
-      return 1;
-    }
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    g_json = open_record(argv[1],
+                         "nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a -I cpp/include "
+                         "-o /tmp/combine_rate bench/combine_rate.cu && /tmp/combine_rate",
+                         dev);
+    if (!g_json) return 1;
     std::fprintf(g_json,
-                 "{\n  \"command\": \"nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a -I cpp/include "
-                 "-o /tmp/combine_rate bench/combine_rate.cu && /tmp/combine_rate %s\",\n  \"date\": \"%s\",\n"
-                 "  \"device\": \"%s\",\n  \"sms\": %d,\n  \"versions\": {\"cuda_driver\": %d, \"cuda_runtime\": %d},\n"
                  "  \"copy_tbps\": %.3f,\n  \"method\": \"median of %d launches (CUDA events), bf16 rows, "
                  "a token's slot rows a random permutation of the buffer; bytes = rows read + rows written + slot "
                  "entries\",\n  \"results\": [",
-                 argv[1], date, prop.name, sms, driver, runtime, copy_tbps, kRuns);
+                 copy_tbps, kRuns);
   }
   bool ok = true;
   for (const int64_t tokens : {2048, 8192}) {
     ok = run_preset("v4-flash", tokens, 6, 4096, copy_tbps) && ok;
     ok = run_preset("v3", tokens, 8, 7168, copy_tbps) && ok;
   }
-  if (g_json) {
-    std::fprintf(g_json, "\n  ]\n}\n");
-    std::fclose(g_json);
-  }
+  close_record(g_json);
   std::printf(ok ? "every combine batch gave the same bits\n" : "MISMATCH\n");
   return ok ? 0 : 2;
 }

@@ -15,9 +15,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <ctime>
 
 #include "../cpp/sm90/gemm_wgmma.cuh"  // the kernels' decode, wgmma and descriptor helpers
+#include "bench_record.h"
 
 using namespace megamoe::sm90;
 
@@ -190,36 +190,22 @@ void run_modes(int sms, float* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int sms = 0, driver = 0, runtime = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  if (prop.major != 9) {
-    std::fprintf(stderr, "needs a Hopper GPU (sm_90a), found %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
-    return 1;
-  }
+  HopperDevice dev;
+  if (!query_hopper(dev)) return 1;
+  const int sms = dev.sms;
   float* out = nullptr;
   cudaMalloc(&out, size_t(sms) * 128 * kWarpgroups * sizeof(float));
   if (argc > 1) {
-    g_json = std::fopen(argv[1], "w");
-    if (!g_json) {
-      std::perror(argv[1]);
-      return 1;
-    }
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    g_json = open_record(argv[1],
+                         "nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I "
+                         "cpp/include -o /tmp/wgmma_decode_rate bench/wgmma_decode_rate.cu && /tmp/wgmma_decode_rate",
+                         dev);
+    if (!g_json) return 1;
     std::fprintf(g_json,
-                 "{\n  \"command\": \"nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a "
-                 "--expt-relaxed-constexpr -I cpp/include -o /tmp/wgmma_decode_rate bench/wgmma_decode_rate.cu && "
-                 "/tmp/wgmma_decode_rate %s\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"sms\": %d,\n"
-                 "  \"versions\": {\"cuda_driver\": %d, \"cuda_runtime\": %d},\n"
                  "  \"method\": \"%d warpgroups per SM, one block per SM, %d stages per launch, median of 7 launches "
                  "(CUDA events); per stage one group of K/16 wgmma m64nNk16 (A from registers) and a drain\",\n"
                  "  \"results\": [",
-                 argv[1], date, prop.name, sms, driver, runtime, kWarpgroups, kStagesTimed);
+                 kWarpgroups, kStagesTimed);
   }
   run_modes<32, 256>(sms, out);
   run_modes<40, 256>(sms, out);
@@ -228,10 +214,7 @@ int main(int argc, char** argv) {
   run_modes<64, 256>(sms, out);
   run_modes<64, 128>(sms, out);
   run_modes<128, 128>(sms, out);
-  if (g_json) {
-    std::fprintf(g_json, "\n  ]\n}\n");
-    std::fclose(g_json);
-  }
+  close_record(g_json);
   cudaFree(out);
   return 0;
 }
