@@ -83,11 +83,13 @@ __device__ __forceinline__ void stream_pdl_prologue(const StreamGemmArgs& a) {
 
 // The 4 weight rows of this lane in weight-row block rb of `expert`: (m-tile mt, half hh) -> row
 // g + 8*hh of the tile (kSiluMul: tile 0 the gate column rb*16 + g + 8*hh, tile 1 its up column).
-// A row past the end is marked invalid and points at row 0.
+// A row past the end is marked invalid and points at row 0. wstep, sstep: load_weight_slice's steps in this order.
 __device__ __forceinline__ void stream_weight_rows(const StreamGemmArgs& a, int expert, unsigned rb, int g,
                                                    bool silu_mul, int64_t N, int64_t row_bytes,
                                                    const uint8_t* (&wrow)[2][2], const uint8_t* (&srow)[2][2],
-                                                   bool (&rvalid)[2][2]) {
+                                                   bool (&rvalid)[2][2], int64_t& wstep, int64_t& sstep) {
+  wstep = a.w_tiled ? kWTileRows * 128 : 128;
+  sstep = a.w_tiled ? kWTileRows * 16 : 16;
   const int64_t I = N / 2;
   const int64_t srs = scale_row_bytes(a);
   const uint8_t* wd = a.w_data + int64_t(expert) * N * row_bytes;
@@ -315,8 +317,8 @@ __global__ void __launch_bounds__(kStreamThreads) stream_gemm_kernel(StreamGemmA
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
-  stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
-  const int64_t wstep = a.w_tiled ? kWTileRows * 128 : 128, sstep = a.w_tiled ? kWTileRows * 16 : 16;
+  int64_t wstep, sstep;
+  stream_weight_rows(a, expert, blockIdx.x, g, silu_mul, N, row_bytes, wrow, srow, rvalid, wstep, sstep);
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
@@ -404,8 +406,8 @@ __device__ __forceinline__ void stream_nt1_item(const StreamGemmArgs& a, unsigne
   const uint8_t* wrow[2][2];
   const uint8_t* srow[2][2];
   bool rvalid[2][2];
-  stream_weight_rows(a, expert, rb, g, silu_mul, N, row_bytes, wrow, srow, rvalid);
-  const int64_t wstep = a.w_tiled ? kWTileRows * 128 : 128, sstep = a.w_tiled ? kWTileRows * 16 : 16;
+  int64_t wstep, sstep;
+  stream_weight_rows(a, expert, rb, g, silu_mul, N, row_bytes, wrow, srow, rvalid, wstep, sstep);
   float alpha0, alpha1;
   epilogue_alphas(a, expert, silu_mul, alpha0, alpha1);
 
