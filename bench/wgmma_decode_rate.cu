@@ -207,6 +207,8 @@ int main(int argc, char** argv) {
                  "  \"results\": [",
                  kWarpgroups, kStagesTimed);
   }
+  run_modes<8, 256>(sms, out);
+  run_modes<16, 256>(sms, out);
   run_modes<32, 256>(sms, out);
   run_modes<40, 256>(sms, out);
   run_modes<48, 256>(sms, out);
