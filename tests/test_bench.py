@@ -408,3 +408,65 @@ def test_main_writes_the_rates_into_the_record(bench, monkeypatch, tmp_path, cap
         assert r["flops"] == sum(bench.gemm_flops(cfg.with_(top_k=k), 4).values())
         assert 1 <= r["experts_used"] <= 4 * k and not any(key.endswith("_error") for key in r)
     assert rows[1]["flops"] == 3 * rows[0]["flops"]
+
+
+# ----------------------------------------------------------------------------- bench/gemm_counters.py (host only)
+@pytest.fixture(scope="module")
+def counters():
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gemm_counters.py")
+    spec = importlib.util.spec_from_file_location("gemm_counters", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _raw_csv(counters, rows, drop=None):
+    """An ncu raw page (header, units, rows) holding every metric gemm_counters reads, plus two stall reasons."""
+    stall = [counters.STALL_PREFIX + r + counters.STALL_SUFFIX for r in ("barrier", "long_scoreboard")]
+    names = ["ID", "Kernel Name", *counters.METRICS.values(), *stall]
+    units = {"gpu__time_duration.sum": "ms", "gpc__cycles_elapsed.max.per_second": "Ghz",
+             "dram__bytes.sum.per_second": "Gbyte/s", "launch__shared_mem_per_block": "Kbyte/block"}
+    keep = [i for i, n in enumerate(names) if n != drop]
+    lines = [[names[i] for i in keep], [units.get(names[i], "") for i in keep]]
+    lines += [[r[i] for i in keep if i < len(r)] for r in rows]
+    return "\n".join(",".join(f'"{c}"' for c in line) for line in lines) + "\n"
+
+
+def _row(counters, kid, name, duration_ms, dram_gbps, stalls):
+    values = {"gpu__time_duration.sum": duration_ms, "gpc__cycles_elapsed.max.per_second": "1.75",
+              "dram__bytes.sum.per_second": dram_gbps, "launch__grid_size": "3,584",
+              "launch__shared_mem_per_block": "211.28"}
+    return [str(kid), name, *[values.get(m, "12.5") for m in counters.METRICS.values()], *stalls]
+
+
+def test_counters_summarize_scales_units_and_orders_stalls(counters):
+    rows = [_row(counters, 0, "void wg_gemm_kernel<64, 256, 1, 0, 0>(GroupedGemmCommon, WgMaps)", "1.0195", "2630.5",
+                 ["0.31", "1.62"]),
+            _row(counters, 1, "void wg_gemm_kernel<8, 256, 0, 0, 1>(GroupedGemmCommon, WgMaps)", "0.0294", "2008.4",
+                 ["1.89", "n/a"]),
+            ["2", "a truncated row"]]
+    ks = counters.summarize(_raw_csv(counters, rows))
+    assert [k["kernel"].split("(")[0] for k in ks] == ["void wg_gemm_kernel<64, 256, 1, 0, 0>",
+                                                         "void wg_gemm_kernel<8, 256, 0, 0, 1>"]
+    assert ks[0]["duration_us"] == pytest.approx(1019.5)  # ms -> µs
+    assert ks[1]["duration_us"] == pytest.approx(29.4)
+    assert ks[0]["dram_tbps"] == pytest.approx(2.6305)  # Gbyte/s -> TB/s
+    assert ks[0]["grid_blocks"] == 3584  # thousands separator
+    assert ks[0]["smem_kb_per_block"] == pytest.approx(211.28)
+    assert list(ks[0]["stalls_per_issue"]) == ["long_scoreboard", "barrier"]  # largest first
+    assert ks[1]["stalls_per_issue"] == {"barrier": 1.89}  # a value that is not a number is left out
+
+
+def test_counters_refuse_a_page_without_their_metrics(counters):
+    rows = [_row(counters, 0, "k", "1", "1", ["1", "1"])]
+    with pytest.raises(ValueError, match="dram__bytes.sum.per_second"):
+        counters.summarize(_raw_csv(counters, rows, drop="dram__bytes.sum.per_second"))
+    assert counters.summarize("") == []
+
+
+def test_counters_shapes(counters):
+    assert counters.parse_shape("v4-flash:1") == ("v4-flash", 1, "w4a16")
+    assert counters.parse_shape("v3:2048:w4a4") == ("v3", 2048, "w4a4")
+    for bad in ("v3", "v3:0", "v3:x", "v3:8:fp8", "v3:8:w4a4:1"):
+        with pytest.raises(Exception, match="expected preset:T|is not w4a16"):
+            counters.parse_shape(bad)

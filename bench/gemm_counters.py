@@ -1,0 +1,217 @@
+"""Hardware counters of the sm90 GEMM kernels of one MoE forward, read by Nsight Compute (ncu).
+
+    python bench/gemm_counters.py                          # v4-flash T = 1, v3 T = 1, v4-flash T = 2048 and 8192
+    python bench/gemm_counters.py --shapes v4-flash:1:w4a4 --out /tmp/c.json
+
+For each shape (preset:T[:mode], mode w4a16 by default) it runs ncu on this script's ``--forward`` child: three
+eager forwards of random NVFP4 weights and routing (bench/moe_bench.py's), then one between
+cudaProfilerStart/Stop, whose wgmma and streaming GEMM kernels ncu profiles one at a time (no overlap with the
+kernels around them, so durations run longer than in the CUDA-graph forward). ncu runs with ``--clock-control
+none``: the GPU keeps its own clocks, as in the benchmarks. Per kernel it keeps the duration, the SM clock, DRAM
+bytes per second and the share of cycles DRAM was active, the tensor pipe's and the issue slots' active shares,
+warps per scheduler, the L2 hit rate, the launch (grid, registers, shared memory, waves) and the stall reasons per
+issued instruction, largest first; it prints a table and writes bench/results/gemm_counters_<gpu>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SECTIONS = ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats")
+DEFAULT_SHAPES = ("v4-flash:1", "v3:1", "v4-flash:2048", "v4-flash:8192")
+KERNEL_REGEX = "regex:(wg_gemm|stream_gemm)"
+# JSON field <- ncu raw metric
+METRICS = {
+    "duration_us": "gpu__time_duration.sum",
+    "sm_clock_ghz": "gpc__cycles_elapsed.max.per_second",
+    "dram_tbps": "dram__bytes.sum.per_second",
+    "dram_active_pct": "dram__cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "tensor_active_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "warps_per_scheduler": "smsp__warps_active.avg.per_cycle_active",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "grid_blocks": "launch__grid_size",
+    "block_threads": "launch__block_size",
+    "registers": "launch__registers_per_thread",
+    "smem_kb_per_block": "launch__shared_mem_per_block",
+    "waves": "launch__waves_per_multiprocessor",
+}
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+
+
+def parse_shape(spec: str) -> tuple[str, int, str]:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit() or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected preset:T or preset:T:mode, e.g. v4-flash:1:w4a16")
+    mode = parts[2] if len(parts) == 3 else "w4a16"
+    if mode not in ("w4a16", "w4a4"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: mode {mode!r} is not w4a16 or w4a4")
+    return parts[0], int(parts[1]), mode
+
+
+def _unit_scale(unit: str) -> float:
+    """Factor from ncu's unit to the JSON's (µs, GHz, TB/s, KB)."""
+    return {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3,
+            "s": 1e6,
+            "hz": 1e-9, "khz": 1e-6, "mhz": 1e-3, "ghz": 1.0,
+            "byte/s": 1e-12, "kbyte/s": 1e-9, "mbyte/s": 1e-6, "gbyte/s": 1e-3, "tbyte/s": 1.0,
+            "byte/block": 1e-3, "kbyte/block": 1.0, "mbyte/block": 1e3}.get(unit.lower().replace("/second", "/s"), 1.0)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def summarize(raw_csv: str) -> list[dict]:
+    """One dict per profiled kernel from ``ncu --import REP --page raw --csv``: METRICS' fields and the stall
+    reasons per issued instruction (``stalls``: reason -> ratio, largest first)."""
+    rows = list(csv.reader(io.StringIO(raw_csv)))
+    if len(rows) < 3:
+        return []
+    header, units = rows[0], rows[1]
+    col = {name: i for i, name in enumerate(header)}
+    missing = [m for m in ("Kernel Name", *METRICS.values()) if m not in col]
+    if missing:
+        raise ValueError(f"ncu's raw page lacks {', '.join(missing)}: an ncu without these sections or metrics")
+    out = []
+    for r in rows[2:]:
+        if len(r) != len(header):
+            continue
+        k = {"kernel": r[col["Kernel Name"]]}
+        for field, metric in METRICS.items():
+            v = _number(r[col[metric]])
+            k[field] = None if v is None else round(v * _unit_scale(units[col[metric]]), 4)
+        stalls = {}
+        for name, i in col.items():
+            if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX):
+                v = _number(r[i])
+                if v is not None and v > 0:
+                    stalls[name[len(STALL_PREFIX):-len(STALL_SUFFIX)]] = round(v, 3)
+        k["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+        out.append(k)
+    return out
+
+
+def forward(shapes: list[tuple[str, int, str]]) -> None:
+    """The profiled child: per shape three warm-up forwards, then one between cudaProfilerStart and Stop."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_bench as mb
+    from megamoe.backends import get_backend
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    be = get_backend("cuda-sm90")
+    for preset, t, mode in shapes:
+        base = mb.bench_config(preset)
+        prepared = be.prepare_weights(mb.random_weights(base, gen))
+        cfg = base.with_(act_mode=mode)
+        x, ids, w = mb.random_routing(t, base, gen)
+        for _ in range(3):
+            be.moe_forward(prepared, cfg, x, ids, w)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        be.moe_forward(prepared, cfg, x, ids, w)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        del prepared
+        torch.cuda.empty_cache()
+
+
+def find_ncu() -> str:
+    for path in (shutil.which("ncu"), "/usr/local/cuda/bin/ncu"):
+        if path and os.path.exists(path):
+            return path
+    raise SystemExit("gemm_counters: ncu (Nsight Compute) not found on PATH or in /usr/local/cuda/bin")
+
+
+def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]:
+    spec = ":".join(map(str, shape))
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "gemms")
+        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX,
+               *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
+               sys.executable, os.path.abspath(__file__), "--forward", spec]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
+            raise RuntimeError(f"ncu on {spec} failed ({run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+        raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv"], capture_output=True,
+                             text=True, check=True).stdout
+    kernels = summarize(raw)
+    for k in kernels:
+        k.update(preset=shape[0], T=shape[1], mode=shape[2])
+    return kernels
+
+
+def table(kernels: list[dict]) -> str:
+    lines = [f"{'shape':22s} {'kernel':40s} {'µs':>8s} {'GHz':>5s} {'DRAM TB/s':>9s} {'tensor%':>7s} "
+             f"{'issue%':>6s}  top stalls per issue"]
+    for k in kernels:
+        name = k["kernel"].split("(")[0].replace("void ", "")[:40]
+        stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k["stalls_per_issue"].items())[:4])
+        lines.append(f"{k['preset'] + ':' + str(k['T']) + ':' + k['mode']:22s} {name:40s} {k['duration_us']:8.1f} "
+                     f"{k['sm_clock_ghz']:5.2f} {k['dram_tbps']:9.2f} {k['tensor_active_pct']:7.1f} "
+                     f"{k['issue_active_pct']:6.1f}  {stalls}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
+                   metavar="PRESET:T[:MODE]", help=f"shapes to profile (default: {' '.join(DEFAULT_SHAPES)})")
+    p.add_argument("--out", help="JSON path (default: bench/results/gemm_counters_<gpu>.json)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per shape's ncu run (default 300)")
+    p.add_argument("--forward", nargs="+", type=parse_shape, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.forward:
+        forward(args.forward)
+        return 0
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_bench as mb
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gemm_counters: needs a CUDA GPU (Hopper) and megamoe._C built for 90a")
+    ncu = find_ncu()
+    kernels = []
+    for i, shape in enumerate(args.shapes, 1):
+        print(f"[{i}/{len(args.shapes)}] ncu on {':'.join(map(str, shape))} ...", flush=True)
+        kernels += profile(ncu, shape, args.timeout)
+    ncu_version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    device = torch.cuda.get_device_name()
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"gemm_counters_{mb.gpu_tag(device)}.json")
+    report = {
+        "command": "python bench/gemm_counters.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "versions": {**mb.versions(), "ncu": ncu_version[-1] if ncu_version else "?"},
+        "method": "ncu --clock-control none, sections " + ", ".join(SECTIONS) + "; each GEMM kernel of one eager "
+                  "forward (after three warm-up forwards) profiled alone, replayed per pass",
+        "kernels": kernels,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(table(kernels))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
