@@ -11,10 +11,7 @@
 // 8-byte shared load of two weight words and the scale pair from the row's scale codes, dequant_word per word),
 // "decode_half_mul" and "decode_no_mul" (the same bit operations with 2 or none of the 4 bf16x2 multiplies per word:
 // not exact, they show what those instructions cost), "decode_int_scale" (every multiply replaced by an XOR with the
-// scale pair: the scale path kept, the multiplies not; not exact either), "decode_pipe" (the kernels' decode, each
-// 64-element block's 4 wgmmas a commit group of their own, issued right after that block's decode into one of two
-// alternating register sets, wgmma.wait_group 1 before a set is reused, the drain at the end of the stage: a
-// warpgroup's decode overlaps its own wgmmas).
+// scale pair: the scale path kept, the multiplies not; not exact either).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -26,9 +23,8 @@ using namespace megamoe::sm90;
 
 namespace {
 
-enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeIntScale = 4, kDecodePipe = 5 };
-const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul", "decode_int_scale",
-                                 "decode_pipe"};
+enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeIntScale = 4 };
+const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul", "decode_int_scale"};
 constexpr int kWarpgroups = 4;
 constexpr int kStagesTimed = 4000;
 
@@ -98,49 +94,6 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
 #pragma unroll
     for (int j = 0; j < 4; ++j) af[s][j] = 0x3F803F80u ^ uint32_t(s * 4 + j);
 
-  if constexpr (kMode == kDecodePipe) {
-    uint32_t ap[2][4][4];  // two register sets of one 64-element block's 4 k16 steps
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) ap[u][s][j] = 0u;
-    for (int st = 0; st < stages; ++st) {
-      uint32_t sc[2][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint4 v = lds128(srow + h * 8 * 16);
-        sc[h][0] = v.x; sc[h][1] = v.y; sc[h][2] = v.z; sc[h][3] = v.w;
-      }
-#pragma unroll
-      for (int b = 0; b < kSub; ++b) {
-        uint32_t (&af_b)[4][4] = ap[b & 1];
-        if (b >= 2) wgmma_wait<1>();  // the group that last read this set (block b - 2) finished
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint2 w = lds64(wrow + h * 8 * (kKS / 2) + (((2 * b + (tig >> 1)) ^ (row & 7)) * 16));
-          const uint32_t s2 = scale_pair(sc[h][b], sel);
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            uint32_t p[4];
-            dequant_word(q ? w.y : w.x, s2, p);
-            af_b[2 * q][h] = p[0];
-            af_b[2 * q][2 + h] = p[1];
-            af_b[2 * q + 1][h] = p[2];
-            af_b[2 * q + 1][2 + h] = p[3];
-          }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          Wgmma<N>::mma(acc, af_b[s], sw128_desc(sw128_desc_lo(base + b * N * 128 + s * 32)));
-        wgmma_commit();
-      }
-      wgmma_wait<0>();
-      acc_fence(acc);
-    }
-  } else
   for (int st = 0; st < stages; ++st) {
     if constexpr (kMode == kMma) {
 #pragma unroll
@@ -232,7 +185,6 @@ void run_modes(int sms, float* out) {
   run<N, kKS, kDecodeHalfMul>(sms, out);
   run<N, kKS, kDecodeNoMul>(sms, out);
   run<N, kKS, kDecodeIntScale>(sms, out);
-  if constexpr (kKS == 256) run<N, kKS, kDecodePipe>(sms, out);
 }
 
 }  // namespace
