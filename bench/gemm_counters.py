@@ -185,6 +185,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import moe_bench as mb
 
+    for preset, _, _ in args.shapes:
+        try:
+            mb.bench_config(preset)
+        except (KeyError, ValueError) as e:
+            p.error(f"--shapes: preset {preset!r}: {e}")
     if not torch.cuda.is_available():
         raise SystemExit("gemm_counters: needs a CUDA GPU (Hopper) and megamoe._C built for 90a")
     ncu = find_ncu()
