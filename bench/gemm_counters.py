@@ -144,7 +144,10 @@ def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX,
                *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
                sys.executable, os.path.abspath(__file__), "--forward", spec]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"ncu on {spec} ran past --timeout {timeout:g} s") from None
         if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
             raise RuntimeError(f"ncu on {spec} failed ({run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
         raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv"], capture_output=True,
@@ -155,15 +158,19 @@ def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]
     return kernels
 
 
+def _cell(v, width: int, digits: int) -> str:
+    return f"{v:{width}.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>{width}s}"
+
+
 def table(kernels: list[dict]) -> str:
     lines = [f"{'shape':22s} {'kernel':40s} {'µs':>8s} {'GHz':>5s} {'DRAM TB/s':>9s} {'tensor%':>7s} "
              f"{'issue%':>6s}  top stalls per issue"]
     for k in kernels:
         name = k["kernel"].split("(")[0].replace("void ", "")[:40]
         stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k["stalls_per_issue"].items())[:4])
-        lines.append(f"{k['preset'] + ':' + str(k['T']) + ':' + k['mode']:22s} {name:40s} {k['duration_us']:8.1f} "
-                     f"{k['sm_clock_ghz']:5.2f} {k['dram_tbps']:9.2f} {k['tensor_active_pct']:7.1f} "
-                     f"{k['issue_active_pct']:6.1f}  {stalls}")
+        lines.append(f"{k['preset'] + ':' + str(k['T']) + ':' + k['mode']:22s} {name:40s} "
+                     f"{_cell(k['duration_us'], 8, 1)} {_cell(k['sm_clock_ghz'], 5, 2)} {_cell(k['dram_tbps'], 9, 2)} "
+                     f"{_cell(k['tensor_active_pct'], 7, 1)} {_cell(k['issue_active_pct'], 6, 1)}  {stalls}")
     return "\n".join(lines)
 
 
@@ -196,7 +203,10 @@ def main(argv=None) -> int:
     kernels = []
     for i, shape in enumerate(args.shapes, 1):
         print(f"[{i}/{len(args.shapes)}] ncu on {':'.join(map(str, shape))} ...", flush=True)
-        kernels += profile(ncu, shape, args.timeout)
+        try:
+            kernels += profile(ncu, shape, args.timeout)
+        except RuntimeError as e:
+            raise SystemExit(f"gemm_counters: {e}") from None
     ncu_version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     device = torch.cuda.get_device_name()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -470,3 +470,12 @@ def test_counters_shapes(counters):
     for bad in ("v3", "v3:0", "v3:x", "v3:8:fp8", "v3:8:w4a4:1"):
         with pytest.raises(Exception, match="expected preset:T|is not w4a16"):
             counters.parse_shape(bad)
+
+
+def test_counters_table_prints_a_dash_for_a_missing_figure(counters):
+    k = {"kernel": "void wg_gemm_kernel<8, 256, 0, 0, 1>(GroupedGemmCommon, WgMaps)", "preset": "v4-flash", "T": 1,
+         "mode": "w4a16", "duration_us": 28.4, "sm_clock_ghz": None, "dram_tbps": 2.08, "tensor_active_pct": 5.7,
+         "issue_active_pct": 44.5, "stalls_per_issue": {"long_scoreboard": 2.04, "wait": 0.99}}
+    row = counters.table([k]).splitlines()[1]
+    assert row.startswith("v4-flash:1:w4a16") and "wg_gemm_kernel<8, 256, 0, 0, 1>" in row
+    assert "28.4" in row and "    -" in row and "long_scoreboard 2.04, wait 0.99" in row
