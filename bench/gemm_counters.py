@@ -104,13 +104,21 @@ def summarize(raw_csv: str) -> list[dict]:
     return out
 
 
+def _moe_bench():
+    """bench/moe_bench.py, whose shapes, random weights and routing, versions and GPU tag this script reuses."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_bench
+
+    return moe_bench
+
+
 def forward(shapes: list[tuple[str, int, str]]) -> None:
     """The profiled child: per shape three warm-up forwards, then one between cudaProfilerStart and Stop."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import moe_bench as mb
     from megamoe.backends import get_backend
+
+    mb = _moe_bench()
 
     gen = torch.Generator(device="cuda").manual_seed(1234)
     be = get_backend("cuda-sm90")
@@ -189,9 +197,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import moe_bench as mb
-
+    mb = _moe_bench()
     for preset, _, _ in args.shapes:
         try:
             mb.bench_config(preset)

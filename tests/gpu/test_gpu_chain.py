@@ -309,7 +309,7 @@ def test_combine_same_bits_batched_or_not(k, h, gen):
     from megamoe import _ext
     from megamoe.backends.cuda_common import current_stream
 
-    t, e, few = 1100, 40, 64  # 1100 * 1024 / 8 = 140800 threads; 64 tokens: 8192
+    t, e, few = 1100, 40, 64  # 1100 * h / 8 > 2^17 threads (past the switch); 64 tokens: 64 * h / 8 < 2^16
     ids = torch.randint(-1, e + 2, (t, k), generator=gen).int()
     _, _, _, _, entry_row = _align(ids.cuda(), e, None)
     y = (torch.randn((t * k, h), generator=gen) * torch.exp(torch.randn((t * k, 1), generator=gen))).to(torch.bfloat16)
