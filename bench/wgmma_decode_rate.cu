@@ -2,7 +2,8 @@
 // (wgmma m64nNk16, A from registers, as gemm_wgmma.cuh issues them), with and without the NVFP4 decode that
 // fills those registers before each stage's group, and no memory traffic (every operand is already in shared
 // memory). Four warpgroups per SM, one block per SM, one group of K / 16 wgmmas per stage and a drain, as in the
-// kernels. It bounds what the GEMM kernels can reach at a given token width N, whatever their pipeline does.
+// kernels (then N = 8 and 16 again with one to three warpgroups per SM, as one token's blocks run). It bounds what the
+// GEMM kernels can reach at a given token width N, whatever their pipeline does.
 //
 //   nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I cpp/include \
 //        -o /tmp/wgmma_decode_rate bench/wgmma_decode_rate.cu && /tmp/wgmma_decode_rate bench/results/wgmma_decode_h200.json
@@ -25,7 +26,7 @@ namespace {
 
 enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeIntScale = 4 };
 const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul", "decode_int_scale"};
-constexpr int kWarpgroups = 4;
+constexpr int kWarpgroups = 4;  // per SM (one block) in the main table; the sweep at one token's widths runs 1..4
 constexpr int kStagesTimed = 4000;
 
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
@@ -59,22 +60,22 @@ __device__ __forceinline__ void decode_word(uint32_t w, uint32_t s2, uint32_t (&
   }
 }
 
-// Shared memory: the activation tile (K / 64 SW128 sub-tiles of N rows), the block's 256 weight rows of K / 2 bytes,
-// 16 bytes of scale codes per row.
-template <int N, int kKS>
+// Shared memory: the activation tile (K / 64 SW128 sub-tiles of N rows), the block's 64 weight rows per warpgroup of
+// K / 2 bytes, 16 bytes of scale codes per row.
+template <int N, int kKS, int kWG>
 constexpr int smem_bytes() {
-  return 1024 + (kKS / 64) * N * 128 + 64 * kWarpgroups * (kKS / 2 + 16);
+  return 1024 + (kKS / 64) * N * 128 + 64 * kWG * (kKS / 2 + 16);
 }
 
-template <int N, int kKS, int kMode>
-__global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, float* out) {
+template <int N, int kKS, int kMode, int kWG>
+__global__ void __launch_bounds__(128 * kWG, 1) rate_kernel(int stages, float* out) {
   extern __shared__ uint8_t smem_raw[];
   constexpr int kSub = kKS / 64, kSteps = kKS / 16;
-  constexpr int kABytes = kSub * N * 128, kWBytes = 64 * kWarpgroups * kKS / 2;
+  constexpr int kABytes = kSub * N * 128, kWBytes = 64 * kWG * kKS / 2;
   const uint32_t raw = uint32_t(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint32_t* words = reinterpret_cast<uint32_t*>(smem_raw + (base - raw));
-  for (int i = threadIdx.x; i < (smem_bytes<N, kKS>() - 1024) / 4; i += blockDim.x) {
+  for (int i = threadIdx.x; i < (smem_bytes<N, kKS, kWG>() - 1024) / 4; i += blockDim.x) {
     const uint32_t h = uint32_t(i) * 2654435761u + blockIdx.x;
     words[i] = i < kABytes / 4 ? (h & 0x3F7F3F7Fu) : h;  // finite bf16 activations; random weight and scale codes
   }
@@ -136,21 +137,21 @@ __global__ void __launch_bounds__(128 * kWarpgroups, 1) rate_kernel(int stages, 
 FILE* g_json = nullptr;
 bool g_first = true;
 
-template <int N, int kKS, int kMode>
+template <int N, int kKS, int kMode, int kWG = kWarpgroups>
 void run(int sms, float* out) {
-  constexpr int kSmem = smem_bytes<N, kKS>();
-  auto* kernel = rate_kernel<N, kKS, kMode>;
+  constexpr int kSmem = smem_bytes<N, kKS, kWG>();
+  auto* kernel = rate_kernel<N, kKS, kMode, kWG>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   cudaFuncAttributes attr;
   cudaFuncGetAttributes(&attr, kernel);
-  kernel<<<sms, 128 * kWarpgroups, kSmem>>>(16, out);  // warm-up
+  kernel<<<sms, 128 * kWG, kSmem>>>(16, out);  // warm-up
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   float ms[7];
   for (float& m : ms) {
     cudaEventRecord(e0);
-    kernel<<<sms, 128 * kWarpgroups, kSmem>>>(kStagesTimed, out);
+    kernel<<<sms, 128 * kWG, kSmem>>>(kStagesTimed, out);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
     cudaEventElapsedTime(&m, e0, e1);
@@ -163,18 +164,19 @@ void run(int sms, float* out) {
     std::fprintf(stderr, "N=%d K=%d %s: %s\n", N, kKS, kModeName[kMode], cudaGetErrorString(err));
     return;
   }
-  const double flops = double(sms) * kWarpgroups * kStagesTimed * (kKS / 16) * 64.0 * N * 16 * 2;
+  const double flops = double(sms) * kWG * kStagesTimed * (kKS / 16) * 64.0 * N * 16 * 2;
   const double tflops = flops / (med * 1e-3) / 1e12;
   const double stage_ns = med * 1e6 / kStagesTimed;
   // weight bytes a stage of the SM's 256 rows decodes (NVFP4: 0.5 byte per element and 1 / 16 byte of scale)
-  const double weight_tbps = double(sms) * 64 * kWarpgroups * kKS * (0.5 + 1.0 / 16) / (stage_ns * 1e-9) / 1e12;
-  std::printf("N %3d  K/stage %3d  %-16s %3d registers  %6.1f TFLOP/s  %6.0f ns per stage  %5.2f TB/s of NVFP4 weights\n",
-              N, kKS, kModeName[kMode], attr.numRegs, tflops, stage_ns, weight_tbps);
+  const double weight_tbps = double(sms) * 64 * kWG * kKS * (0.5 + 1.0 / 16) / (stage_ns * 1e-9) / 1e12;
+  std::printf("N %3d  K/stage %3d  %-16s %d WG/SM  %3d registers  %6.1f TFLOP/s  %6.0f ns per stage  %5.2f TB/s of "
+              "NVFP4 weights\n",
+              N, kKS, kModeName[kMode], kWG, attr.numRegs, tflops, stage_ns, weight_tbps);
   if (g_json)
     std::fprintf(g_json,
-                 "%s\n    {\"n\": %d, \"k_per_stage\": %d, \"mode\": \"%s\", \"registers\": %d, \"tflops\": %.1f, "
-                 "\"stage_ns\": %.0f, \"weight_tbps\": %.2f}",
-                 g_first ? "" : ",", N, kKS, kModeName[kMode], attr.numRegs, tflops, stage_ns, weight_tbps);
+                 "%s\n    {\"n\": %d, \"k_per_stage\": %d, \"mode\": \"%s\", \"warpgroups\": %d, \"registers\": %d, "
+                 "\"tflops\": %.1f, \"stage_ns\": %.0f, \"weight_tbps\": %.2f}",
+                 g_first ? "" : ",", N, kKS, kModeName[kMode], kWG, attr.numRegs, tflops, stage_ns, weight_tbps);
   g_first = false;
 }
 
@@ -202,7 +204,8 @@ int main(int argc, char** argv) {
                          dev);
     if (!g_json) return 1;
     std::fprintf(g_json,
-                 "  \"method\": \"%d warpgroups per SM, one block per SM, %d stages per launch, median of 7 launches "
+                 "  \"method\": \"%d warpgroups per SM unless a result says otherwise, one block per SM, %d stages per "
+                 "launch, median of 7 launches "
                  "(CUDA events); per stage one group of K/16 wgmma m64nNk16 (A from registers) and a drain\",\n"
                  "  \"results\": [",
                  kWarpgroups, kStagesTimed);
@@ -216,6 +219,18 @@ int main(int argc, char** argv) {
   run_modes<64, 256>(sms, out);
   run_modes<64, 128>(sms, out);
   run_modes<128, 128>(sms, out);
+  // One token's widths with fewer warpgroups per SM (the GEMM kernels run one to three one-warpgroup blocks per SM
+  // there): whether a stage's time is the warpgroup's own chain or the SM's shared issue.
+  run<8, 256, kMma, 1>(sms, out);
+  run<8, 256, kDecode, 1>(sms, out);
+  run<8, 256, kMma, 2>(sms, out);
+  run<8, 256, kDecode, 2>(sms, out);
+  run<8, 256, kMma, 3>(sms, out);
+  run<8, 256, kDecode, 3>(sms, out);
+  run<16, 256, kMma, 1>(sms, out);
+  run<16, 256, kDecode, 1>(sms, out);
+  run<16, 256, kMma, 3>(sms, out);
+  run<16, 256, kDecode, 3>(sms, out);
   close_record(g_json);
   cudaFree(out);
   return 0;
