@@ -26,7 +26,7 @@ namespace {
 
 enum Mode { kMma = 0, kDecode = 1, kDecodeHalfMul = 2, kDecodeNoMul = 3, kDecodeIntScale = 4 };
 const char* const kModeName[] = {"mma", "decode", "decode_half_mul", "decode_no_mul", "decode_int_scale"};
-constexpr int kWarpgroups = 4;  // per SM (one block) in the main table; the sweep at one token's widths runs 1..4
+constexpr int kWarpgroups = 4;  // per SM (one block) in the main table; the sweep at one token's widths runs 1 to 3
 constexpr int kStagesTimed = 4000;
 
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
@@ -180,6 +180,13 @@ void run(int sms, float* out) {
   g_first = false;
 }
 
+// The wgmmas alone and with the kernels' decode, K 256 per stage, kWG warpgroups per SM.
+template <int N, int kWG>
+void run_mma_decode(int sms, float* out) {
+  run<N, 256, kMma, kWG>(sms, out);
+  run<N, 256, kDecode, kWG>(sms, out);
+}
+
 template <int N, int kKS>
 void run_modes(int sms, float* out) {
   run<N, kKS, kMma>(sms, out);
@@ -221,16 +228,11 @@ int main(int argc, char** argv) {
   run_modes<128, 128>(sms, out);
   // One token's widths with fewer warpgroups per SM (the GEMM kernels run one to three one-warpgroup blocks per SM
   // there): whether a stage's time is the warpgroup's own chain or the SM's shared issue.
-  run<8, 256, kMma, 1>(sms, out);
-  run<8, 256, kDecode, 1>(sms, out);
-  run<8, 256, kMma, 2>(sms, out);
-  run<8, 256, kDecode, 2>(sms, out);
-  run<8, 256, kMma, 3>(sms, out);
-  run<8, 256, kDecode, 3>(sms, out);
-  run<16, 256, kMma, 1>(sms, out);
-  run<16, 256, kDecode, 1>(sms, out);
-  run<16, 256, kMma, 3>(sms, out);
-  run<16, 256, kDecode, 3>(sms, out);
+  run_mma_decode<8, 1>(sms, out);
+  run_mma_decode<8, 2>(sms, out);
+  run_mma_decode<8, 3>(sms, out);
+  run_mma_decode<16, 1>(sms, out);
+  run_mma_decode<16, 3>(sms, out);
   close_record(g_json);
   cudaFree(out);
   return 0;

@@ -6,15 +6,18 @@ import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "moe_bench.py")
+def _load_bench(name: str):
+    """bench/<name>.py, imported as a module."""
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("moe_bench", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_bench("moe_bench")
 
 
 def test_union_length_merges_overlaps_and_keeps_gaps(bench):
@@ -413,11 +416,7 @@ def test_main_writes_the_rates_into_the_record(bench, monkeypatch, tmp_path, cap
 # ----------------------------------------------------------------------------- bench/gemm_counters.py (host only)
 @pytest.fixture(scope="module")
 def counters():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gemm_counters.py")
-    spec = importlib.util.spec_from_file_location("gemm_counters", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_bench("gemm_counters")
 
 
 def _raw_csv(counters, rows, drop=None):
