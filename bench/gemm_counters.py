@@ -9,8 +9,9 @@ cudaProfilerStart/Stop, whose wgmma and streaming GEMM kernels ncu profiles one 
 kernels around them, so durations run longer than in the CUDA-graph forward). ncu runs with ``--clock-control
 none``: the GPU keeps its own clocks, as in the benchmarks. Per kernel it keeps the duration, the SM clock, DRAM
 bytes per second and the share of cycles DRAM was active, the tensor pipe's and the issue slots' active shares,
-warps per scheduler, the L2 hit rate, the launch (grid, registers, shared memory, waves) and the stall reasons per
-issued instruction, largest first; it prints a table and writes bench/results/gemm_counters_<gpu>.json.
+warps per scheduler, the L2 hit rate, the L2, L1, memory and SM throughput as shares of their peaks (where this ncu
+reports them), the launch (grid, registers, shared memory, waves) and the stall reasons per issued instruction,
+largest first; it prints a table and writes bench/results/gemm_counters_<gpu>.json.
 """
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ METRICS = {
     "smem_kb_per_block": "launch__shared_mem_per_block",
     "waves": "launch__waves_per_multiprocessor",
 }
+# Read when the raw page has them (SpeedOfLight's throughput breakdown, % of each unit's peak), else None: is a
+# kernel bound by the L2 (lts: the activation tiles every row block of an expert re-reads, and the weights), by L1 and
+# shared memory (l1tex: the TMA writes, the weight reads and the wgmma operand reads), or by neither?
+OPTIONAL_METRICS = {
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1_throughput_pct": "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "memory_throughput_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+}
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
@@ -75,8 +85,9 @@ def _number(text: str) -> float | None:
 
 
 def summarize(raw_csv: str) -> list[dict]:
-    """One dict per profiled kernel from ``ncu --import REP --page raw --csv``: METRICS' fields and the stall
-    reasons per issued instruction (``stalls``: reason -> ratio, largest first)."""
+    """One dict per profiled kernel from ``ncu --import REP --page raw --csv``: METRICS' fields (the page must hold
+    them), OPTIONAL_METRICS' fields (None where the page lacks one) and the stall reasons per issued instruction
+    (``stalls``: reason -> ratio, largest first)."""
     rows = list(csv.reader(io.StringIO(raw_csv)))
     if len(rows) < 3:
         return []
@@ -90,8 +101,8 @@ def summarize(raw_csv: str) -> list[dict]:
         if len(r) != len(header):
             continue
         k = {"kernel": r[col["Kernel Name"]]}
-        for field, metric in METRICS.items():
-            v = _number(r[col[metric]])
+        for field, metric in {**METRICS, **OPTIONAL_METRICS}.items():
+            v = _number(r[col[metric]]) if metric in col else None
             k[field] = None if v is None else round(v * _unit_scale(units[col[metric]]), 4)
         stalls = {}
         for name, i in col.items():
@@ -172,13 +183,14 @@ def _cell(v, width: int, digits: int) -> str:
 
 def table(kernels: list[dict]) -> str:
     lines = [f"{'shape':22s} {'kernel':40s} {'µs':>8s} {'GHz':>5s} {'DRAM TB/s':>9s} {'tensor%':>7s} "
-             f"{'issue%':>6s}  top stalls per issue"]
+             f"{'issue%':>6s} {'L2%':>5s} {'L1%':>5s}  top stalls per issue"]
     for k in kernels:
         name = k["kernel"].split("(")[0].replace("void ", "")[:40]
         stalls = ", ".join(f"{n} {v:.2f}" for n, v in list(k["stalls_per_issue"].items())[:4])
         lines.append(f"{k['preset'] + ':' + str(k['T']) + ':' + k['mode']:22s} {name:40s} "
                      f"{_cell(k['duration_us'], 8, 1)} {_cell(k['sm_clock_ghz'], 5, 2)} {_cell(k['dram_tbps'], 9, 2)} "
-                     f"{_cell(k['tensor_active_pct'], 7, 1)} {_cell(k['issue_active_pct'], 6, 1)}  {stalls}")
+                     f"{_cell(k['tensor_active_pct'], 7, 1)} {_cell(k['issue_active_pct'], 6, 1)} "
+                     f"{_cell(k.get('l2_throughput_pct'), 5, 1)} {_cell(k.get('l1_throughput_pct'), 5, 1)}  {stalls}")
     return "\n".join(lines)
 
 

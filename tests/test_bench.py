@@ -422,7 +422,7 @@ def counters():
 def _raw_csv(counters, rows, drop=None):
     """An ncu raw page (header, units, rows) holding every metric gemm_counters reads, plus two stall reasons."""
     stall = [counters.STALL_PREFIX + r + counters.STALL_SUFFIX for r in ("barrier", "long_scoreboard")]
-    names = ["ID", "Kernel Name", *counters.METRICS.values(), *stall]
+    names = ["ID", "Kernel Name", *counters.METRICS.values(), *counters.OPTIONAL_METRICS.values(), *stall]
     units = {"gpu__time_duration.sum": "ms", "gpc__cycles_elapsed.max.per_second": "Ghz",
              "dram__bytes.sum.per_second": "Gbyte/s", "launch__shared_mem_per_block": "Kbyte/block"}
     keep = [i for i, n in enumerate(names) if n != drop]
@@ -434,8 +434,9 @@ def _raw_csv(counters, rows, drop=None):
 def _row(counters, kid, name, duration_ms, dram_gbps, stalls):
     values = {"gpu__time_duration.sum": duration_ms, "gpc__cycles_elapsed.max.per_second": "1.75",
               "dram__bytes.sum.per_second": dram_gbps, "launch__grid_size": "3,584",
-              "launch__shared_mem_per_block": "211.28"}
-    return [str(kid), name, *[values.get(m, "12.5") for m in counters.METRICS.values()], *stalls]
+              "launch__shared_mem_per_block": "211.28", "lts__throughput.avg.pct_of_peak_sustained_elapsed": "71.3"}
+    metrics = [*counters.METRICS.values(), *counters.OPTIONAL_METRICS.values()]
+    return [str(kid), name, *[values.get(m, "12.5") for m in metrics], *stalls]
 
 
 def test_counters_summarize_scales_units_and_orders_stalls(counters):
@@ -452,6 +453,7 @@ def test_counters_summarize_scales_units_and_orders_stalls(counters):
     assert ks[0]["dram_tbps"] == pytest.approx(2.6305)  # Gbyte/s -> TB/s
     assert ks[0]["grid_blocks"] == 3584  # thousands separator
     assert ks[0]["smem_kb_per_block"] == pytest.approx(211.28)
+    assert ks[0]["l2_throughput_pct"] == pytest.approx(71.3) and ks[0]["l1_throughput_pct"] == pytest.approx(12.5)
     assert list(ks[0]["stalls_per_issue"]) == ["long_scoreboard", "barrier"]  # largest first
     assert ks[1]["stalls_per_issue"] == {"barrier": 1.89}  # a value that is not a number is left out
 
@@ -461,6 +463,10 @@ def test_counters_refuse_a_page_without_their_metrics(counters):
     with pytest.raises(ValueError, match="dram__bytes.sum.per_second"):
         counters.summarize(_raw_csv(counters, rows, drop="dram__bytes.sum.per_second"))
     assert counters.summarize("") == []
+    # an optional metric the page lacks (an ncu that does not report it) reads as None, the rest as before
+    lts = counters.OPTIONAL_METRICS["l2_throughput_pct"]
+    ks = counters.summarize(_raw_csv(counters, [_row(counters, 0, "k", "1", "1", ["1", "1"])], drop=lts))
+    assert ks[0]["l2_throughput_pct"] is None and ks[0]["duration_us"] == pytest.approx(1000.0)
 
 
 def test_counters_shapes(counters):
@@ -475,6 +481,8 @@ def test_counters_table_prints_a_dash_for_a_missing_figure(counters):
     k = {"kernel": "void wg_gemm_kernel<8, 256, 0, 0, 1>(GroupedGemmCommon, WgMaps)", "preset": "v4-flash", "T": 1,
          "mode": "w4a16", "duration_us": 28.4, "sm_clock_ghz": None, "dram_tbps": 2.08, "tensor_active_pct": 5.7,
          "issue_active_pct": 44.5, "stalls_per_issue": {"long_scoreboard": 2.04, "wait": 0.99}}
+    k["l2_throughput_pct"] = 64.2
     row = counters.table([k]).splitlines()[1]
     assert row.startswith("v4-flash:1:w4a16") and "wg_gemm_kernel<8, 256, 0, 0, 1>" in row
     assert "28.4" in row and "    -" in row and "long_scoreboard 2.04, wait 0.99" in row
+    assert " 64.2     -  long_scoreboard" in row  # L2% given, L1% absent (a record from before it was read)
