@@ -451,6 +451,13 @@ int main() {
     expect("81 rows in tile 64: 48 + 33", wg_tile_tokens(64, 81), 48);
     expect("tile 32 fills its tiles", wg_tile_tokens(32, 40), 32);
     expect("tile 8 fills its tiles", wg_tile_tokens(8, 9), 8);
+    // clusters of two row blocks: tile 128 with TMA rows and an even grid.x only
+    using megamoe::sm90::plan_cluster_pairs;
+    expect("clusters: v4-flash gemm1, 16 row blocks", plan_cluster_pairs(128, true, 16), 1);
+    expect("clusters: v3 gemm2, 28 row blocks", plan_cluster_pairs(128, true, 28), 1);
+    expect("no clusters: odd row blocks", plan_cluster_pairs(128, true, 15), 0);
+    expect("no clusters: copied rows", plan_cluster_pairs(128, false, 16), 0);
+    expect("no clusters: tile 64", plan_cluster_pairs(64, true, 16), 0);
   }
 
   std::printf("sm90 grouped-GEMM arguments: %d checks, %d failed\n", checks, failures);

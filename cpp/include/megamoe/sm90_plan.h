@@ -71,6 +71,13 @@ constexpr bool plan_pdl_launch(int tile, int64_t blocks, int sm_count) {
   return tile <= kTile32 && wg_one_wave(tile, blocks, sm_count);
 }
 
+// Tile 128 with TMA rows runs in clusters of two blocks, two row blocks of one token tile (an even number of row
+// blocks, grid.x): each CTA loads its own weights and the activation box of a stage is loaded once and multicast into
+// both CTAs' shared memory, which halves the activation bytes read from L2 (at T = 8192 two thirds of a block's).
+constexpr bool plan_cluster_pairs(int tile, bool act_tma, int64_t grid_x) {
+  return tile == kTile128 && act_tma && grid_x % 2 == 0;
+}
+
 // From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
 // its k grouped rows; W4A4 where a token's slots quantize alike: quantized once) instead of gathered per slot (a
 // token's row read, and with W4A4 quantized, k times, in expert order): GemmPlan::token_order.
