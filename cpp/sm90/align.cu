@@ -203,9 +203,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_count_kernel(const Id
 
 // Step 2 (same grid): every block adds up all blocks' counts (totals, and the counts of the blocks before
 // it: its first row in each expert), scans the totals (block 0 writes expert_offsets, active_experts,
-// num_active) and places its own entries. All threads add the counts, kAlignUnroll loads each before their
-// shared-memory atomics (integer sums: any order gives the same totals), rather than one thread per expert looping
-// over the blocks (E threads, nb dependent-free but serialized load-add steps each).
+// num_active) and places its own entries.
 template <typename Id>
 __global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id* ids, int64_t entries, int top_k,
                                                                         int E, const int32_t* block_counts,
@@ -215,26 +213,17 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_place_kernel(const Id
   extern __shared__ int32_t sh[];
   int32_t* total = sh;     // [E]
   int32_t* fill = sh + E;  // [E]
-  for (int e = threadIdx.x; e < E; e += kAlignThreads) total[e] = fill[e] = 0;
   griddep_sync_and_release();
-  __syncthreads();
-  const int b = int(blockIdx.x);
-  const int64_t counts = int64_t(gridDim.x) * E;
-  for (int64_t base = 0; base < counts; base += kAlignChunk) {
-    int32_t c[kAlignUnroll];
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u) {
-      const int64_t i = base + u * kAlignThreads + threadIdx.x;
-      c[u] = i < counts ? block_counts[i] : 0;
+  const int b = int(blockIdx.x), nb = int(gridDim.x);
+  for (int e = threadIdx.x; e < E; e += kAlignThreads) {
+    int32_t tot = 0, before = 0;
+    for (int q = 0; q < nb; ++q) {
+      const int32_t c = block_counts[int64_t(q) * E + e];
+      tot += c;
+      before += q < b ? c : 0;
     }
-#pragma unroll
-    for (int u = 0; u < kAlignUnroll; ++u) {
-      if (c[u] == 0) continue;
-      const int64_t i = base + u * kAlignThreads + threadIdx.x;
-      const int q = int(i / E), e = int(i - int64_t(q) * E);
-      atomicAdd(&total[e], c[u]);
-      if (q < b) atomicAdd(&fill[e], c[u]);
-    }
+    total[e] = tot;
+    fill[e] = before;
   }
   __syncthreads();
   align_scan(total, fill, E, b == 0, expert_offsets, active_experts, num_active);

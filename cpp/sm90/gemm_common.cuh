@@ -181,16 +181,14 @@ __device__ __forceinline__ int slot_expert_id(const GroupedGemmCommon& a, int sl
   return id >= 0 && id < a.num_experts ? int(id) : -1;
 }
 
-// One block's token tile: expert, its first grouped row, and the tile's tokens m0 .. rows - 1 of that expert.
 struct ExpertTile {
   int expert, row_begin, rows, m0;
 };
 
-// Which expert and which token tile of it block `tile` owns, for the kernels whose grid.y runs over the
+// Which expert and which kTile-token tile of it block `tile` owns, for the kernels whose grid.y runs over the
 // token tiles of all experts (no host sync), in one pass: a block-wide inclusive scan of ceil(tokens_e / kTile)
 // over the E = a.num_experts experts (warp_sums[kThreads / 32] is scratch); the thread of the expert whose tiles
-// hold `tile` writes that expert, its first row, the end of the tile (ExpertTile::rows: the tile's tokens are m0 ..
-// rows - 1 of the expert) and m0 (the tile's first token within the expert; wg_tile_tokens per tile) to *found
+// hold `tile` writes that expert, its row range and m0 (the tile's first token within the expert) to *found
 // (shared memory). Returns the total tile count; *found is set when tile is below it. Call with all kThreads
 // threads: its __syncthreads also publish what the block wrote to shared memory before the call. warp = tid >> 5
 // and lane = tid & 31 come from the caller.
@@ -218,10 +216,7 @@ __device__ __forceinline__ int expert_tile_of_block(const GroupedGemmCommon& a, 
     int prefix = carry;
     for (int w = 0; w < warp; ++w) prefix += warp_sums[w];
     const int first = prefix + v - own;  // tiles of the experts before e
-    if (tile >= first && tile < first + own) {
-      const int per = wg_tile_tokens(kTile, rows), m0 = (tile - first) * per;
-      *found = {e, row_begin, min(rows, m0 + per), m0};
-    }
+    if (tile >= first && tile < first + own) *found = {e, row_begin, rows, (tile - first) * kTile};
     int total = carry;
     for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
     carry = total;

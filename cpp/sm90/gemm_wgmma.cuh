@@ -104,7 +104,7 @@ struct WgCfg {
   static constexpr int kSmem = 1024 /*alignment slack*/ + kStageBytes * kStages + kScBytes * kScSlots +
                                32 * 4 /*scan scratch*/ + 16 /*the block's expert tile*/ +
                                16 * kStages /*full and empty mbarriers*/ + 4 * kStages /*freed counters*/ +
-                               4 * 32 /*atomic scratch*/ + 4 * kStages /*cluster counters*/;
+                               4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   static_assert(kStageBytes * kStages >= kMaxN * (kRows / 2 + 4) * 4, "the ring holds a tile of h (wg_epilogue_h_nvfp4)");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
@@ -346,7 +346,7 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmCommon& a, const fl
 // rb0 + gk / num_k_tiles, so the copies of the second row block's first stages are issued during the first's last
 // stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).
 // The epilogue of each row block writes global memory only.
-template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl, bool kMc>
+template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
                                         int expert, int row_begin, int rows, int m0, int rb0, int items,
@@ -420,16 +420,11 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
   };
   // the stage's kB activation sub-tiles as one box of a 3-D view {64 elements, rows, K / 64}: sub-tile j lands at
   // sa + j * N * 128 (kActSub)
-  // kMc: multicast into both CTAs of the cluster (same slot, same barrier offset in each)
   auto issue_act = [&](int slot, int gk) {
     if constexpr (kActTma) {
       const int it = kMaxItems > 1 && gk >= num_k_tiles ? 1 : 0, kt = gk - it * num_k_tiles;
-      const uint32_t dst = stages_s + uint32_t(slot) * Cfg::kStageBytes;
-      if constexpr (kMc) {
-        tma_load_3d_multicast(dst, &maps.act[kWidth], 0, row_begin + m0, kt * kB, bars + 8 * slot, uint16_t(3));
-      } else {
-        tma_load_3d(dst, &maps.act[kWidth], 0, row_begin + m0, kt * kB, bars + 8 * slot);
-      }
+      tma_load_3d(stages_s + uint32_t(slot) * Cfg::kStageBytes, &maps.act[kWidth], 0, row_begin + m0, kt * kB,
+                  bars + 8 * slot);
     }
   };
   auto issue_tma = [&](int slot, int gk) {
@@ -494,14 +489,6 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
     if (pre_wait) griddep_sync_and_release();
     if (tid == 0)
       for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_act(s, s);
-  } else if (kMc && tid == 0) {
-    // the first S stages: each CTA its own weights, CTA 0 the activations of both (cluster_sync in the kernel: both
-    // CTAs' barriers are initialized)
-    const bool act = cluster_ctarank() == 0;
-    for (int s = 0; s < S && s < total; ++s) {
-      issue_weights(s, s);
-      if (act) issue_act(s, s);
-    }
   } else if (tid == 0) {
     for (int s = 0; s < (kActTma ? S : A) && s < total; ++s) issue_tma(s, s);
   }
@@ -586,16 +573,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
         constexpr uint32_t kWarps = Cfg::kThreads / 32;
         if (lane == 0 && pend_kt >= 0 && (pend_old + 1u) % kWarps == 0u) {
           fence_proxy_async_smem();
-          if constexpr (kMc) {
-            // the activations go into both CTAs' slot: the second CTA to free it issues them (CTA 0 counts the CTAs
-            // done with each slot's stages: wg_gemm_kernel's cluster counters)
-            const int ps = pend_kt % S;
-            issue_weights(ps, pend_kt);
-            const uint32_t count = cluster_map_shared(freed + 4u * uint32_t(S + 32 + ps), 0u);
-            if (atom_add_acq_rel_cluster(count, 1u) & 1u) issue_act(ps, pend_kt);
-          } else {
-            issue_tma(pend_kt % S, pend_kt);
-          }
+          issue_tma(pend_kt % S, pend_kt);
         }
       }
       // Drain before the A registers are redefined (registers feeding an in-flight wgmma must not be
@@ -639,7 +617,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
 }
 
 // wg_tile of the narrowest instantiated width (WgCfg::width(i), i >= I) that holds `count` tokens.
-template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl, bool kMc>
+template <int I, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCommon& a, const WgMaps& maps,
                                                  uint8_t* stages, uint8_t* scales, uint32_t bars, uint32_t freed,
                                                  int expert, int row_begin, int rows, int m0, int rb0, int items,
@@ -647,13 +625,13 @@ __device__ __forceinline__ void wg_tile_of_width(int count, const GroupedGemmCom
   using Cfg = WgCfg<kMaxN, kStageK>;
   if constexpr (I + 1 < Cfg::kNumWidths) {
     if (count > Cfg::width(I)) {
-      wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH, kPdl, kMc>(count, a, maps, stages, scales, bars, freed,
+      wg_tile_of_width<I + 1, kMaxN, kStageK, kActTma, kQuantH, kPdl>(count, a, maps, stages, scales, bars, freed,
                                                                       expert, row_begin, rows, m0, rb0, items,
                                                                       pre_wait);
       return;
     }
   }
-  wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH, kPdl, kMc>(a, maps, stages, scales, bars, freed, expert,
+  wg_tile<Cfg::width(I), kMaxN, kStageK, kActTma, kQuantH, kPdl>(a, maps, stages, scales, bars, freed, expert,
                                                                 row_begin, rows, m0, rb0, items, pre_wait);
 }
 
@@ -670,14 +648,13 @@ __device__ __forceinline__ int wg_slot_tile(const GroupedGemmCommon& a, ExpertTi
 // The kernel reads the common part of the arguments only: WgmmaGemmArgs' own fields (tile, stage K, TMA rows, the
 // bounds of the TMA view and the grid) chose this instance, its tensor maps and its grid on the host.
 // kPdl: launched with programmatic dependent launch (plan_pdl_launch), following pdl.cuh's protocol.
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl, bool kMc>
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, kStageK>::kMinBlocks)
     wg_gemm_kernel(GroupedGemmCommon a, const __grid_constant__ WgMaps maps) {
   static_assert(kMaxN == kTile8 || kMaxN == kTile32 || kMaxN == kTile64 || kMaxN == kTile128,
                 "token tiles of 8, 32, 64 or 128");
   static_assert(!(kQuantH && kMaxN == kTile8), "h is quantized by blocks of 128 rows or more (wg_epilogue_h_nvfp4)");
   static_assert(WgCfg<kMaxN, kStageK>::kNumWidths <= 7, "WgMaps holds one activation map per width");
-  static_assert(!kMc || (kMaxN == kTile128 && kActTma && !kPdl), "clusters of two: tile 128 with TMA rows");
   using Cfg = WgCfg<kMaxN, kStageK>;
   extern __shared__ uint8_t wg_smem_raw[];
   // 1024-align the stage ring (the SW128 and TMA swizzles are functions of address bits 4..9).
@@ -686,8 +663,7 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   uint8_t* scales = stages + Cfg::kStageBytes * Cfg::kStages;                  // kScSlots scale chunks
   int32_t* warp_sums = reinterpret_cast<int32_t*>(scales + Cfg::kScBytes * Cfg::kScSlots);  // [32] scan scratch
   ExpertTile* found = reinterpret_cast<ExpertTile*>(warp_sums + 32);              // the block's expert tile
-  // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far), 32 scratch words and
-  // (kMc) kStages cluster counters (CTAs done with the slot's tiles so far; CTA 0's count for both)
+  // 2 kStages mbarriers, then kStages freed counters (warps done with the slot's tiles so far) and 32 scratch words
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(found + 1));
   uint32_t* freed = reinterpret_cast<uint32_t*>(found + 1) + 4 * Cfg::kStages;
 
@@ -697,7 +673,6 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
       mbar_init(bars + 8 * s, kActTma ? 1 : Cfg::kThreads + 1);
       mbar_init(bars + 8 * (Cfg::kStages + s), Cfg::kThreads / 32);
       freed[s] = 0u;
-      if constexpr (kMc) freed[Cfg::kStages + 32 + s] = 0u;
     }
     mbar_fence_init();  // the initialized barriers are visible to the TMA unit
     tma_prefetch_map(&maps.w);
@@ -719,9 +694,6 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int num_tiles = slots ? wg_slot_tile(a, found, tid)
                               : expert_tile_of_block<Cfg::kThreads, kMaxN, kPdl>(a, a.num_experts, blockIdx.y,
                                                                                  warp_sums, found, tid, warp, lane);
-  // kMc: both CTAs of the cluster (one token tile, two row blocks) have initialized their barriers and counters before
-  // either multicasts into the other
-  if constexpr (kMc) cluster_sync();
   if (int(blockIdx.y) >= num_tiles) {
     if (pre_wait) griddep_sync_and_release();
     if (slots && a.entry_row_out && blockIdx.x == 0 && tid == 0) a.entry_row_out[blockIdx.y] = -1;
@@ -736,11 +708,10 @@ __global__ void __launch_bounds__(WgCfg<kMaxN, kStageK>::kThreads, WgCfg<kMaxN, 
   const int rb0 = int(blockIdx.x) * per_block;
   const int items = min(per_block, row_blocks - rb0);
 
-  wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH, kPdl, kMc>(count, a, maps, stages, scales, bars,
+  wg_tile_of_width<0, kMaxN, kStageK, kActTma, kQuantH, kPdl>(count, a, maps, stages, scales, bars,
                                                          static_cast<uint32_t>(__cvta_generic_to_shared(freed)), expert,
                                                          row_begin, rows, m0, rb0, items, pre_wait);
   if (slots && a.entry_row_out && blockIdx.x == 0 && tid == 0) a.entry_row_out[row_begin] = row_begin;
-  if constexpr (kMc) cluster_sync();  // the other CTA's last atomics on this one's counters are done
 }
 
 }  // namespace megamoe::sm90

@@ -92,11 +92,11 @@ inline cudaError_t wg_encode_maps(const WgmmaGemmArgs& a, WgMaps& maps) {
   return cudaSuccess;
 }
 
-template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl, bool kMc = false>
+template <int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 inline cudaError_t wg_set_attributes() {
   static bool attr_set = false;
   if (attr_set) return cudaSuccess;
-  constexpr auto kernel = wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, kPdl, kMc>;
+  constexpr auto kernel = wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, kPdl>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WgCfg<kMaxN, kStageK>::kSmem);
   if (err == cudaSuccess)  // all of the unified L1/shared storage as shared memory (kMinBlocks blocks must fit)
@@ -106,45 +106,23 @@ inline cudaError_t wg_set_attributes() {
   return err;
 }
 
-// One instance's launch: with programmatic dependent launch (its kPdl instance, tiles 8 and 32 only: plan_pdl_launch),
-// in clusters of two row blocks of one token tile (its kMc instance, tile 128 with TMA rows: plan_cluster_pairs), or
-// normally.
+// One instance's launch: with programmatic dependent launch (its kPdl instance, tiles 8 and 32 only: plan_pdl_launch)
+// or normally.
 template <int kMaxN, int kStageK, bool kActTma, bool kQuantH>
-inline cudaError_t wg_launch(bool pdl, bool cluster, dim3 grid, cudaStream_t stream, const GroupedGemmCommon& c,
+inline cudaError_t wg_launch(bool pdl, dim3 grid, cudaStream_t stream, const GroupedGemmCommon& c,
                              const WgMaps& maps) {
   using Cfg = WgCfg<kMaxN, kStageK>;
-  if constexpr (kMaxN == kTile128 && kActTma) {
-    if (cluster) {
-      const cudaError_t err = wg_set_attributes<kMaxN, kStageK, kActTma, kQuantH, false, true>();
-      if (err != cudaSuccess) return err;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = grid;
-      cfg.blockDim = dim3(Cfg::kThreads);
-      cfg.dynamicSmemBytes = Cfg::kSmem;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 2;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      const cudaError_t lerr =
-          cudaLaunchKernelEx(&cfg, wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, false, true>, c, maps);
-      return lerr != cudaSuccess ? lerr : cudaGetLastError();
-    }
-  }
   if constexpr (kMaxN <= kTile32) {
     if (pdl) {
       const cudaError_t err = wg_set_attributes<kMaxN, kStageK, kActTma, kQuantH, true>();
       if (err != cudaSuccess) return err;
-      return pdl_launch(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, true, false>, grid, Cfg::kThreads, Cfg::kSmem,
+      return pdl_launch(wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, true>, grid, Cfg::kThreads, Cfg::kSmem,
                         stream, c, maps);
     }
   }
   const cudaError_t err = wg_set_attributes<kMaxN, kStageK, kActTma, kQuantH, false>();
   if (err != cudaSuccess) return err;
-  wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, false, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
+  wg_gemm_kernel<kMaxN, kStageK, kActTma, kQuantH, false><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(c, maps);
   return cudaGetLastError();
 }
 
@@ -178,13 +156,12 @@ inline cudaError_t launch_wg_gemm_k(const WgmmaGemmArgs& a, cudaStream_t stream)
   const GroupedGemmCommon& c = a;  // what the kernel reads (the rest of WgmmaGemmArgs chose it and its grid)
   // the slots are read by the kPdl instances only (tiles 8 and 32: wgmma_gemm_args_error)
   const bool pdl = slots || plan_pdl_launch(kMaxN, tiles_bound * gx, sm);
-  const bool cluster = plan_cluster_pairs(kMaxN, act_tma, gx);
   if (quant) {
-    if constexpr (kQuantOk) return wg_launch<kMaxN, kStageK, true, true>(pdl, cluster, grid, stream, c, maps);
+    if constexpr (kQuantOk) return wg_launch<kMaxN, kStageK, true, true>(pdl, grid, stream, c, maps);
   } else if (act_tma) {
-    return wg_launch<kMaxN, kStageK, true, false>(pdl, cluster, grid, stream, c, maps);
+    return wg_launch<kMaxN, kStageK, true, false>(pdl, grid, stream, c, maps);
   } else if constexpr (!kTmaOnly) {
-    return wg_launch<kMaxN, kStageK, false, false>(pdl, false, grid, stream, c, maps);
+    return wg_launch<kMaxN, kStageK, false, false>(pdl, grid, stream, c, maps);
   }
   return cudaErrorInvalidValue;  // (not reached: the rules above and the plan leave no other case)
 }

@@ -404,62 +404,6 @@ int main() {
                                              plan_pdl_launch(megamoe::sm90::kTile128, 1, 132), false);
   }
 
-  {
-    // wg_tile_tokens: an expert's tiles in tiles 64 and 128 hold about as many tokens each. For every row count up to
-    // 5000 the tiles cover the rows once, hold 1 .. tile tokens each, keep the count ceil(rows / tile) (the grid's),
-    // and their wgmma widths (WgCfg::width: the narrowest that holds the tile) add up to no more than those of
-    // full tiles followed by the rest.
-    using megamoe::sm90::wg_tile_tokens;
-    auto width = [](int tile, int count) {
-      const int t128[] = {32, 48, 64, 80, 96, 112, 128}, t64[] = {8, 16, 32, 40, 48, 56, 64};
-      for (int i = 0; i < 7; ++i) {
-        const int w = tile == 128 ? t128[i] : t64[i];
-        if (w >= count) return w;
-      }
-      return 1 << 30;
-    };
-    int broken = 0;
-    for (int tile : {64, 128}) {
-      for (int rows = 1; rows <= 5000; ++rows) {
-        const int per = wg_tile_tokens(tile, rows), tiles = (rows + tile - 1) / tile;
-        int covered = 0, even_cols = 0, full_cols = 0;
-        bool ok = per % (tile == 128 ? 16 : 8) == 0 && per <= tile;
-        for (int i = 0; i < tiles; ++i) {
-          const int m0 = i * per, end = rows < m0 + per ? rows : m0 + per, count = end - m0;
-          ok = ok && count >= 1 && count <= tile;
-          covered += count;
-          even_cols += width(tile, count);
-          full_cols += width(tile, rows - i * tile < tile ? rows - i * tile : tile);
-        }
-        if (!ok || covered != rows || even_cols > full_cols) {
-          if (broken++ < 5) std::printf("FAIL even tiles: tile %d, %d rows (%d per tile)\n", tile, rows, per);
-        }
-      }
-    }
-    ++checks;
-    failures += broken != 0;
-    auto expect = [](const char* what, int got, int want) {
-      ++checks;
-      if (got != want) {
-        std::printf("FAIL %s: %d, expected %d\n", what, got, want);
-        ++failures;
-      }
-    };
-    expect("192 rows in tile 128: 96 + 96", wg_tile_tokens(128, 192), 96);
-    expect("129 rows in tile 128: 80 + 49", wg_tile_tokens(128, 129), 80);
-    expect("one tile of 128 keeps its rows' width step", wg_tile_tokens(128, 100), 112);
-    expect("81 rows in tile 64: 48 + 33", wg_tile_tokens(64, 81), 48);
-    expect("tile 32 fills its tiles", wg_tile_tokens(32, 40), 32);
-    expect("tile 8 fills its tiles", wg_tile_tokens(8, 9), 8);
-    // clusters of two row blocks: tile 128 with TMA rows and an even grid.x only
-    using megamoe::sm90::plan_cluster_pairs;
-    expect("clusters: v4-flash gemm1, 16 row blocks", plan_cluster_pairs(128, true, 16), 1);
-    expect("clusters: v3 gemm2, 28 row blocks", plan_cluster_pairs(128, true, 28), 1);
-    expect("no clusters: odd row blocks", plan_cluster_pairs(128, true, 15), 0);
-    expect("no clusters: copied rows", plan_cluster_pairs(128, false, 16), 0);
-    expect("no clusters: tile 64", plan_cluster_pairs(64, true, 16), 0);
-  }
-
   std::printf("sm90 grouped-GEMM arguments: %d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

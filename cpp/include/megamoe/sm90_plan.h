@@ -40,18 +40,6 @@ constexpr int64_t wg_tiles_bound(int tile, int64_t rows, int64_t experts) {
   const int64_t t = (rows + tile - 1) / tile + experts;
   return t < rows ? t : rows;
 }
-// Tokens per tile of an expert of `rows` rows (rows > 0) in a wgmma kernel of token tile `tile`: tiles 64 and 128 split
-// the expert's ceil(rows / tile) tiles evenly, each rounded up to the tile's width step (WgCfg::width: 8 in tile 64,
-// 16 in tile 128), so that 192 rows run as 96 + 96 rather than 128 + 64 (the same tile count, no tile narrower than
-// it must be); tiles 8 and 32 fill each tile in turn. Tile i of the expert holds tokens [i * per, min(rows, (i + 1) *
-// per)), and every tile holds one token at least: (tiles - 1) * per <= (tiles - 1) * tile < rows.
-constexpr int wg_tile_tokens(int tile, int rows) {
-  if (tile != kTile64 && tile != kTile128) return tile;
-  const int step = tile == kTile128 ? 16 : 8;
-  const int tiles = (rows + tile - 1) / tile;
-  const int per = (rows + tiles - 1) / tiles;
-  return (per + step - 1) / step * step;
-}
 // A tile-32 GEMM (no quantizing epilogue) runs on one-token blocks (kTile8) where all of their grid is resident at
 // once and it puts fewer weight bytes on the busiest SM: units8 blocks of 64 rows (tiles of 8 x row blocks of 64
 // rows) against blocks32 of 128 rows (unpaired). At one token, where every SM holds one or two of tile 32's blocks,
@@ -69,13 +57,6 @@ constexpr bool plan_tile8(int64_t units8, int64_t blocks32, int sm_count) {
 // v3 at T = 2048 3% slower.
 constexpr bool plan_pdl_launch(int tile, int64_t blocks, int sm_count) {
   return tile <= kTile32 && wg_one_wave(tile, blocks, sm_count);
-}
-
-// Tile 128 with TMA rows runs in clusters of two blocks, two row blocks of one token tile (an even number of row
-// blocks, grid.x): each CTA loads its own weights and the activation box of a stage is loaded once and multicast into
-// both CTAs' shared memory, which halves the activation bytes read from L2 (at T = 8192 two thirds of a block's).
-constexpr bool plan_cluster_pairs(int tile, bool act_tma, int64_t grid_x) {
-  return tile == kTile128 && act_tma && grid_x % 2 == 0;
 }
 
 // From this many tokens the per-slot gemm1 input is written in token order (each row of x read once and stored into
