@@ -12,6 +12,11 @@ bytes per second and the share of cycles DRAM was active, the tensor pipe's and 
 warps per scheduler, the L2 hit rate, the L2, L1, memory and SM throughput as shares of their peaks (where this ncu
 reports them), the launch (grid, registers, shared memory, waves) and the stall reasons per issued instruction,
 largest first; it prints a table and writes bench/results/gemm_counters_<gpu>.json.
+
+``--sources`` also profiles each GEMM kernel once more with ncu's SourceCounters section and sums its warp stall
+samples per SASS instruction by what the instruction does (``stall_samples``: the wgmma drain, wgmma issue, waits on
+the stage ring's full barriers, bf16x2 math, shared and global memory, block barriers, the rest), with the
+instructions that hold the most samples and their stall reasons: where the warps of a kernel wait, not only why.
 """
 from __future__ import annotations
 
@@ -56,6 +61,19 @@ OPTIONAL_METRICS = {
 }
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
+# --sources: SASS instructions by what they do (the first class whose opcode prefix matches; the branch right after a
+# full-barrier try-wait, its retry loop, counts with it); the rest is "other" (integer decode, addressing, control).
+SAMPLE_CLASSES = (
+    ("wgmma drain", ("WARPGROUP.DEPBAR",)),
+    ("wgmma", ("HGMMA",)),
+    ("full-barrier wait", ("SYNCS.PHASECHK",)),
+    ("bf16x2 math", ("HMUL2", "HFMA2", "HADD2")),
+    ("shared memory", ("LDS", "STS", "ATOMS", "LDSM")),
+    ("global memory", ("LDG", "STG", "RED", "ATOMG", "UTMALDG", "UBLKCP")),
+    ("block barrier", ("BAR",)),
+)
+SOURCE_SAMPLES = "Warp Stall Sampling (All Samples)"
+TOP_INSTRUCTIONS = 8
 
 
 def parse_shape(spec: str) -> tuple[str, int, str]:
@@ -112,6 +130,66 @@ def summarize(raw_csv: str) -> list[dict]:
                     stalls[name[len(STALL_PREFIX):-len(STALL_SUFFIX)]] = round(v, 3)
         k["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
         out.append(k)
+    return out
+
+
+def _opcode(sass: str) -> str:
+    """The opcode of one SASS line ('@!P0  BRA 0x7f..' -> 'BRA', 'WARPGROUP.DEPBAR.LE gsb0, 0x0' -> 'WARPGROUP.DEPBAR.LE')."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def _sample_class(op: str) -> str:
+    for name, prefixes in SAMPLE_CLASSES:
+        if any(op == p or op.startswith(p + ".") for p in prefixes):
+            return name
+    return "other"
+
+
+def summarize_sources(source_csv: str) -> list[dict]:
+    """One dict per kernel from ``ncu --import REP --page source --csv --print-source sass`` (a 'Kernel Name' line,
+    then a header line and one line per instruction): the total of warp stall samples, their shares by
+    SAMPLE_CLASSES (``by_class_pct``, largest first) and the TOP_INSTRUCTIONS instructions that hold the most, each with
+    its share and its three largest stall reasons (shares of its own samples)."""
+    kernels, header = [], None
+    for r in csv.reader(io.StringIO(source_csv)):
+        if r and r[0] == "Kernel Name":
+            kernels.append({"kernel": r[1] if len(r) > 1 else "?", "rows": []})
+            header = None
+        elif kernels and header is None:
+            header = r
+            if "Source" not in r or SOURCE_SAMPLES not in r:
+                raise ValueError(f"ncu's source page lacks 'Source' or {SOURCE_SAMPLES!r}: run it with SourceCounters "
+                                 "and --print-source sass")
+        elif kernels and len(r) == len(header):
+            kernels[-1]["rows"].append(dict(zip(header, r)))
+    out = []
+    for k in kernels:
+        rows = k["rows"]
+        samples = [_number(r[SOURCE_SAMPLES]) or 0.0 for r in rows]
+        total = sum(samples)
+        by_class: dict[str, float] = {}
+        prev = ""
+        for r, n in zip(rows, samples):
+            op = _opcode(r["Source"])
+            cls = "full-barrier wait" if op == "BRA" and prev.startswith("SYNCS.PHASECHK") else _sample_class(op)
+            by_class[cls] = by_class.get(cls, 0.0) + n
+            prev = op
+        top = []
+        for i in sorted(range(len(rows)), key=lambda i: -samples[i])[:TOP_INSTRUCTIONS]:
+            if samples[i] <= 0:
+                break
+            reasons = {c[len("stall_"):]: _number(v) or 0.0 for c, v in rows[i].items()
+                       if c.startswith("stall_") and "(" not in c}
+            best = sorted(((n, v) for n, v in reasons.items() if v > 0), key=lambda nv: -nv[1])[:3]
+            top.append({"sass": " ".join(rows[i]["Source"].split()), "pct": round(100 * samples[i] / total, 2),
+                        "reasons_pct": {n: round(100 * v / samples[i], 1) for n, v in best}})
+        out.append({"kernel": k["kernel"], "samples": int(total),
+                    "by_class_pct": {c: round(100 * v / total, 2) for c, v in
+                                     sorted(by_class.items(), key=lambda cv: -cv[1])} if total else {},
+                    "top": top})
     return out
 
 
@@ -177,6 +255,32 @@ def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]
     return kernels
 
 
+def profile_sources(ncu: str, shape: tuple[str, int, str], launches: int, timeout: float) -> list[dict]:
+    """stall_samples of each of the shape's first `launches` GEMM kernels: one ncu run each (SourceCounters)."""
+    spec = ":".join(map(str, shape))
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(launches):
+            rep = os.path.join(tmp, f"src{i}")
+            cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX,
+                   "--launch-skip", str(i), "--launch-count", "1", "--section", "SourceCounters", "-f", "-o", rep,
+                   sys.executable, os.path.abspath(__file__), "--forward", spec]
+            try:
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"ncu --section SourceCounters on {spec} ran past --timeout {timeout:g} s") from None
+            if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
+                raise RuntimeError(f"ncu --section SourceCounters on {spec} failed ({run.returncode}):\n"
+                                   f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
+            page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source",
+                                   "sass"], capture_output=True, text=True, check=True).stdout
+            found = summarize_sources(page)
+            if len(found) != 1:
+                raise RuntimeError(f"ncu's source page of {spec}, GEMM launch {i}: {len(found)} kernels, expected 1")
+            out.append(found[0])
+    return out
+
+
 def _cell(v, width: int, digits: int) -> str:
     return f"{v:{width}.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>{width}s}"
 
@@ -191,6 +295,9 @@ def table(kernels: list[dict]) -> str:
                      f"{_cell(k['duration_us'], 8, 1)} {_cell(k['sm_clock_ghz'], 5, 2)} {_cell(k['dram_tbps'], 9, 2)} "
                      f"{_cell(k['tensor_active_pct'], 7, 1)} {_cell(k['issue_active_pct'], 6, 1)} "
                      f"{_cell(k.get('l2_throughput_pct'), 5, 1)} {_cell(k.get('l1_throughput_pct'), 5, 1)}  {stalls}")
+        if k.get("stall_samples"):
+            shares = ", ".join(f"{c} {v:.1f}%" for c, v in k["stall_samples"]["by_class_pct"].items())
+            lines.append(f"{'':22s} stall samples: {shares}")
     return "\n".join(lines)
 
 
@@ -201,6 +308,9 @@ def main(argv=None) -> int:
                    metavar="PRESET:T[:MODE]", help=f"shapes to profile (default: {' '.join(DEFAULT_SHAPES)})")
     p.add_argument("--out", help="JSON path (default: bench/results/gemm_counters_<gpu>.json)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per shape's ncu run (default 300)")
+    p.add_argument("--sources", action="store_true",
+                   help="also sum each GEMM kernel's warp stall samples per SASS instruction (one more ncu run per "
+                        "kernel, SourceCounters): stall_samples in the JSON, one line per kernel in the table")
     p.add_argument("--forward", nargs="+", type=parse_shape, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.forward:
@@ -222,7 +332,12 @@ def main(argv=None) -> int:
     for i, shape in enumerate(args.shapes, 1):
         print(f"[{i}/{len(args.shapes)}] ncu on {':'.join(map(str, shape))} ...", flush=True)
         try:
-            kernels += profile(ncu, shape, args.timeout)
+            found = profile(ncu, shape, args.timeout)
+            if args.sources:
+                print(f"      stall samples per instruction of {len(found)} kernels ...", flush=True)
+                for k, src in zip(found, profile_sources(ncu, shape, len(found), args.timeout)):
+                    k["stall_samples"] = src
+            kernels += found
         except RuntimeError as e:
             raise SystemExit(f"gemm_counters: {e}") from None
     ncu_version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
@@ -235,7 +350,9 @@ def main(argv=None) -> int:
         "device": device,
         "versions": {**mb.versions(), "ncu": ncu_version[-1] if ncu_version else "?"},
         "method": "ncu --clock-control none, sections " + ", ".join(SECTIONS) + "; each GEMM kernel of one eager "
-                  "forward (after three warm-up forwards) profiled alone, replayed per pass",
+                  "forward (after three warm-up forwards) profiled alone, replayed per pass"
+                  + ("; stall_samples: SourceCounters in one more run per kernel, samples per SASS instruction summed "
+                     "by SAMPLE_CLASSES" if args.sources else ""),
         "kernels": kernels,
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -486,3 +486,51 @@ def test_counters_table_prints_a_dash_for_a_missing_figure(counters):
     assert row.startswith("v4-flash:1:w4a16") and "wg_gemm_kernel<8, 256, 0, 0, 1>" in row
     assert "28.4" in row and "    -" in row and "long_scoreboard 2.04, wait 0.99" in row
     assert " 64.2     -  long_scoreboard" in row  # L2% given, L1% absent (a record from before it was read)
+
+
+def _source_csv(rows, samples_column="Warp Stall Sampling (All Samples)"):
+    """An ncu source page (--print-source sass) of one kernel: 'Kernel Name', the header, one line per instruction
+    (address, SASS, samples, and two stall reasons as the page itemizes them)."""
+    head = ["Address", "Source", samples_column, "# Samples", "stall_barrier", "stall_long_sb",
+            "stall_barrier (Not Issued)"]
+    lines = [["Kernel Name", "void wg_gemm_kernel<128, 128, 1, 0, 0>(GroupedGemmCommon, WgMaps)"], head]
+    lines += [[f"0x{16 * i:x}", sass, str(n), str(n), str(b), str(l), "0"] for i, (sass, n, b, l) in enumerate(rows)]
+    lines.append(["0x999", "a truncated line"])
+    return "\n".join(",".join(f'"{c}"' for c in line) for line in lines) + "\n"
+
+
+def test_counters_stall_samples_by_instruction_class(counters):
+    rows = [("      LDC R1, c[0x0][0x28]", 10, 0, 0),
+            ("      SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R6", 2, 0, 0),
+            ("@!P0  BRA 0x7fe237a90740", 30, 0, 29),            # the try-wait's retry: a full-barrier wait
+            ("      WARPGROUP.DEPBAR.LE gsb0, 0x0", 40, 39, 0),
+            ("      HGMMA.64x96x16.F32.BF16 R24, R72, gdesc[UR8], R24", 10, 0, 0),
+            ("      HMUL2.BF16_V2 R93, R93, R6", 5, 0, 0),
+            ("      LDS.64 R4, [R2]", 3, 0, 0),
+            ("@P1   BRA 0x40", 0, 0, 0)]                         # a branch elsewhere: other (no samples here)
+    [k] = counters.summarize_sources(_source_csv(rows))
+    assert k["samples"] == 100
+    assert k["by_class_pct"] == {"wgmma drain": 40.0, "full-barrier wait": 32.0, "other": 10.0, "wgmma": 10.0,
+                                 "bf16x2 math": 5.0, "shared memory": 3.0}
+    assert list(k["by_class_pct"])[:2] == ["wgmma drain", "full-barrier wait"]  # largest first
+    assert [t["sass"] for t in k["top"][:2]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@!P0 BRA 0x7fe237a90740"]
+    assert k["top"][0]["pct"] == 40.0 and k["top"][0]["reasons_pct"] == {"barrier": 97.5}
+    assert k["top"][1]["reasons_pct"] == {"long_sb": 96.7}
+    assert len(k["top"]) == 7  # instructions without samples are not listed
+    assert counters._sample_class("BAR.SYNC.DEFER_BLOCKING") == "block barrier"
+    assert counters._sample_class("BRA") == "other" and counters._sample_class("LDSM.16.M88.4") == "shared memory"
+
+
+def test_counters_source_page_without_samples_is_refused(counters):
+    with pytest.raises(ValueError, match="SourceCounters"):
+        counters.summarize_sources(_source_csv([("NOP", 1, 0, 0)], samples_column="Instructions Executed"))
+    assert counters.summarize_sources("") == []
+
+
+def test_counters_table_prints_the_stall_sample_classes(counters):
+    k = {"kernel": "void wg_gemm_kernel<128, 128, 1, 0, 0>(GroupedGemmCommon, WgMaps)", "preset": "v4-flash",
+         "T": 8192, "mode": "w4a16", "duration_us": 2655.2, "sm_clock_ghz": 1.72, "dram_tbps": 1.15,
+         "tensor_active_pct": 70.3, "issue_active_pct": 44.1, "stalls_per_issue": {"barrier": 1.74},
+         "stall_samples": {"samples": 100, "by_class_pct": {"wgmma drain": 18.8, "other": 49.1}, "top": []}}
+    lines = counters.table([k]).splitlines()
+    assert len(lines) == 3 and lines[2].strip() == "stall samples: wgmma drain 18.8%, other 49.1%"
