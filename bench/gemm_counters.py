@@ -134,7 +134,7 @@ def summarize(raw_csv: str) -> list[dict]:
 
 
 def _opcode(sass: str) -> str:
-    """The opcode of one SASS line ('@!P0  BRA 0x7f..' -> 'BRA', 'WARPGROUP.DEPBAR.LE gsb0, 0x0' -> 'WARPGROUP.DEPBAR.LE')."""
+    """The opcode of one SASS line: '@!P0  BRA 0x7f..' -> 'BRA', 'WARPGROUP.DEPBAR.LE gsb0, 0x0' -> its first word."""
     words = sass.split()
     if words and words[0].startswith("@"):
         words = words[1:]
