@@ -234,6 +234,15 @@ def find_ncu() -> str:
     raise SystemExit("gemm_counters: ncu (Nsight Compute) not found on PATH or in /usr/local/cuda/bin")
 
 
+def _import_page(ncu: str, rep: str, page: str, *extra: str) -> str:
+    """One page of a report as CSV (``ncu --import REP.ncu-rep --page PAGE --csv``); RuntimeError when ncu fails."""
+    run = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", page, "--csv", *extra], capture_output=True,
+                         text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"ncu --import --page {page} failed ({run.returncode}): {run.stderr[-1000:]}")
+    return run.stdout
+
+
 def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]:
     spec = ":".join(map(str, shape))
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,8 +256,7 @@ def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]
             raise RuntimeError(f"ncu on {spec} ran past --timeout {timeout:g} s") from None
         if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
             raise RuntimeError(f"ncu on {spec} failed ({run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
-        raw = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "raw", "--csv"], capture_output=True,
-                             text=True, check=True).stdout
+        raw = _import_page(ncu, rep, "raw")
     kernels = summarize(raw)
     for k in kernels:
         k.update(preset=shape[0], T=shape[1], mode=shape[2])
@@ -272,8 +280,7 @@ def profile_sources(ncu: str, shape: tuple[str, int, str], launches: int, timeou
             if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
                 raise RuntimeError(f"ncu --section SourceCounters on {spec} failed ({run.returncode}):\n"
                                    f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
-            page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source",
-                                   "sass"], capture_output=True, text=True, check=True).stdout
+            page = _import_page(ncu, rep, "source", "--print-source", "sass")
             found = summarize_sources(page)
             if len(found) != 1:
                 raise RuntimeError(f"ncu's source page of {spec}, GEMM launch {i}: {len(found)} kernels, expected 1")

@@ -534,3 +534,11 @@ def test_counters_table_prints_the_stall_sample_classes(counters):
          "stall_samples": {"samples": 100, "by_class_pct": {"wgmma drain": 18.8, "other": 49.1}, "top": []}}
     lines = counters.table([k]).splitlines()
     assert len(lines) == 3 and lines[2].strip() == "stall samples: wgmma drain 18.8%, other 49.1%"
+
+
+def test_counters_a_failed_page_import_is_one_runtime_error(counters, tmp_path):
+    ncu = tmp_path / "ncu"
+    ncu.write_text("#!/bin/sh\necho 'cannot read report' >&2\nexit 3\n")
+    ncu.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"--page source failed \(3\): cannot read report"):
+        counters._import_page(str(ncu), str(tmp_path / "rep"), "source", "--print-source", "sass")
