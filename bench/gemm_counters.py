@@ -243,19 +243,24 @@ def _import_page(ncu: str, rep: str, page: str, *extra: str) -> str:
     return run.stdout
 
 
+def _record(ncu: str, rep: str, spec: str, options: list[str], label: str, timeout: float) -> None:
+    """Run ncu with `options` (sections, launch filters) on this script's ``--forward spec`` child, the GEMM kernels of
+    its profiled forward, into REP.ncu-rep; RuntimeError (naming `label`) when it times out, fails or writes none."""
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX, *options,
+           "-f", "-o", rep, sys.executable, os.path.abspath(__file__), "--forward", spec]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{label} on {spec} ran past --timeout {timeout:g} s") from None
+    if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
+        raise RuntimeError(f"{label} on {spec} failed ({run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+
+
 def profile(ncu: str, shape: tuple[str, int, str], timeout: float) -> list[dict]:
     spec = ":".join(map(str, shape))
     with tempfile.TemporaryDirectory() as tmp:
         rep = os.path.join(tmp, "gemms")
-        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX,
-               *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
-               sys.executable, os.path.abspath(__file__), "--forward", spec]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"ncu on {spec} ran past --timeout {timeout:g} s") from None
-        if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
-            raise RuntimeError(f"ncu on {spec} failed ({run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}")
+        _record(ncu, rep, spec, [a for s in SECTIONS for a in ("--section", s)], "ncu", timeout)
         raw = _import_page(ncu, rep, "raw")
     kernels = summarize(raw)
     for k in kernels:
@@ -270,16 +275,8 @@ def profile_sources(ncu: str, shape: tuple[str, int, str], launches: int, timeou
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(launches):
             rep = os.path.join(tmp, f"src{i}")
-            cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL_REGEX,
-                   "--launch-skip", str(i), "--launch-count", "1", "--section", "SourceCounters", "-f", "-o", rep,
-                   sys.executable, os.path.abspath(__file__), "--forward", spec]
-            try:
-                run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"ncu --section SourceCounters on {spec} ran past --timeout {timeout:g} s") from None
-            if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
-                raise RuntimeError(f"ncu --section SourceCounters on {spec} failed ({run.returncode}):\n"
-                                   f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
+            _record(ncu, rep, spec, ["--launch-skip", str(i), "--launch-count", "1", "--section", "SourceCounters"],
+                    "ncu --section SourceCounters", timeout)
             page = _import_page(ncu, rep, "source", "--print-source", "sass")
             found = summarize_sources(page)
             if len(found) != 1:

@@ -542,3 +542,13 @@ def test_counters_a_failed_page_import_is_one_runtime_error(counters, tmp_path):
     ncu.chmod(0o755)
     with pytest.raises(RuntimeError, match=r"--page source failed \(3\): cannot read report"):
         counters._import_page(str(ncu), str(tmp_path / "rep"), "source", "--print-source", "sass")
+
+
+def test_counters_a_failed_ncu_run_names_its_label_and_shape(counters, tmp_path):
+    ncu = tmp_path / "ncu"
+    ncu.write_text("#!/bin/sh\necho \"args: $*\"\nexit 2\n")
+    ncu.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"ncu --section SourceCounters on v3:8:w4a16 failed \(2\)") as e:
+        counters._record(str(ncu), str(tmp_path / "rep"), "v3:8:w4a16", ["--launch-skip", "1"],
+                         "ncu --section SourceCounters", 30)
+    assert "--kernel-name regex:(wg_gemm|stream_gemm) --launch-skip 1 -f -o" in str(e.value)
