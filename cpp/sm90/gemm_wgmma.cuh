@@ -107,7 +107,6 @@ struct WgCfg {
                                4 * 32 /*atomic scratch*/;
   static_assert(kMinBlocks * (kSmem + 1024) <= 228 * 1024, "kMinBlocks blocks per SM must fit in shared memory");
   static_assert(kStageBytes * kStages >= kMaxN * (kRows / 2 + 4) * 4, "the ring holds a tile of h (wg_epilogue_h_nvfp4)");
-  static_assert(kStageBytes * kStages >= kMaxN * (kRows * 2 + 16), "the ring holds a tile of bf16 out (wg_epilogue_store_staged)");
   // TMA swizzle of the weight rows (kKS / 2 bytes): 16-byte chunk q of row r is stored at chunk q ^ wswz(r), so
   // that the 8 rows a warp reads (8 bytes per lane, 32 bytes per row) fall on distinct bank groups.
   static constexpr CUtensorMapSwizzle kWSwizzle = kKS == 256   ? CU_TENSOR_MAP_SWIZZLE_128B
@@ -339,87 +338,6 @@ __device__ __forceinline__ void wg_epilogue(const GroupedGemmCommon& a, const fl
   }
 }
 
-// The kStore epilogue with a bf16 out through shared memory (wg_store_staged: tiles 64 and 128, a row block's last
-// item): the block's tile of out (its kRows columns x the tile's tokens) goes into the stage ring as token rows of
-// kRows bf16 and 16 bytes of padding (the 8 rows of an 8x8 matrix fall on distinct banks), each warp's values by
-// stmatrix .trans (its fragment of 16 weight rows x 8 tokens is, transposed, 8 token rows of 8 consecutive columns:
-// one instruction per 4 such matrices), then the block copies whole token rows out in 16-byte chunks, a warp per 512
-// bytes of a row. The values are the ones wg_epilogue stores (the same scaled, add_bias and round to nearest even),
-// so every plan writes the same bits. The direct stores write 2 bytes per instruction into 4 token rows at once.
-// Every thread of the block comes here (the barriers); tokens past `rows` and columns past N are not copied.
-template <int kMaxN>
-__host__ __device__ constexpr int wg_out_pitch() { return WgCfg<kMaxN>::kRows * 2 + 16; }
-__device__ __forceinline__ bool wg_store_staged(const GroupedGemmCommon& a, bool silu_mul, int64_t Nw) {
-  return !silu_mul && a.out_bf16 != nullptr && Nw % 8 == 0 && (reinterpret_cast<uintptr_t>(a.out_bf16) & 15u) == 0;
-}
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(r0), "r"(r1)
-               : "memory");
-}
-template <int N, int kMaxN>
-__device__ __forceinline__ void wg_epilogue_store_staged(const GroupedGemmCommon& a, const float (&acc)[N / 2],
-                                                         uint8_t* tile, int64_t Nw, int expert, int row_begin,
-                                                         int rows, int m0, int rb, int wg, int wq, int g, int tig) {
-  using Cfg = WgCfg<kMaxN>;
-  constexpr int kPitch = wg_out_pitch<kMaxN>(), kChunks = Cfg::kRows / 8;  // 16-byte chunks per token row
-  static_assert(N % 8 == 0 && kChunks == 32, "a warp per 512-byte token row");
-  float alpha0, alpha1;
-  epilogue_alphas(a, expert, false, alpha0, alpha1);
-  const float* bias = expert_bias(a, expert);
-  const int c0 = wg * 64 + wq * 16;  // the warp's first column in the block
-  const int64_t n0 = int64_t(rb) * Cfg::kRows + c0 + g;
-  const int t0 = m0 + 2 * tig;
-  const float* rsp = a.a_row_scale ? a.a_row_scale + row_begin + t0 : nullptr;
-  // the packed values of 8x8 matrix (j, h): tokens 8j + 2tig, + 1 of column c0 + 8h + g
-  auto packed = [&](int j, int h) {
-    float v[2];
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const float rs = rsp && t0 + 8 * j + t < rows ? rsp[8 * j + t] : 1.0f;
-      // (a column past N reads no bias and is not copied)
-      v[t] = add_bias(scaled(acc[4 * j + 2 * h + t], alpha0, rs), n0 + 8 * h < Nw ? bias : nullptr, n0 + 8 * h);
-    }
-    return bf16x2_bits(v[0], v[1]);
-  };
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
-  const int lane = threadIdx.x & 31, q = lane >> 3, r = lane & 7;
-  // lane's row address in stmatrix .x4 of matrices (j, 0), (j, 1), (j + 1, 0), (j + 1, 1): matrix q, stored row r
-  const uint32_t addr4 = base + uint32_t((8 * (q >> 1) + r) * kPitch + (c0 + 8 * (q & 1)) * 2);
-  __syncthreads();  // every warp's wgmmas drained: the ring is free
-#pragma unroll
-  for (int j = 0; j + 1 < N / 8; j += 2)
-    stmatrix_x4_trans(addr4 + uint32_t(8 * j * kPitch), packed(j, 0), packed(j, 1), packed(j + 1, 0),
-                      packed(j + 1, 1));
-  if constexpr ((N / 8) % 2 == 1) {
-    constexpr int j = N / 8 - 1;
-    stmatrix_x2_trans(addr4 + uint32_t(8 * j * kPitch), packed(j, 0), packed(j, 1));
-  }
-  __syncthreads();
-  const int count = min(rows - m0, N);
-  const int64_t col_base = int64_t(rb) * Cfg::kRows;
-  const int cols = int(min(int64_t(Cfg::kRows), Nw - col_base));  // a multiple of 8 (wg_store_staged)
-  uint16_t* out = a.out_bf16 + (int64_t(row_begin) + m0) * Nw + col_base;
-  for (int k = threadIdx.x; k < count * kChunks; k += Cfg::kThreads) {
-    const int i = k / kChunks, c = k % kChunks;
-    if (8 * c >= cols) continue;
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(base + uint32_t(i * kPitch + 16 * c)));
-    *reinterpret_cast<uint4*>(out + int64_t(i) * Nw + 8 * c) = v;
-  }
-}
-
 // Main loop and epilogue of one block for token tiles of width N (<= kMaxN); kQuantH: the kSiluMul epilogue quantizes
 // h (wg_epilogue_h_nvfp4; its own instantiation, so that the other kernels keep their registers); kActTma: the activation rows
 // are contiguous (grouped row r of the tile = act row row_begin + m0 + r) and come by TMA.
@@ -427,7 +345,7 @@ __device__ __forceinline__ void wg_epilogue_store_staged(const GroupedGemmCommon
 // with one ring of stages through all of them: stage gk of the block is k-tile gk % num_k_tiles of row block
 // rb0 + gk / num_k_tiles, so the copies of the second row block's first stages are issued during the first's last
 // stages and land while its epilogue runs; one block launch, scan and first wait per pair saved (docs/PERFORMANCE.md).
-// The epilogue of a row block writes global memory, or (wg_store_staged) goes through the ring after the last item.
+// The epilogue of each row block writes global memory only.
 template <int N, int kMaxN, int kStageK, bool kActTma, bool kQuantH, bool kPdl>
 __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps& maps, uint8_t* stages,
                                         uint8_t* scales, uint32_t bars, uint32_t freed,
@@ -689,14 +607,7 @@ __device__ __forceinline__ void wg_tile(const GroupedGemmCommon& a, const WgMaps
       wg_epilogue_h_nvfp4<N, kMaxN>(a, acc, reinterpret_cast<float*>(stages), I, expert, row_begin, rows, m0, rb0, wg,
                                     wq, g, tig);
     } else {
-      bool staged = false;
-      if constexpr (kMaxN == kTile64 || kMaxN == kTile128) {
-        staged = wg_store_staged(a, silu_mul, Nw) && it + 1 == n_items;
-        if (staged)
-          wg_epilogue_store_staged<N, kMaxN>(a, acc, stages, Nw, expert, row_begin, rows, m0, rb0 + it, wg, wq, g,
-                                             tig);
-      }
-      if (!staged) wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, rb0 + it, wg, wq, g, tig);
+      wg_epilogue<N, kMaxN>(a, acc, silu_mul, Nw, I, expert, row_begin, rows, m0, rb0 + it, wg, wq, g, tig);
       if (kMaxItems > 1) {
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
